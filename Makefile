@@ -1,0 +1,35 @@
+# One-command set-up: `make demo` trains the main job, `make test` runs the tests.
+# Both create .venv and install lipdp with what it needs when missing.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/fashion_mnist.yaml
+
+.PHONY: demo test data bench check-python clean
+
+check-python:
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; \
+	  sys.exit(0) if (3, 9) <= v <= (3, 11) else sys.exit( \
+	  "lipdp needs Python 3.9-3.11 (TensorFlow 2.15 / deel-lip 1.5); found %d.%d at %s. " \
+	  "Install python3.11 or run: make PYTHON=/path/to/python3.11 ..." % (v + (sys.executable,)))'
+
+$(STAMP): setup.cfg pyproject.toml | check-python
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(VENV)/bin/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+data: $(STAMP)
+	@$(VENV)/bin/python -m lipdp.data fashion_mnist || bash scripts/install_fashion_mnist.sh
+
+demo: data
+	$(VENV)/bin/lipdp train $(CONFIG)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,157 @@
+"""RKO convolution with analytic gradient bounds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+from deel.lip.layers.convolutional import _compute_conv_lip_factor
+from deel.lip.normalizers import reshaped_kernel_orthogonalization
+
+from lipdp.layers._projection import BUILD_MAXITER_SPECTRAL
+from lipdp.layers.base import DPLayer, check_no_activation
+from lipdp.layers.dense import _projection_config
+from lipdp.operator_norms import conv_operator_norm_upper
+
+
+def patch_multiplicity(kernel_size, strides):
+    """Max number of convolution windows that contain one input pixel.
+
+    Along an axis with window k and stride t, windows start every t pixels, so a
+    pixel lies in at most ceil(k / t) of them (zero padding only removes windows).
+    """
+    return int(np.prod([math.ceil(k / t) for k, t in zip(kernel_size, strides)]))
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_QuickSpectralConv2D(tf.keras.layers.Conv2D, DPLayer):
+    """2D convolution ``y = conv(x, N * Psi) + b`` with an RKO-projected variable Psi.
+
+    The trainable variable ``Psi`` (shape ``(kh, kw, C, F)``) is kept, after every
+    step, with its ``(kh kw C) x F`` reshaping orthonormalised by deel-lip's RKO
+    projection (cached power iteration + Björck). ``call`` multiplies it by the
+    constant ``N`` of deel-lip (`_compute_conv_lip_factor`, ~ 1/sqrt(kh kw)) so
+    that the operator is approximately 1-Lipschitz.
+
+    Bounds (``m = ceil(kh/sh) ceil(kw/sw)``, the most windows a pixel belongs to;
+    ``P`` the number of output pixels; ``S`` a certified upper bound of the
+    operator norm of ``x -> conv(x, N Psi)`` recomputed from the current weights,
+    `lipdp.operator_norms.conv_operator_norm_upper`):
+
+    - kernel: ``d<g, y>/dPsi = N sum_p patch_p(x) g_p^T``, whose norm is at most
+      ``N sqrt(sum_p ||patch_p(x)||^2) ||g|| <= N sqrt(m) X G`` (Cauchy-Schwarz;
+      each pixel appears in at most m patches). Independent of Psi: the bound
+      holds whatever the projection did.
+    - bias (broadcast to every output pixel): ``||sum_p g_p|| <= sqrt(P) G``.
+    - ``propagate_inputs(X) = S X + sqrt(P) ||b||``; ``backpropagate_inputs = S G``.
+
+    Padding 'same' and 'valid' and any strides are supported; dilation, groups
+    and channels_first are rejected.
+    """
+
+    def __init__(self, filters, kernel_size, strides=(1, 1), padding="same", use_bias=True,
+                 kernel_initializer="orthogonal", activation=None, eps_spectral=None,
+                 maxiter_spectral=None, eps_bjorck="default", beta_bjorck=None,
+                 maxiter_bjorck=None, **kwargs):
+        check_no_activation(type(self).__name__, activation)
+        name = type(self).__name__
+        if str(padding).lower() not in ("same", "valid"):
+            raise ValueError(
+                f"{name} supports padding 'same' or 'valid'. Received: padding={padding!r}"
+            )
+        if kwargs.get("data_format", "channels_last") not in (None, "channels_last"):
+            raise ValueError(f"{name} only supports data_format='channels_last'. "
+                             f"Received: data_format={kwargs['data_format']!r}")
+        if tuple(np.atleast_1d(kwargs.get("dilation_rate", 1))) not in ((1,), (1, 1)):
+            raise ValueError(f"{name} does not support dilation. "
+                             f"Received: dilation_rate={kwargs['dilation_rate']!r}")
+        if kwargs.get("groups", 1) != 1:
+            raise ValueError(f"{name} does not support groups. Received: groups={kwargs['groups']!r}")
+        for forbidden in ("kernel_constraint", "kernel_regularizer", "bias_regularizer",
+                          "activity_regularizer"):
+            if kwargs.get(forbidden) is not None:
+                raise ValueError(f"{name} does not accept `{forbidden}`.")
+            kwargs.pop(forbidden, None)
+        if not isinstance(filters, int) or filters < 1:
+            raise ValueError(
+                "Received an invalid value for `filters`, expected a positive integer. "
+                f"Received: filters={filters!r}"
+            )
+        super().__init__(filters, kernel_size, strides=strides, padding=padding,
+                         use_bias=use_bias, kernel_initializer=kernel_initializer, **kwargs)
+        self.projection = _projection_config(eps_spectral, maxiter_spectral, eps_bjorck,
+                                             beta_bjorck, maxiter_bjorck)
+
+    def build(self, input_shape):
+        input_shape = tf.TensorShape(input_shape)
+        if input_shape.rank != 4 or any(d is None for d in input_shape[1:]):
+            raise ValueError(
+                f"{type(self).__name__} needs a fully known (H, W, C) input shape to bound its "
+                f"operator norm. Received: input_shape={input_shape}"
+            )
+        super().build(input_shape)
+        self._input_hw = (int(input_shape[1]), int(input_shape[2]))
+        out_shape = self.compute_output_shape(input_shape)
+        self._output_pixels = int(out_shape[1]) * int(out_shape[2])
+        self._multiplicity = patch_multiplicity(self.kernel_size, self.strides)
+        self.coef = float(_compute_conv_lip_factor(self.kernel_size, self.strides,
+                                                   input_shape, "channels_last"))
+        self.u = self.add_weight(
+            name="power_iteration_u", shape=(1, self.filters), trainable=False,
+            initializer=tf.keras.initializers.RandomNormal(seed=None),
+        )
+        with tf.init_scope():
+            self._project(BUILD_MAXITER_SPECTRAL)
+
+    def _project(self, maxiter_spectral):
+        cfg = self.projection
+        kernel, u, _ = reshaped_kernel_orthogonalization(
+            self.kernel, self.u, adjustment_coef=1.0, eps_spectral=cfg.eps_spectral,
+            eps_bjorck=cfg.eps_bjorck, beta=cfg.beta_bjorck,
+            maxiter_spectral=maxiter_spectral, maxiter_bjorck=cfg.maxiter_bjorck,
+        )
+        self.kernel.assign(kernel)
+        self.u.assign(u)
+
+    def project(self):
+        self._project(self.projection.maxiter_spectral)
+
+    def effective_kernel(self):
+        """The kernel the forward pass convolves with: ``N * Psi``."""
+        return self.coef * self.kernel
+
+    def call(self, inputs):
+        outputs = tf.nn.conv2d(inputs, self.effective_kernel(), strides=self.strides,
+                               padding=self.padding.upper())
+        if self.use_bias:
+            outputs = tf.nn.bias_add(outputs, self.bias)
+        return outputs
+
+    def _operator_bound(self):
+        return conv_operator_norm_upper(self.effective_kernel(), self._input_hw)
+
+    def _bias_norm(self):
+        return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
+
+    def propagate_inputs(self, input_bound):
+        return (self._operator_bound() * input_bound
+                + math.sqrt(self._output_pixels) * self._bias_norm())
+
+    def backpropagate_params(self, input_bound, gradient_bound):
+        kernel_factor = self.coef * math.sqrt(self._multiplicity)
+        bounds = [(self.kernel, kernel_factor * input_bound * gradient_bound)]
+        if self.use_bias:
+            bounds.append((self.bias, math.sqrt(self._output_pixels) * gradient_bound))
+        return bounds
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return self._operator_bound() * gradient_bound
+
+    def get_config(self):
+        config = super().get_config()
+        for key in ("activation", "kernel_constraint", "kernel_regularizer", "bias_regularizer",
+                    "activity_regularizer", "bias_constraint", "groups", "dilation_rate",
+                    "data_format"):
+            config.pop(key, None)
+        return {**config, **self.projection.get_config()}

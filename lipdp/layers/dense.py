@@ -1,0 +1,130 @@
+"""Spectrally normalised dense layer with analytic gradient bounds."""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+from deel.lip.normalizers import bjorck_normalization, spectral_normalization
+
+from lipdp.layers._projection import BUILD_MAXITER_SPECTRAL, ProjectionConfig
+from lipdp.layers.base import DPLayer, check_no_activation
+from lipdp.operator_norms import dense_spectral_norm_upper
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_QuickSpectralDense(tf.keras.layers.Dense, DPLayer):
+    """Dense layer ``y = x W + b`` whose kernel is projected after every step.
+
+    The projection (deel-lip's spectral normalisation with a cached power
+    iteration vector ``u``, then Björck orthogonalisation) keeps ``||W||_2 ~ 1``.
+    The stored variable *is* the kernel used in the forward pass.
+
+    Bounds, with ``T`` the number of positions the kernel is applied to
+    (``T = 1`` for 2D inputs, the product of the middle dimensions otherwise) and
+    ``S`` a certified upper bound of ``||W||_2`` recomputed from the current weights
+    (`lipdp.operator_norms.dense_spectral_norm_upper`, never the power iteration):
+
+    - ``propagate_inputs(X) = S X + sqrt(T) ||b||``
+    - kernel: ``||sum_t x_t g_t^T||_F <= sum_t ||x_t|| ||g_t|| <= X G``
+    - bias: ``||sum_t g_t|| <= sqrt(T) G``
+    - ``backpropagate_inputs(X, G) = S G``
+
+    Args:
+        units: number of outputs.
+        use_bias: whether to add a (trainable, unconstrained) bias.
+        kernel_initializer: defaults to "orthogonal".
+        eps_spectral, maxiter_spectral, eps_bjorck, beta_bjorck, maxiter_bjorck:
+            see `ProjectionConfig`. ``eps_bjorck=None`` disables Björck.
+    """
+
+    def __init__(self, units, use_bias=True, kernel_initializer="orthogonal", activation=None,
+                 eps_spectral=None, maxiter_spectral=None, eps_bjorck="default",
+                 beta_bjorck=None, maxiter_bjorck=None, **kwargs):
+        check_no_activation(type(self).__name__, activation)
+        for forbidden in ("kernel_constraint", "kernel_regularizer", "bias_regularizer",
+                          "activity_regularizer"):
+            if kwargs.get(forbidden) is not None:
+                raise ValueError(f"{type(self).__name__} does not accept `{forbidden}`.")
+            kwargs.pop(forbidden, None)
+        if not isinstance(units, int) or units < 1:
+            raise ValueError(
+                "Received an invalid value for `units`, expected a positive integer. "
+                f"Received: units={units!r}"
+            )
+        super().__init__(units, use_bias=use_bias, kernel_initializer=kernel_initializer, **kwargs)
+        self.projection = _projection_config(eps_spectral, maxiter_spectral, eps_bjorck,
+                                             beta_bjorck, maxiter_bjorck)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        input_shape = tf.TensorShape(input_shape)
+        if any(d is None for d in input_shape[1:]):
+            raise ValueError(
+                f"{type(self).__name__} needs a fully known input shape (got {input_shape}) "
+                "to bound its bias contribution."
+            )
+        self._positions = int(math.prod(input_shape[1:-1])) if input_shape.rank > 2 else 1
+        self.u = self.add_weight(
+            name="power_iteration_u", shape=(1, self.units), trainable=False,
+            initializer=tf.keras.initializers.RandomNormal(seed=None),
+        )
+        with tf.init_scope():
+            self._project(BUILD_MAXITER_SPECTRAL)
+
+    def _project(self, maxiter_spectral):
+        cfg = self.projection
+        kernel, u, _ = spectral_normalization(
+            self.kernel, self.u, eps=cfg.eps_spectral, maxiter=maxiter_spectral
+        )
+        if cfg.eps_bjorck is not None:
+            kernel = bjorck_normalization(
+                kernel, eps=cfg.eps_bjorck, beta=cfg.beta_bjorck, maxiter=cfg.maxiter_bjorck
+            )
+        self.kernel.assign(kernel)
+        self.u.assign(u)
+
+    def project(self):
+        self._project(self.projection.maxiter_spectral)
+
+    def _spectral_bound(self):
+        return dense_spectral_norm_upper(self.kernel)
+
+    def _bias_norm(self):
+        return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
+
+    def propagate_inputs(self, input_bound):
+        return (self._spectral_bound() * input_bound
+                + math.sqrt(self._positions) * self._bias_norm())
+
+    def backpropagate_params(self, input_bound, gradient_bound):
+        bounds = [(self.kernel, input_bound * gradient_bound)]
+        if self.use_bias:
+            bounds.append((self.bias, math.sqrt(self._positions) * gradient_bound))
+        return bounds
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return self._spectral_bound() * gradient_bound
+
+    def get_config(self):
+        config = super().get_config()
+        for key in ("activation", "kernel_constraint", "kernel_regularizer", "bias_regularizer",
+                    "activity_regularizer", "bias_constraint"):
+            config.pop(key, None)
+        return {**config, **self.projection.get_config()}
+
+
+def _projection_config(eps_spectral, maxiter_spectral, eps_bjorck, beta_bjorck, maxiter_bjorck):
+    """Build a ProjectionConfig, keeping deel-lip's defaults for unset values."""
+    kwargs = {}
+    if eps_spectral is not None:
+        kwargs["eps_spectral"] = eps_spectral
+    if maxiter_spectral is not None:
+        kwargs["maxiter_spectral"] = maxiter_spectral
+    if eps_bjorck != "default":
+        kwargs["eps_bjorck"] = eps_bjorck
+    if beta_bjorck is not None:
+        kwargs["beta_bjorck"] = beta_bjorck
+    if maxiter_bjorck is not None:
+        kwargs["maxiter_bjorck"] = maxiter_bjorck
+    return ProjectionConfig(**kwargs)

@@ -1,0 +1,185 @@
+"""DP losses: per-example losses with a proven Lipschitz constant w.r.t. the logits.
+
+Every DP loss exposes
+
+- ``call(y_true, y_pred)``: the per-example loss, shape ``(batch,)``. It depends
+  on one example only (no batch statistics), so the train step can sum it and
+  divide by a public denominator;
+- ``lipschitz(nb_outputs)``: ``L`` such that ``||d loss(y_pred, y) / d y_pred||_2 <= L``
+  for every logit vector and every label in the loss' label domain.
+
+Labels come from the private data set, so each loss first maps any label onto its
+domain (for a valid label this is the identity): a malformed record can change
+the loss value but never the bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+from deel.lip.losses import TauBinaryCrossentropy, TauCategoricalCrossentropy, multiclass_hinge
+from tensorflow.keras.losses import Reduction
+
+
+class DP_Loss:
+    """Mixin: a Keras loss with a Lipschitz constant w.r.t. the logits."""
+
+    def lipschitz(self, nb_outputs: int) -> float:
+        raise NotImplementedError
+
+
+def _to_simplex_subset(y_true, dtype):
+    """Map labels to {y >= 0, sum(y) <= 1}; one-hot and smoothed labels are unchanged."""
+    y = tf.nn.relu(tf.cast(y_true, dtype))
+    return y / tf.maximum(tf.reduce_sum(y, axis=-1, keepdims=True), 1.0)
+
+
+def _to_one_hot(y_true, y_pred):
+    """Map labels to the one-hot vector of their arg-max; one-hot labels are unchanged."""
+    return tf.one_hot(tf.argmax(y_true, axis=-1), tf.shape(y_pred)[-1], dtype=y_pred.dtype)
+
+
+def _check_positive(value, name):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
+            or not math.isfinite(value):
+        raise ValueError(f"Received an invalid value for `{name}`, expected a finite positive "
+                         f"number. Received: {name}={value!r}")
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
+    """Softmax cross-entropy with temperature (deel-lip): ``CE(y, softmax(tau y_pred)) / tau``.
+
+    Gradient: ``(sum_j y_j) softmax(tau y_pred) - y``. With labels mapped to
+    ``{y >= 0, sum y <= 1}``, both terms lie in the unit simplex (scaled by at most
+    1) and have non-negative inner product, so its squared norm is at most
+    ``||p||^2 + ||y||^2 <= 2``: ``L = sqrt(2)``, for every ``tau``.
+    """
+
+    def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauCategoricalCrossentropy"):
+        _check_positive(tau, "tau")
+        super().__init__(tau=tau, reduction=reduction, name=name)
+
+    def call(self, y_true, y_pred, *args, **kwargs):
+        return super().call(_to_simplex_subset(y_true, y_pred.dtype), y_pred)
+
+    def lipschitz(self, nb_outputs):
+        return math.sqrt(2.0)
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
+    """Binary cross-entropy with temperature (deel-lip), averaged over the K outputs.
+
+    deel-lip maps labels to {0, 1} (``y > 0``); the per-logit gradient is
+    ``(sigmoid(tau y_pred) - y) / K``, in ``[-1/K, 1/K]``, so ``L = 1 / sqrt(K)``.
+    """
+
+    def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauBCE"):
+        _check_positive(tau, "tau")
+        super().__init__(tau=tau, reduction=reduction, name=name)
+
+    def lipschitz(self, nb_outputs):
+        return 1.0 / math.sqrt(nb_outputs)
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
+    """deel-lip's multiclass hinge: ``mean_k w_k relu(m/2 - s_k y_pred_k)``.
+
+    ``s_k = +1`` for the true class (weight ``w = K - 1``) and ``-1`` otherwise
+    (weight 1). Labels are mapped to one-hot. Gradient: ``-(K-1)/K`` on the true
+    class and ``+1/K`` on the others where active, so
+    ``L = sqrt((K-1)^2 + (K-1)) / K = sqrt((K-1)/K)``.
+    """
+
+    def __init__(self, min_margin=1.0, reduction=Reduction.AUTO, name="DP_MulticlassHinge"):
+        _check_positive(min_margin, "min_margin")
+        super().__init__(reduction=reduction, name=name)
+        self.min_margin = float(min_margin)
+
+    def call(self, y_true, y_pred):
+        return multiclass_hinge(_to_one_hot(y_true, y_pred), y_pred, self.min_margin)
+
+    def lipschitz(self, nb_outputs):
+        return _one_vs_all_constant(self, nb_outputs)
+
+    def get_config(self):
+        return {**super().get_config(), "min_margin": self.min_margin}
+
+
+def _one_vs_all_constant(loss, nb_outputs):
+    """sqrt((K-1)/K): norm of the one-vs-all weights (K-1, -1, ..., -1) / K."""
+    if nb_outputs < 2:
+        raise ValueError(f"{type(loss).__name__} needs at least 2 outputs (one per class). "
+                         f"Received: nb_outputs={nb_outputs}")
+    return math.sqrt((nb_outputs - 1) / nb_outputs)
+
+
+def _multiclass_kr(y_one_hot, y_pred):
+    """Per-example one-vs-all Kantorovich-Rubinstein loss (no batch statistics).
+
+    ``-((K-1) y_pred_true - sum_{k != true} y_pred_k) / K``: the same class
+    weighting as deel-lip's multiclass hinge, but per example (deel-lip's
+    `MulticlassKR` normalises by class counts *in the batch*, which makes one
+    example's gradient depend on the others and breaks the sensitivity bound).
+    """
+    k = tf.cast(tf.shape(y_pred)[-1], y_pred.dtype)
+    weights = y_one_hot * (k - 1.0) - (1.0 - y_one_hot)
+    return -tf.reduce_sum(weights * y_pred, axis=-1) / k
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_MulticlassKR(tf.keras.losses.Loss, DP_Loss):
+    """Per-example multiclass KR loss; labels mapped to one-hot.
+
+    Gradient: ``-(K-1)/K`` on the true class, ``+1/K`` elsewhere, hence
+    ``L = sqrt((K-1)/K)``. Binary outputs (K = 1) use ``-s y_pred`` with
+    ``s = +1`` if ``y > 0`` else ``-1``, and ``L = 1``.
+    """
+
+    def __init__(self, reduction=Reduction.AUTO, name="DP_MulticlassKR"):
+        super().__init__(reduction=reduction, name=name)
+
+    def call(self, y_true, y_pred):
+        return _kr_loss(y_true, y_pred)
+
+    def lipschitz(self, nb_outputs):
+        return math.sqrt((nb_outputs - 1) / nb_outputs) if nb_outputs > 1 else 1.0
+
+
+def _kr_loss(y_true, y_pred):
+    if y_pred.shape[-1] == 1:
+        sign = tf.where(tf.cast(y_true, y_pred.dtype) > 0, 1.0, -1.0)
+        return -tf.reduce_sum(sign * y_pred, axis=-1)
+    return _multiclass_kr(_to_one_hot(y_true, y_pred), y_pred)
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
+    """Hinge + KR: ``KR(y_pred, y) + alpha * Hinge(y_pred, y)``, per example.
+
+    Both gradients have the same sign pattern (negative on the true class,
+    positive elsewhere) and the hinge's is the KR one masked by its active set,
+    so ``||grad|| <= (1 + alpha) sqrt((K-1)/K)``, which is attained.
+    """
+
+    def __init__(self, alpha=10.0, min_margin=1.0, reduction=Reduction.AUTO,
+                 name="DP_MulticlassHKR"):
+        _check_positive(alpha, "alpha")
+        _check_positive(min_margin, "min_margin")
+        super().__init__(reduction=reduction, name=name)
+        self.alpha = float(alpha)
+        self.min_margin = float(min_margin)
+
+    def call(self, y_true, y_pred):
+        y_one_hot = _to_one_hot(y_true, y_pred)
+        hinge = multiclass_hinge(y_one_hot, y_pred, self.min_margin)
+        return _multiclass_kr(y_one_hot, y_pred) + self.alpha * hinge
+
+    def lipschitz(self, nb_outputs):
+        return (1.0 + self.alpha) * _one_vs_all_constant(self, nb_outputs)
+
+    def get_config(self):
+        return {**super().get_config(), "alpha": self.alpha, "min_margin": self.min_margin}

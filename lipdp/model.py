@@ -1,0 +1,304 @@
+"""DP_Sequential and DP_Model: Keras models whose `fit` runs Clipless DP-SGD.
+
+One private step (`train_step`):
+
+1. forward pass and per-example losses; the batch loss is their **sum divided by
+   the public denominator D** (`DatasetMetadata.batch_size`), never by the
+   realised batch size;
+2. gradient of that loss;
+3. per-example gradient bounds of every variable at the *current* weights
+   (`lipdp.bounds`), divided by D: the sensitivities Delta_v of the averaged
+   gradient under add/remove-one;
+4. Gaussian noise: std ``sigma * sqrt(sum_v Delta_v^2)`` on every coordinate
+   ("global") or ``sigma * Delta_v`` on variable v ("per-layer");
+5. optimizer step (any Keras optimizer), then projection of every constrained
+   layer, so that the next step's weights satisfy their constraints;
+6. the step is recorded in the model's privacy ledger (`dp_steps_taken`, a
+   variable saved with the weights, so that resuming continues the epsilon count).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import tensorflow as tf
+
+from lipdp.bounds import backpropagate_bounds, dp_layers
+from lipdp.losses import DP_Loss
+from lipdp.metadata import DatasetMetadata, DPParameters, NoiseStrategy, Sampling
+
+
+class _DPModelMixin:
+    """Private training shared by `DP_Sequential` and `DP_Model`."""
+
+    def _init_dp(self, dp_parameters, dataset_metadata):
+        if not isinstance(dp_parameters, DPParameters):
+            raise TypeError("`dp_parameters` must be a lipdp.DPParameters. "
+                            f"Received: {type(dp_parameters).__name__}")
+        if not isinstance(dataset_metadata, DatasetMetadata):
+            raise TypeError("`dataset_metadata` must be a lipdp.DatasetMetadata. "
+                            f"Received: {type(dataset_metadata).__name__}")
+        self.dp_parameters = dp_parameters
+        self.dataset_metadata = dataset_metadata
+        self.dp_loss = None
+        self._dp_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="dp_steps_taken")
+        self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen")
+
+    # ------------------------------------------------------------------ ledger
+    @property
+    def dp_steps_taken(self) -> int:
+        """Number of private steps recorded in this model's ledger."""
+        return int(self._dp_steps.numpy())
+
+    @property
+    def nb_noised_variables(self) -> int:
+        """Number of noised variables (one Gaussian mechanism each, per-layer strategy)."""
+        return len(self.trainable_variables)
+
+    # ----------------------------------------------------------------- compile
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None, **kwargs):
+        if not isinstance(loss, DP_Loss):
+            raise TypeError(
+                "A DP model must be compiled with a DP loss from lipdp.losses (e.g. "
+                "DP_TauCategoricalCrossentropy), whose Lipschitz constant w.r.t. the logits is "
+                f"known. Received: loss={loss!r}"
+            )
+        if loss_weights is not None:
+            raise ValueError("`loss_weights` is not supported by DP models: it rescales the "
+                             "gradients behind the bounds' back.")
+        layers = dp_layers(self)
+        nb_outputs = int(self.output_shape[-1])
+        if nb_outputs != self.dataset_metadata.nb_classes:
+            raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata declares "
+                             f"nb_classes={self.dataset_metadata.nb_classes}.")
+        self.dp_loss = loss
+        self._loss_lipschitz = float(loss.lipschitz(nb_outputs))
+        self._check_every_variable_bounded(layers)
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def _check_every_variable_bounded(self, layers):
+        bounded = {v.ref() for v, _ in backpropagate_bounds(layers, self._loss_lipschitz)}
+        missing = [v.name for v in self.trainable_variables if v.ref() not in bounded]
+        if missing:
+            raise ValueError(f"No gradient bound for trainable variables {missing}: freeze them "
+                             "or use DP layers that bound them.")
+
+    # --------------------------------------------------------------- the step
+    def sensitivities(self):
+        """Sensitivity Delta_v of the averaged gradient of every trainable variable.
+
+        ``Delta_v = bound(v) / D``: adding or removing one example changes the sum
+        of per-example gradients by at most ``bound(v)``, and the sum is divided
+        by the public denominator D. Aligned with `trainable_variables`.
+        """
+        bounds = {v.ref(): b for v, b in backpropagate_bounds(dp_layers(self), self._loss_lipschitz)}
+        denominator = float(self.dataset_metadata.batch_size)
+        return [bounds[v.ref()] / denominator for v in self.trainable_variables]
+
+    def _noise_stddevs(self, sensitivities):
+        sigma = float(self.dp_parameters.noise_multiplier)
+        if self.dp_parameters.noisify_strategy == NoiseStrategy.GLOBAL:
+            global_sensitivity = tf.sqrt(tf.add_n([tf.square(s) for s in sensitivities]))
+            return [sigma * global_sensitivity for _ in sensitivities]
+        return [sigma * s for s in sensitivities]
+
+    def private_gradients(self, x, y):
+        """Gradient of the averaged loss, its noisy version, and the sensitivities.
+
+        Returns:
+            ``(gradients, noisy_gradients, sensitivities, per_example_losses, y_pred)``,
+            lists aligned with `trainable_variables`.
+        """
+        if self.dp_loss is None:
+            raise RuntimeError("Compile the model with a DP loss before training.")
+        denominator = float(self.dataset_metadata.batch_size)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            per_example = self.dp_loss.call(y, y_pred)
+            loss = tf.debugging.check_numerics(
+                tf.reduce_sum(per_example) / denominator,
+                "Non-finite loss in a private step (NaN/inf inputs or labels?)")
+        gradients = tape.gradient(loss, self.trainable_variables)
+        sensitivities = self.sensitivities()
+        noisy = [g + tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
+                 for g, std in zip(gradients, self._noise_stddevs(sensitivities))]
+        return gradients, noisy, sensitivities, per_example, y_pred
+
+    def project(self):
+        """Apply every layer's projection (after each step; idempotent up to numerics)."""
+        for layer in dp_layers(self):
+            layer.project()
+
+    def train_step(self, data):
+        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise ValueError("Sample weights are not supported by DP models: they rescale "
+                             "per-example gradients beyond their bounds.")
+        if y is None:
+            raise ValueError("DP models need labels: the dataset must yield (x, y) pairs.")
+        batch = tf.shape(x, out_type=tf.int64)[0]
+        if self.dataset_metadata.sampling == Sampling.SHUFFLE:
+            tf.debugging.assert_less_equal(
+                batch, tf.constant(self.dataset_metadata.batch_size, tf.int64),
+                message="A batch is larger than dataset_metadata.batch_size: the accountant's "
+                        "sampling rate would under-state the privacy loss.")
+        _, noisy, _, _, y_pred = self.private_gradients(x, y)
+        self.optimizer.apply_gradients(zip(noisy, self.trainable_variables))
+        self.project()
+        self._dp_steps.assign_add(1)
+        self._examples_seen.assign_add(batch)
+        self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+        self.compiled_metrics.update_state(y, y_pred)
+        return self.get_metrics_result()
+
+    # --------------------------------------------------------------------- fit
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, **kwargs):
+        """Keras `fit`, refusing what would silently break the privacy accounting.
+
+        Refused: `validation_split` (it carves examples out of the declared
+        training set), `class_weight` / `sample_weight` (they rescale per-example
+        gradients), array inputs whose length or batch size disagree with the
+        metadata, datasets whose number of batches per epoch disagrees with it.
+        Inputs given as arrays are cut into shuffled fixed batches, not Poisson
+        samples: lipdp warns, since the reported epsilon assumes Poisson sampling.
+        """
+        md = self.dataset_metadata
+        if validation_split:
+            raise ValueError(
+                f"validation_split={validation_split!r} would train on fewer examples than the "
+                f"declared nb_samples_train={md.nb_samples_train}, so the sampling rate used by "
+                "the accountant would be wrong. Split the data before building the metadata and "
+                "pass `validation_data` instead.")
+        if class_weight is not None or sample_weight is not None:
+            raise ValueError("class_weight / sample_weight are not supported by DP models: they "
+                             "rescale per-example gradients beyond their bounds.")
+        if isinstance(x, tf.data.Dataset):
+            self._check_dataset(x, kwargs.get("steps_per_epoch"))
+        elif x is not None:
+            batch_size = self._check_arrays(x, batch_size)
+        callbacks = list(callbacks or []) + [_EpochSizeCheck()]
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                           callbacks=callbacks, validation_data=validation_data,
+                           shuffle=shuffle, **kwargs)
+
+    def _check_dataset(self, dataset, steps_per_epoch):
+        md = self.dataset_metadata
+        spec = tf.nest.flatten(dataset.element_spec)[0]
+        static_batch = spec.shape[0] if spec.shape.rank else None
+        if static_batch is not None and static_batch > md.batch_size:
+            raise ValueError(f"The dataset yields batches of {static_batch} examples but "
+                             f"dataset_metadata.batch_size={md.batch_size}.")
+        cardinality = int(dataset.cardinality())
+        allowed = {md.steps_per_epoch, md.nb_samples_train // md.batch_size}
+        if cardinality >= 0 and steps_per_epoch is None and cardinality not in allowed:
+            raise ValueError(
+                f"The dataset yields {cardinality} batches per epoch, but the metadata "
+                f"(nb_samples_train={md.nb_samples_train}, batch_size={md.batch_size}) implies "
+                f"{md.steps_per_epoch}. Build the metadata from the data actually used "
+                "(lipdp.data.load_dataset does).")
+
+    def _check_arrays(self, x, batch_size):
+        md = self.dataset_metadata
+        n = len(tf.nest.flatten(x)[0])
+        if n != md.nb_samples_train:
+            raise ValueError(f"fit received {n} training examples but dataset_metadata declares "
+                             f"nb_samples_train={md.nb_samples_train}.")
+        if batch_size is not None and batch_size != md.batch_size:
+            raise ValueError(f"batch_size={batch_size} disagrees with dataset_metadata.batch_size="
+                             f"{md.batch_size}, the denominator the bounds are divided by.")
+        if md.sampling == Sampling.POISSON:
+            warnings.warn(
+                "fit received arrays: Keras cuts them into shuffled fixed-size batches, not Poisson "
+                "samples, while the accountant assumes Poisson sampling. Use "
+                "lipdp.data.load_dataset(..., sampling='poisson') for a proven epsilon.",
+                stacklevel=3)
+        return md.batch_size
+
+    # ------------------------------------------------------------ serialization
+    def _dp_config(self):
+        return {"dp_parameters": self.dp_parameters.get_config(),
+                "dataset_metadata": self.dataset_metadata.get_config()}
+
+    @staticmethod
+    def _pop_dp_config(config):
+        config = dict(config)
+        return (config, DPParameters.from_config(config.pop("dp_parameters")),
+                DatasetMetadata.from_config(config.pop("dataset_metadata")))
+
+
+class _EpochSizeCheck(tf.keras.callbacks.Callback):
+    """With shuffled fixed batches, an epoch must see exactly the declared examples.
+
+    Fewer examples than declared with the same batch size means each example is
+    sampled more often than the accountant assumes (epsilon under-reported).
+    """
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model._examples_seen.assign(0)
+
+    def on_epoch_end(self, epoch, logs=None):
+        md = self.model.dataset_metadata
+        if md.sampling != Sampling.SHUFFLE or self.model.stop_training:
+            return
+        seen = int(self.model._examples_seen.numpy())
+        full = md.nb_samples_train // md.batch_size * md.batch_size
+        if seen not in (md.nb_samples_train, full):
+            raise RuntimeError(
+                f"Epoch {epoch + 1} trained on {seen} examples, but dataset_metadata declares "
+                f"nb_samples_train={md.nb_samples_train}: the reported epsilon would be wrong.")
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_Sequential(_DPModelMixin, tf.keras.Sequential):
+    """A `tf.keras.Sequential` of DP layers trained with Clipless DP-SGD.
+
+    Args:
+        layers: DP layers, the first being `lipdp.layers.DP_BoundedInput`.
+        dp_parameters: `lipdp.DPParameters`.
+        dataset_metadata: `lipdp.DatasetMetadata` of the training set.
+    """
+
+    def __init__(self, layers=None, dp_parameters=None, dataset_metadata=None, name=None, **kwargs):
+        super().__init__(layers=layers, name=name, **kwargs)
+        self._init_dp(dp_parameters, dataset_metadata)
+
+    def get_config(self):
+        return {**super().get_config(), **self._dp_config()}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config, dp_parameters, metadata = cls._pop_dp_config(config)
+        layers = [tf.keras.layers.deserialize(layer, custom_objects=custom_objects)
+                  for layer in config["layers"]]
+        return cls(layers=layers, dp_parameters=dp_parameters, dataset_metadata=metadata,
+                   name=config.get("name"))
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_Model(_DPModelMixin, tf.keras.Model):
+    """A functional Keras model of DP layers trained with Clipless DP-SGD.
+
+    Args:
+        inputs, outputs: as for `tf.keras.Model`; the layers must form a chain
+            starting with `lipdp.layers.DP_BoundedInput`.
+        dp_parameters: `lipdp.DPParameters`.
+        dataset_metadata: `lipdp.DatasetMetadata` of the training set.
+    """
+
+    def __init__(self, inputs, outputs, dp_parameters=None, dataset_metadata=None, name=None,
+                 **kwargs):
+        super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
+        self._init_dp(dp_parameters, dataset_metadata)
+        dp_layers(self)
+
+    def get_config(self):
+        return {**super().get_config(), **self._dp_config()}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config, dp_parameters, metadata = cls._pop_dp_config(config)
+        functional = tf.keras.Model.from_config(config, custom_objects=custom_objects)
+        return cls(functional.inputs, functional.outputs, dp_parameters=dp_parameters,
+                   dataset_metadata=metadata, name=functional.name)
