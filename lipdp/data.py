@@ -1,0 +1,828 @@
+"""Datasets, input bounding and Poisson sampling for private training.
+
+Everything the accountant is told about the data lives in the returned
+`DatasetMetadata`; this module makes sure the pipelines honour it:
+
+- **Bounded inputs.** Every input is mapped into the L2 ball of radius ``X0``
+  (``metadata.max_norm``) by `bound_clip_value` or `bound_normalize`. The model
+  clips again in its forward pass (DESIGN.md), so this is a first line, not the
+  only one.
+- **Poisson sampling** (``sampling="poisson"``, the default). Each of the
+  ``metadata.steps_per_epoch = ceil(N / D)`` steps of an epoch draws a fresh
+  batch in which every training example appears independently with
+  probability ``q = D / N``. This is exactly the sampling the RDP
+  amplification theorem assumes. Batches have a random size (possibly 0);
+  gradients must be averaged with the fixed public denominator
+  ``D = metadata.batch_size``, never the realised batch size.
+- **Shuffling** (``sampling="shuffle"``). One permutation per epoch cut into
+  batches of ``D``. Offered because it is the common practice, with a warning:
+  the accountant's Poisson-amplified epsilon is not a proof for it.
+- **No data-dependent preprocessing.** Every transformation is a fixed
+  function of one example (images: ``/255``; digits: ``/16``; breast cancer:
+  fixed public per-feature constants). No statistic is ever computed on the
+  private training set.
+
+Where the image datasets are looked for (first hit wins):
+
+1. the ``data_dir`` argument (the directory itself, then ``data_dir/<name>``);
+2. ``$LIPDP_DATA_DIR/<name>``;
+3. ``/usr/share/datasets/<debian-name>`` (Debian's ``dataset-fashion-mnist``
+   installs the IDX files in ``/usr/share/datasets/fashion-mnist``);
+4. the Keras cache (``$KERAS_HOME`` or ``~/.keras``) ``/datasets/...``: the
+   files ``tf.keras.datasets.<name>.load_data()`` leaves there;
+5. only if ``download=True``: ``tf.keras.datasets.<name>.load_data()``.
+
+Accepted files in a directory: MNIST / Fashion-MNIST as the four standard IDX
+files ``{train,t10k}-{images-idx3,labels-idx1}-ubyte`` (gzipped ``.gz`` or
+plain; the ``train-images.idx3-ubyte`` spelling too) or a Keras-style
+``mnist.npz``; CIFAR-10 as the python pickle batches (``data_batch_1`` ...
+``data_batch_5``, ``test_batch``), directly or in a ``cifar-10-batches-py``
+subdirectory.
+
+Command line: ``python -m lipdp.data NAME [--data-dir DIR] [--no-download]``
+checks that a dataset can be found (or downloaded) and says where it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import logging
+import math
+import os
+import pickle
+import struct
+import sys
+import warnings
+import zlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp.metadata import DatasetMetadata, Sampling, _parse_enum
+
+__all__ = [
+    "DATASET_NAMES",
+    "DatasetFormatError",
+    "InputBound",
+    "RawDataset",
+    "ShuffleSamplingWarning",
+    "bound_clip_value",
+    "bound_normalize",
+    "load_arrays",
+    "load_dataset",
+    "main",
+    "read_idx",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Root of Debian's dataset packages (module attribute so tests can redirect it).
+DEBIAN_DATASETS_DIR = "/usr/share/datasets"
+#: Environment variable naming a directory that holds one subdirectory per dataset.
+DATA_DIR_ENV = "LIPDP_DATA_DIR"
+
+# Fixed seed of the train/test split of the scikit-learn datasets. The split is
+# part of the dataset's definition (like MNIST's fixed test set), so it does not
+# depend on the run's `seed`. numpy's legacy RandomState is frozen across numpy
+# versions, so the split is reproducible everywhere.
+_SKLEARN_SPLIT_SEED = 0
+_SKLEARN_TEST_FRACTION = 0.2
+
+
+class DatasetFormatError(ValueError):
+    """A dataset file exists but is corrupt or not in the expected format."""
+
+
+class ShuffleSamplingWarning(UserWarning):
+    """Issued when training batches are shuffled instead of Poisson-sampled."""
+
+
+# ----------------------------------------------------------------------------
+# Input bounding
+# ----------------------------------------------------------------------------
+
+
+def _check_max_norm(max_norm, argname="max_norm") -> float:
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float, np.integer, np.floating))
+        or not math.isfinite(float(max_norm))
+        or float(max_norm) <= 0
+    ):
+        raise ValueError(
+            f"Received an invalid value for `{argname}`, expected a finite positive "
+            f"number (the L2 bound X0 on every input). Received: {argname}={max_norm!r}"
+        )
+    return float(max_norm)
+
+
+class InputBound:
+    """Maps inputs into the L2 ball of radius ``max_norm`` (callable object).
+
+    ``mode="clip"``:      ``x * min(1, X0 / ||x||)`` (identity inside the ball).
+    ``mode="normalize"``: ``x * X0 / ||x||`` (every non-zero input lands on the
+    sphere; ``x = 0`` stays 0).
+
+    The norm is the L2 norm over all features of one example. Calling the object
+    treats its argument as **one** example (usable in `tf.data` maps);
+    `apply_batch` treats the first axis as the batch axis. Both are exact up to
+    float32 rounding (relative error about 1e-6 on the resulting norm).
+    """
+
+    def __init__(self, mode: str, max_norm: float):
+        if mode not in ("clip", "normalize"):
+            raise ValueError(f"Unknown bounding mode {mode!r}, expected 'clip' or 'normalize'.")
+        self.mode = mode
+        self.max_norm = _check_max_norm(max_norm)
+
+    def _apply(self, x, batched: bool):
+        x = tf.convert_to_tensor(x)
+        if not x.dtype.is_floating:
+            x = tf.cast(x, tf.float32)
+        if batched:
+            axis = tf.range(1, tf.rank(x))
+        else:
+            axis = tf.range(tf.rank(x))
+        norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=axis, keepdims=True))
+        x0 = tf.constant(self.max_norm, dtype=x.dtype)
+        if self.mode == "clip":
+            # X0 / max(||x||, X0) == min(1, X0/||x||), and never divides by 0.
+            scale = x0 / tf.maximum(norm, x0)
+        else:
+            scale = tf.math.divide_no_nan(x0, norm)
+        return x * scale
+
+    def __call__(self, x):
+        """Bounds one example ``x`` (any shape; the norm is over all of it)."""
+        return self._apply(x, batched=False)
+
+    def apply_batch(self, x):
+        """Bounds every example of a batch ``x`` of shape ``(B, ...)``."""
+        return self._apply(x, batched=True)
+
+    def __repr__(self):
+        return f"InputBound(mode={self.mode!r}, max_norm={self.max_norm!r})"
+
+
+def bound_clip_value(max_norm: float) -> InputBound:
+    """Returns ``f(x) = x * min(1, max_norm / ||x||_2)`` for one example ``x``.
+
+    ``||f(x)|| <= max_norm`` for every ``x`` (up to float32 rounding), and
+    ``f(x) = x`` when ``x`` is already inside the ball; ``f(0) = 0``.
+    """
+    return InputBound("clip", max_norm)
+
+
+def bound_normalize(max_norm: float) -> InputBound:
+    """Returns ``f(x) = x * max_norm / ||x||_2`` for one example ``x`` (``f(0) = 0``).
+
+    ``||f(x)|| = max_norm`` for every non-zero ``x`` (up to float32 rounding).
+    """
+    return InputBound("normalize", max_norm)
+
+
+# ----------------------------------------------------------------------------
+# File formats
+# ----------------------------------------------------------------------------
+
+_IDX_DTYPES = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+
+def _read_maybe_gzip(path: str) -> bytes:
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head != b"\x1f\x8b":
+        with open(path, "rb") as f:
+            return f.read()
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError, zlib.error) as e:
+        raise DatasetFormatError(f"{path}: corrupt gzip stream ({e}).") from e
+
+
+def read_idx(path: str, expected_ndim: Optional[int] = None) -> np.ndarray:
+    """Reads an IDX file (gzipped or plain), as used by MNIST and Fashion-MNIST.
+
+    Format: 2 zero bytes, a type code (0x08 = uint8, ...), the number of
+    dimensions, then each dimension as a big-endian uint32, then the data.
+    The magic number and the data size are validated; a wrong one raises
+    `DatasetFormatError` naming the file.
+    """
+    data = _read_maybe_gzip(path)
+    if len(data) < 4:
+        raise DatasetFormatError(f"{path}: not an IDX file (only {len(data)} bytes).")
+    magic = struct.unpack(">I", data[:4])[0]
+    ndim = data[3]
+    expected_magic = ""
+    if expected_ndim is not None:
+        expected_magic = f" (expected 0x{0x0800 + expected_ndim:08x} for uint8 data with " \
+                         f"{expected_ndim} dimension{'s' if expected_ndim > 1 else ''})"
+    if data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES or ndim == 0:
+        raise DatasetFormatError(
+            f"{path}: bad IDX magic number 0x{magic:08x}{expected_magic}; "
+            "the file is corrupt or not an IDX file."
+        )
+    if expected_ndim is not None and ndim != expected_ndim:
+        raise DatasetFormatError(
+            f"{path}: IDX magic number 0x{magic:08x} declares {ndim} dimensions"
+            f"{expected_magic}."
+        )
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise DatasetFormatError(f"{path}: truncated IDX header.")
+    dims = struct.unpack(">" + "I" * ndim, data[4:header])
+    dtype = _IDX_DTYPES[data[2]]
+    expected_bytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    if len(data) - header != expected_bytes:
+        raise DatasetFormatError(
+            f"{path}: IDX header declares shape {tuple(dims)} ({expected_bytes} bytes of "
+            f"data) but the file holds {len(data) - header} bytes; it is truncated or corrupt."
+        )
+    arr = np.frombuffer(data, dtype=dtype, offset=header).reshape(dims)
+    return arr.astype(dtype.newbyteorder("="), copy=False)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler for the CIFAR-10 python batches: dicts, lists, bytes, numpy arrays.
+
+    Refuses every other global, so a malicious pickle in a data directory
+    cannot run code.
+    """
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR batch")
+
+
+def _read_cifar_batch(path: str) -> Tuple[np.ndarray, np.ndarray]:
+    try:
+        with open(path, "rb") as f:
+            d = _RestrictedUnpickler(f, encoding="bytes").load()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise DatasetFormatError(f"{path}: not a CIFAR-10 python batch ({e}).") from e
+    if not isinstance(d, dict):
+        raise DatasetFormatError(f"{path}: not a CIFAR-10 python batch (no dict).")
+    d = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in d.items()}
+    if "data" not in d or "labels" not in d:
+        raise DatasetFormatError(f"{path}: CIFAR-10 batch without 'data'/'labels' entries.")
+    x = np.asarray(d["data"])
+    y = np.asarray(d["labels"])
+    if x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3 * 32 * 32 \
+            or y.shape != (x.shape[0],):
+        raise DatasetFormatError(
+            f"{path}: CIFAR-10 batch with data {x.dtype}{x.shape} and labels {y.shape}; "
+            "expected uint8 (n, 3072) and (n,)."
+        )
+    # Rows are channel-major (1024 red, 1024 green, 1024 blue, each row-major).
+    x = x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return x, y.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------
+# Raw arrays
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RawDataset:
+    """In-memory dataset before batching and bounding.
+
+    Images are stored ``uint8`` in ``[0, 255]`` with shape ``(n, H, W, C)`` and
+    scaled to ``[0, 1]`` float32 in the pipeline; tabular data is stored already
+    scaled, ``float32`` ``(n, d)``. Labels are integer class indices.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    nb_classes: int
+    source: str
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class _ImageSpec:
+    name: str
+    image_shape: Tuple[int, ...]  # (H, W, C)
+    nb_classes: int
+    subdirs: Tuple[str, ...]  # names tried under data_dir and $LIPDP_DATA_DIR
+    debian_name: Optional[str]
+    keras_loader: str  # attribute of tf.keras.datasets
+
+
+_IMAGE_SPECS = {
+    "fashion_mnist": _ImageSpec("fashion_mnist", (28, 28, 1), 10,
+                                ("fashion_mnist", "fashion-mnist"), "fashion-mnist",
+                                "fashion_mnist"),
+    "mnist": _ImageSpec("mnist", (28, 28, 1), 10, ("mnist",), "mnist", "mnist"),
+    "cifar10": _ImageSpec("cifar10", (32, 32, 3), 10, ("cifar10", "cifar-10-batches-py"),
+                          None, "cifar10"),
+}
+_SKLEARN_NAMES = ("digits", "breast_cancer")
+DATASET_NAMES = tuple(_IMAGE_SPECS) + _SKLEARN_NAMES
+
+_IDX_PARTS = (
+    ("x_train", "train", "images", 3),
+    ("y_train", "train", "labels", 1),
+    ("x_test", "t10k", "images", 3),
+    ("y_test", "t10k", "labels", 1),
+)
+
+
+def _idx_candidates(stem: str, kind: str, ndim: int) -> List[str]:
+    names = [f"{stem}-{kind}-idx{ndim}-ubyte", f"{stem}-{kind}.idx{ndim}-ubyte"]
+    return [n + ext for n in names for ext in (".gz", "")]
+
+
+def _first_existing(directory: str, names: Sequence[str]) -> Optional[str]:
+    for n in names:
+        p = os.path.join(directory, n)
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def _check_image_arrays(spec: _ImageSpec, where: str, arrays: Dict[str, np.ndarray]):
+    h, w, c = spec.image_shape
+    out = {}
+    for split in ("train", "test"):
+        x, y = np.asarray(arrays[f"x_{split}"]), np.asarray(arrays[f"y_{split}"]).reshape(-1)
+        if x.ndim == 3 and c == 1:
+            x = x[..., None]
+        if x.dtype != np.uint8 or x.shape[1:] != (h, w, c):
+            raise DatasetFormatError(
+                f"{where}: {split} images have type {x.dtype} and shape {x.shape[1:]}; "
+                f"expected uint8 images of shape {spec.image_shape} for {spec.name}."
+            )
+        if x.shape[0] == 0 or x.shape[0] != y.shape[0]:
+            raise DatasetFormatError(
+                f"{where}: {x.shape[0]} {split} images but {y.shape[0]} {split} labels."
+            )
+        if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= spec.nb_classes:
+            raise DatasetFormatError(
+                f"{where}: {split} labels must be integers in [0, {spec.nb_classes})."
+            )
+        out[f"x_{split}"], out[f"y_{split}"] = x, y.astype(np.int64)
+    return out
+
+
+def _load_image_dir(spec: _ImageSpec, directory: str):
+    """Returns (arrays, description) or (None, reason it was not usable)."""
+    if not os.path.isdir(directory):
+        return None, "does not exist"
+    if spec.name == "cifar10":
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+        if missing:
+            return None, "no CIFAR-10 python batches (missing " + ", ".join(missing) + ")"
+        parts = [_read_cifar_batch(os.path.join(directory, n)) for n in names]
+        arrays = {
+            "x_train": np.concatenate([p[0] for p in parts[:5]]),
+            "y_train": np.concatenate([p[1] for p in parts[:5]]),
+            "x_test": parts[5][0],
+            "y_test": parts[5][1],
+        }
+        return _check_image_arrays(spec, directory, arrays), "CIFAR-10 python batches"
+    # MNIST-like: four IDX files ...
+    found, missing = {}, []
+    for key, stem, kind, ndim in _IDX_PARTS:
+        cands = _idx_candidates(stem, kind, ndim)
+        path = _first_existing(directory, cands)
+        if path is None:
+            missing.append(f"{stem}-{kind}-idx{ndim}-ubyte[.gz]")
+        else:
+            found[key] = path
+    if not missing:
+        arrays = {key: read_idx(found[key], expected_ndim=ndim)
+                  for key, _, _, ndim in _IDX_PARTS}
+        return _check_image_arrays(spec, directory, arrays), "IDX files"
+    # ... or a Keras-style npz archive.
+    npz_names = [f"{spec.name}.npz"] + [f"{s}.npz" for s in spec.subdirs if s != spec.name]
+    npz = _first_existing(directory, npz_names)
+    if npz is not None:
+        try:
+            with np.load(npz, allow_pickle=False) as f:
+                arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+        except Exception as e:  # noqa: BLE001
+            raise DatasetFormatError(
+                f"{npz}: not a valid dataset archive with x_train, y_train, x_test, y_test ({e})."
+            ) from e
+        return _check_image_arrays(spec, npz, arrays), f"archive {os.path.basename(npz)}"
+    if found:
+        return None, "incomplete: missing " + ", ".join(missing)
+    return None, "no dataset files"
+
+
+def _keras_datasets_dir() -> str:
+    base = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    return os.path.join(base, "datasets")
+
+
+def _image_locations(spec: _ImageSpec, data_dir: Optional[str]) -> List[Tuple[str, str]]:
+    """(label, directory) pairs in lookup order."""
+    locs = []
+    if data_dir is not None:
+        data_dir = os.fspath(data_dir)
+        locs.append(("data_dir argument", data_dir))
+        locs += [("data_dir argument", os.path.join(data_dir, s)) for s in spec.subdirs]
+    env = os.environ.get(DATA_DIR_ENV)
+    if env:
+        locs += [(f"${DATA_DIR_ENV}", os.path.join(env, s)) for s in spec.subdirs]
+    if spec.debian_name is not None:
+        locs.append(("Debian dataset package",
+                     os.path.join(DEBIAN_DATASETS_DIR, spec.debian_name)))
+    keras_dir = _keras_datasets_dir()
+    keras_sub = {"fashion_mnist": "fashion-mnist", "mnist": "",
+                 "cifar10": "cifar-10-batches-py"}[spec.name]
+    locs.append(("Keras cache", os.path.join(keras_dir, keras_sub) if keras_sub else keras_dir))
+    seen, unique = set(), []
+    for label, path in locs:
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            unique.append((label, path))
+    return unique
+
+
+def _how_to_provide(spec: _ImageSpec) -> str:
+    if spec.name == "cifar10":
+        files = ("the CIFAR-10 python batches data_batch_1 ... data_batch_5 and test_batch "
+                 "(the cifar-10-batches-py directory of cifar-10-python.tar.gz)")
+    else:
+        files = ("the four IDX files train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
+                 "t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz (gzipped or not)")
+        if spec.name == "mnist":
+            files += " or a Keras mnist.npz"
+    lines = [
+        f"To provide {spec.name}, put {files} in a directory and either pass "
+        f"data_dir=<that directory> or set {DATA_DIR_ENV} so that "
+        f"${DATA_DIR_ENV}/{spec.name} is that directory.",
+    ]
+    if spec.name == "fashion_mnist":
+        lines.append("On Debian/Ubuntu: `apt-get install dataset-fashion-mnist` installs them in "
+                     f"{os.path.join(DEBIAN_DATASETS_DIR, 'fashion-mnist')} "
+                     "(or run scripts/install_fashion_mnist.sh).")
+    lines.append(f"With internet access, download=True lets "
+                 f"tf.keras.datasets.{spec.keras_loader}.load_data() fetch them into the "
+                 "Keras cache.")
+    return "\n".join(lines)
+
+
+def _load_image_dataset(spec: _ImageSpec, data_dir, download: bool) -> RawDataset:
+    tried = []
+    for label, path in _image_locations(spec, data_dir):
+        arrays, what = _load_image_dir(spec, path)
+        if arrays is not None:
+            source = f"{what} in {path} ({label})"
+            return RawDataset(spec.name, nb_classes=spec.nb_classes, source=source, **arrays)
+        tried.append(f"  - {path} ({label}): {what}")
+        if label == "data_dir argument" and path == os.fspath(data_dir):
+            logger.warning("%s: no usable files in data_dir=%s (%s); looking elsewhere.",
+                           spec.name, path, what)
+    if not os.environ.get(DATA_DIR_ENV):
+        tried.append(f"  - ${DATA_DIR_ENV}/{spec.name}: ${DATA_DIR_ENV} is not set")
+    loader = f"tf.keras.datasets.{spec.keras_loader}.load_data()"
+    if download:
+        try:
+            (x_train, y_train), (x_test, y_test) = getattr(
+                tf.keras.datasets, spec.keras_loader).load_data()
+        except Exception as e:  # noqa: BLE001 - network errors come in many types
+            tried.append(f"  - download with {loader}: failed ({type(e).__name__}: {e})")
+        else:
+            arrays = _check_image_arrays(spec, loader, dict(
+                x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test))
+            source = f"downloaded by {loader} (cached under {_keras_datasets_dir()})"
+            return RawDataset(spec.name, nb_classes=spec.nb_classes, source=source, **arrays)
+    else:
+        tried.append(f"  - download with {loader}: not attempted (download=False)")
+    raise FileNotFoundError(
+        f"Dataset {spec.name!r} not found. Looked in:\n" + "\n".join(tried) + "\n"
+        + _how_to_provide(spec)
+    )
+
+
+# --- scikit-learn bundled datasets -------------------------------------------------
+
+# Breast cancer (Wisconsin diagnostic): per-feature [min, max] as published in the
+# dataset's documentation (UCI wdbc.names, reproduced in sklearn's DESCR), in
+# sklearn's column order. Scaling is x' = (x - min) / (max - min), i.e. into
+# about [0, 1], with these *hard-coded* constants: nothing is computed on the
+# loaded data, so each preprocessed example depends on that example only.
+# Caveat for real deployments: the dataset authors computed these ranges over
+# all 569 records; lipdp treats them as public documentation. With truly private
+# data, take such constants from domain knowledge, never from the data.
+_BREAST_CANCER_RANGES = np.array([
+    (6.981, 28.11), (9.71, 39.28), (43.79, 188.5), (143.5, 2501.0), (0.053, 0.163),
+    (0.019, 0.345), (0.0, 0.427), (0.0, 0.201), (0.106, 0.304), (0.05, 0.097),
+    (0.112, 2.873), (0.36, 4.885), (0.757, 21.98), (6.802, 542.2), (0.002, 0.031),
+    (0.002, 0.135), (0.0, 0.396), (0.0, 0.053), (0.008, 0.079), (0.001, 0.03),
+    (7.93, 36.04), (12.02, 49.54), (50.41, 251.2), (185.2, 4254.0), (0.071, 0.223),
+    (0.027, 1.058), (0.0, 1.252), (0.0, 0.291), (0.156, 0.664), (0.055, 0.208),
+], dtype=np.float64)
+
+
+def _preprocess_digits(x: np.ndarray) -> np.ndarray:
+    """8x8 digit images with integer intensities 0..16, flattened: x / 16 in [0, 1]."""
+    return (np.asarray(x, dtype=np.float64) / 16.0).astype(np.float32)
+
+
+def _preprocess_breast_cancer(x: np.ndarray) -> np.ndarray:
+    """(x - min) / (max - min) with the documented, hard-coded feature ranges."""
+    lo, hi = _BREAST_CANCER_RANGES[:, 0], _BREAST_CANCER_RANGES[:, 1]
+    return ((np.asarray(x, dtype=np.float64) - lo) / (hi - lo)).astype(np.float32)
+
+
+def _stratified_split(y: np.ndarray, test_fraction: float, seed: int):
+    """Deterministic stratified split; depends on the labels only, never on features."""
+    rng = np.random.RandomState(seed)
+    train, test = [], []
+    for c in np.unique(y):
+        idx = np.flatnonzero(y == c)
+        idx = idx[rng.permutation(len(idx))]
+        n_test = int(round(test_fraction * len(idx)))
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    train, test = np.concatenate(train), np.concatenate(test)
+    # Mix the classes so that "the first n training examples" is a fair subset.
+    return train[rng.permutation(len(train))], test[rng.permutation(len(test))]
+
+
+def _load_sklearn_dataset(name: str) -> RawDataset:
+    try:
+        import sklearn.datasets
+    except ImportError as e:
+        raise ImportError(
+            f"The {name!r} dataset is bundled with scikit-learn, which is not installed: "
+            "pip install scikit-learn"
+        ) from e
+    if name == "digits":
+        x, y = sklearn.datasets.load_digits(return_X_y=True)
+        x, nb_classes = _preprocess_digits(x), 10
+        how = "divided by 16"
+    else:
+        x, y = sklearn.datasets.load_breast_cancer(return_X_y=True)
+        x, nb_classes = _preprocess_breast_cancer(x), 2
+        how = "scaled by the documented per-feature ranges"
+    y = np.asarray(y, dtype=np.int64)
+    train, test = _stratified_split(y, _SKLEARN_TEST_FRACTION, _SKLEARN_SPLIT_SEED)
+    source = (f"scikit-learn bundled dataset sklearn.datasets.load_{name} ({how}; "
+              f"fixed stratified {1 - _SKLEARN_TEST_FRACTION:.0%}/"
+              f"{_SKLEARN_TEST_FRACTION:.0%} split, seed {_SKLEARN_SPLIT_SEED})")
+    return RawDataset(name, x[train], y[train], x[test], y[test], nb_classes, source)
+
+
+def load_arrays(name: str, *, data_dir=None, download: bool = True) -> RawDataset:
+    """Loads a dataset into memory, without pipelines, and logs where it came from.
+
+    Raises:
+        ValueError: unknown ``name``.
+        FileNotFoundError: the data is nowhere to be found (the message lists
+            every place searched and how to provide the files).
+        DatasetFormatError: a file was found but is corrupt.
+    """
+    if name in _IMAGE_SPECS:
+        raw = _load_image_dataset(_IMAGE_SPECS[name], data_dir, download)
+    elif name in _SKLEARN_NAMES:
+        raw = _load_sklearn_dataset(name)
+    else:
+        raise ValueError(
+            f"Unknown dataset {name!r}, expected one of {', '.join(DATASET_NAMES)}."
+        )
+    logger.info("lipdp: %s loaded from %s: %d train / %d test examples of shape %s.",
+                name, raw.source, len(raw.y_train), len(raw.y_test), raw.input_shape)
+    return raw
+
+
+# ----------------------------------------------------------------------------
+# Pipelines
+# ----------------------------------------------------------------------------
+
+
+def _check_positive_int(value, argname):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(
+            f"Received an invalid value for `{argname}`, expected a positive integer. "
+            f"Received: {argname}={value!r}"
+        )
+    return int(value)
+
+
+def _make_transform(bound: InputBound, nb_classes: int):
+    def transform(x, y):
+        if x.dtype == tf.uint8:
+            x = tf.cast(x, tf.float32) / 255.0
+        x = bound.apply_batch(tf.cast(x, tf.float32))
+        return x, tf.one_hot(y, nb_classes, dtype=tf.float32)
+
+    return transform
+
+
+def _poisson_pipeline(x, y, steps: int, q: float, seed, transform):
+    n = int(x.shape[0])
+
+    def draw(step, pair):
+        del step
+        # One uniform per example: example i joins this batch iff u_i < q,
+        # independently of the others and of every other step. float64 uniforms
+        # lie on a 2^-52 grid, so P(u_i < q) = q up to 2^-52 (float32 would
+        # give an inclusion probability up to 2^-23 above q).
+        u = tf.random.stateless_uniform([n], seed=pair, dtype=tf.float64)
+        idx = tf.reshape(tf.where(u < tf.constant(q, tf.float64)), [-1])
+        return tf.gather(x, idx), tf.gather(y, idx)
+
+    # Dataset.random re-randomizes on each new iteration (each Keras epoch), and
+    # is reproducible when `seed` is given.
+    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+    ds = tf.data.Dataset.zip((tf.data.Dataset.range(steps), seeds))
+    return ds.map(draw, num_parallel_calls=tf.data.AUTOTUNE).map(
+        transform, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def _index_pipeline(x, y, indices: tf.data.Dataset, transform):
+    def gather(idx):
+        return tf.gather(x, idx), tf.gather(y, idx)
+
+    return indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE).map(
+        transform, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+_SHUFFLE_WARNING = (
+    "sampling='shuffle': the training set is shuffled into fixed-size batches, but the "
+    "privacy accountant assumes Poisson sampling (each example in each batch "
+    "independently with probability q = batch_size / N), which shuffling does not "
+    "provide. The reported epsilon is then the conventional heuristic of the "
+    "literature, not a proven guarantee. Use sampling='poisson' for a proof."
+)
+
+
+def load_dataset(
+    name: str,
+    batch_size: int,
+    *,
+    bound_clip_value: Optional[float] = None,
+    bound_normalize: Optional[float] = None,
+    sampling="poisson",
+    drop_remainder: bool = False,
+    data_dir=None,
+    seed: Optional[int] = None,
+    nb_samples_train: Optional[int] = None,
+    download: bool = True,
+) -> Tuple[tf.data.Dataset, tf.data.Dataset, DatasetMetadata]:
+    """Loads a dataset as bounded `tf.data` pipelines and its public metadata.
+
+    Args:
+        name: one of ``fashion_mnist``, ``mnist``, ``cifar10``, ``digits``,
+            ``breast_cancer``.
+        batch_size: D, the public batch denominator: the expected batch size with
+            Poisson sampling, the size of every full batch with shuffling, and the
+            batch size of the test pipeline.
+        bound_clip_value: X0; inputs are mapped by ``x * min(1, X0/||x||)``.
+        bound_normalize: X0; inputs are mapped by ``x * X0/||x||``. Exactly one of
+            the two must be given; it becomes ``metadata.max_norm``.
+        sampling: ``"poisson"`` (default; what the accountant assumes) or
+            ``"shuffle"`` (warns, see `ShuffleSamplingWarning`).
+        drop_remainder: with ``"shuffle"`` only: drop the last partial batch. The
+            dropped examples are simply not used in that epoch (a different
+            random subset each epoch); ``metadata.nb_samples_train`` stays the size
+            of the set, and the pipeline yields ``floor(N / D)`` batches, one
+            fewer than ``metadata.steps_per_epoch`` when D does not divide N (an
+            accountant counting ``steps_per_epoch`` then over-counts, which is
+            conservative).
+        data_dir: directory holding the files (see the module docstring).
+        seed: makes the sampling reproducible; every epoch still draws anew.
+        nb_samples_train: use only the first n training examples.
+        download: allow ``tf.keras.datasets.<name>.load_data()`` as last resort.
+
+    Returns:
+        ``(ds_train, ds_test, metadata)``. Both datasets yield ``(x, y)`` with
+        ``x`` float32 of shape ``(None,) + input_shape`` (bounded, in [0, 1]
+        before bounding for images) and ``y`` one-hot float32 ``(None, K)``.
+        ``ds_train`` has ``metadata.steps_per_epoch`` elements with Poisson
+        sampling (batches of random size, possibly 0) and draws new batches each
+        time it is iterated (Keras ``fit`` re-iterates every epoch).
+    """
+    if bound_clip_value is None and bound_normalize is None:
+        raise ValueError(
+            "Inputs must be bounded for differential privacy: give exactly one of "
+            "`bound_clip_value=X0` or `bound_normalize=X0` (the L2 bound on each input)."
+        )
+    if bound_clip_value is not None and bound_normalize is not None:
+        raise ValueError(
+            "Give only one of `bound_clip_value` and `bound_normalize`, not both. "
+            f"Received: bound_clip_value={bound_clip_value!r}, "
+            f"bound_normalize={bound_normalize!r}"
+        )
+    if bound_clip_value is not None:
+        bound = InputBound("clip", _check_max_norm(bound_clip_value, "bound_clip_value"))
+    else:
+        bound = InputBound("normalize", _check_max_norm(bound_normalize, "bound_normalize"))
+    sampling = _parse_enum(Sampling, sampling, "sampling")
+    batch_size = _check_positive_int(batch_size, "batch_size")
+    if nb_samples_train is not None:
+        nb_samples_train = _check_positive_int(nb_samples_train, "nb_samples_train")
+    if drop_remainder and sampling is Sampling.POISSON:
+        raise ValueError("`drop_remainder` only applies to sampling='shuffle'; Poisson "
+                         "batches have a random size and are never dropped.")
+
+    raw = load_arrays(name, data_dir=data_dir, download=download)
+    x_train, y_train = raw.x_train, raw.y_train
+    if nb_samples_train is not None:
+        if nb_samples_train > len(y_train):
+            raise ValueError(
+                f"`nb_samples_train`={nb_samples_train} exceeds the {len(y_train)} training "
+                f"examples of {name}."
+            )
+        x_train, y_train = x_train[:nb_samples_train], y_train[:nb_samples_train]
+
+    metadata = DatasetMetadata(
+        input_shape=raw.input_shape,
+        nb_classes=raw.nb_classes,
+        nb_samples_train=int(len(y_train)),
+        nb_samples_test=int(len(raw.y_test)),
+        batch_size=batch_size,
+        max_norm=bound.max_norm,
+        sampling=sampling,
+    )
+    transform = _make_transform(bound, raw.nb_classes)
+
+    x_tr, y_tr = tf.constant(x_train), tf.constant(y_train)
+    n = metadata.nb_samples_train
+    if sampling is Sampling.POISSON:
+        ds_train = _poisson_pipeline(x_tr, y_tr, metadata.steps_per_epoch,
+                                     metadata.sampling_rate, seed, transform)
+    else:
+        warnings.warn(_SHUFFLE_WARNING, ShuffleSamplingWarning, stacklevel=2)
+        indices = (tf.data.Dataset.range(n)
+                   .shuffle(n, seed=seed, reshuffle_each_iteration=True)
+                   .batch(batch_size, drop_remainder=drop_remainder))
+        ds_train = _index_pipeline(x_tr, y_tr, indices, transform)
+    ds_train = ds_train.prefetch(tf.data.AUTOTUNE)
+
+    x_te, y_te = tf.constant(raw.x_test), tf.constant(raw.y_test)
+    test_indices = tf.data.Dataset.range(metadata.nb_samples_test).batch(batch_size)
+    ds_test = _index_pipeline(x_te, y_te, test_indices, transform).prefetch(tf.data.AUTOTUNE)
+    return ds_train, ds_test, metadata
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lipdp.data NAME``: checks that a dataset can be loaded.
+
+    Loads the arrays only (no pipeline), prints where they came from and
+    returns 0; prints why not and returns 1 otherwise.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m lipdp.data",
+        description="Check that a lipdp dataset can be found (or downloaded).",
+    )
+    parser.add_argument("name", choices=DATASET_NAMES)
+    parser.add_argument("--data-dir", default=None, help="directory holding the files")
+    parser.add_argument("--no-download", action="store_true",
+                        help="only look for local files, never download")
+    args = parser.parse_args(argv)
+    try:
+        raw = load_arrays(args.name, data_dir=args.data_dir, download=not args.no_download)
+    except (FileNotFoundError, DatasetFormatError, ImportError) as e:
+        print(f"lipdp: cannot load {args.name}: {e}", file=sys.stderr)
+        return 1
+    print(f"lipdp: {args.name} found: {raw.source}; {len(raw.y_train)} train / "
+          f"{len(raw.y_test)} test examples of shape {raw.input_shape}, "
+          f"{raw.nb_classes} classes.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
