@@ -52,6 +52,7 @@ class DPLayer(abc.ABC):
 
     def project(self):
         """Enforce the layer's weight constraints in place (no-op by default)."""
+        return None
 
     def lipschitz_bound(self):
         """Certified Lipschitz constant w.r.t. the input (``G_in`` for ``G = 1``)."""

@@ -75,6 +75,16 @@ class DP_GroupSort(GroupSort, DPLayer):
     ``n=2`` is GroupSort2 (MaxMin), ``n=None`` sorts all channels (FullSort). A
     permutation of coordinates on each input, it is norm preserving and
     1-Lipschitz: ``X_out = X_in`` and ``G_in = G``.
+
+    The bound ``G_in = G`` is on the cotangent *autodiff computes*, so the
+    backward pass must be a permutation too. deel-lip's GroupSort2 uses
+    ``tf.maximum`` / ``tf.minimum``, whose gradients at a tie (``a == b``, e.g. on
+    constant or zero regions) both go to the same input: the computed cotangent
+    ``(g1 + g2, 0)`` has norm up to ``sqrt(2) G``. For ``n=2`` this layer
+    therefore selects both outputs with one shared comparison mask, so ties are
+    broken consistently and the backward pass is an exact permutation.
+    (``tf.sort``, used for ``n > 2``, already backpropagates through a
+    permutation of indices.)
     """
 
     def __init__(self, n=2, **kwargs):
@@ -83,7 +93,20 @@ class DP_GroupSort(GroupSort, DPLayer):
                 "Received an invalid value for `n`, expected a positive integer or None. "
                 f"Received: n={n!r}"
             )
+        if kwargs.get("k_coef_lip", 1.0) != 1.0:
+            raise ValueError("DP_GroupSort is norm preserving; it does not take k_coef_lip. "
+                             f"Received: k_coef_lip={kwargs['k_coef_lip']!r}")
         super().__init__(n=n, **kwargs)
+
+    def call(self, x):
+        if self.n != 2:
+            return super().call(x)
+        pairs = tf.reshape(x, self.flat_shape)
+        first, second = pairs[..., 0], pairs[..., 1]
+        first_is_max = first >= second
+        high = tf.where(first_is_max, first, second)
+        low = tf.where(first_is_max, second, first)
+        return tf.reshape(tf.stack([low, high], axis=-1), tf.shape(x))
 
     def propagate_inputs(self, input_bound):
         return input_bound

@@ -1,0 +1,193 @@
+"""Each DP layer's three bounds against exact vector-Jacobian products.
+
+For a layer f, inputs ||x|| <= X and cotangents ||g|| <= G, the exact
+quantities ||f(x)||, ||d<g, f(x)>/dv|| and ||d<g, f(x)>/dx|| (one example at a
+time) must never exceed propagate_inputs, backpropagate_params and
+backpropagate_inputs. Inputs: random, on the bound, constant images, one hot
+pixel, and inputs/cotangents optimised by gradient ascent.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
+                          DP_QuickSpectralDense, DP_ScaledL2NormPooling2D)
+from tests._grad_utils import REL_TOL
+
+X_BOUND, G_BOUND = 2.5, 1.7
+
+
+def _normalise(t, norm):
+    return t / tf.norm(t) * norm
+
+
+def _vjp(layer, x, g):
+    """Exact output, parameter gradients and input gradient of <g, f(x)> for ONE example."""
+    x = tf.convert_to_tensor(x[None], tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x)
+        value = tf.reduce_sum(y * g[None])
+    grads = tape.gradient(value, [x] + layer.trainable_variables)
+    return y[0], grads[0][0], grads[1:]
+
+
+def _bounds(layer):
+    x_bound, g_bound = tf.constant(X_BOUND), tf.constant(G_BOUND)
+    params = {v.ref(): float(b) for v, b in layer.backpropagate_params(x_bound, g_bound)}
+    return (float(layer.propagate_inputs(x_bound)), params,
+            float(layer.backpropagate_inputs(x_bound, g_bound)))
+
+
+def _check(layer, x, g, ctx):
+    out_bound, param_bounds, in_bound = _bounds(layer)
+    y, gx, gparams = _vjp(layer, x, g)
+    slack = 1 + REL_TOL
+    assert float(tf.norm(y)) <= out_bound * slack, f"{ctx}: output norm"
+    assert float(tf.norm(gx)) <= in_bound * slack, f"{ctx}: input cotangent"
+    ratios = []
+    for v, gv in zip(layer.trainable_variables, gparams):
+        norm = float(tf.norm(gv))
+        assert norm <= param_bounds[v.ref()] * slack, f"{ctx}: gradient of {v.name}: {norm}"
+        ratios.append(norm / param_bounds[v.ref()])
+    return ratios
+
+
+def _adversarial_pairs(layer, in_shape, rng):
+    """(name, x, g) pairs: random, on the bound, constant image, single pixel, aligned."""
+    out_shape = layer.compute_output_shape((1,) + in_shape)[1:]
+    rand = lambda shape: tf.constant(rng.normal(size=shape), tf.float32)
+    ones_in, ones_out = tf.ones(in_shape), tf.ones(out_shape)
+    pixel = np.zeros(in_shape, np.float32)
+    pixel[(0,) * len(in_shape)] = 1.0
+    pairs = [
+        ("random", _normalise(rand(in_shape), X_BOUND), _normalise(rand(out_shape), G_BOUND)),
+        ("constant image, constant cotangent", _normalise(ones_in, X_BOUND),
+         _normalise(ones_out, G_BOUND)),
+        ("single pixel", _normalise(tf.constant(pixel), X_BOUND), _normalise(ones_out, G_BOUND)),
+    ]
+    x = _normalise(rand(in_shape), X_BOUND)
+    y = layer(x[None])[0]
+    if float(tf.norm(y)) > 0:
+        pairs.append(("cotangent aligned with output", x, _normalise(y, G_BOUND)))
+    return pairs
+
+
+def _gradient_ascent(layer, in_shape, rng, steps=80):
+    """Jointly optimise x (norm X) and g (norm G) to maximise the parameter gradient norm."""
+    out_shape = layer.compute_output_shape((1,) + in_shape)[1:]
+    x = tf.Variable(_normalise(tf.constant(rng.normal(size=in_shape), tf.float32), X_BOUND))
+    g = tf.Variable(_normalise(tf.constant(rng.normal(size=out_shape), tf.float32), G_BOUND))
+    for _ in range(steps):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                value = tf.reduce_sum(layer(x[None])[0] * g)
+            grads = inner.gradient(value, layer.trainable_variables)
+            objective = tf.add_n([tf.reduce_sum(tf.square(gv)) for gv in grads])
+        dx, dg = outer.gradient(objective, [x, g])
+        x.assign(_normalise(x + 0.3 * X_BOUND * _normalise(dx, 1.0), X_BOUND))
+        g.assign(_normalise(g + 0.3 * G_BOUND * _normalise(dg, 1.0), G_BOUND))
+    return x.numpy(), g.numpy()
+
+
+PARAM_LAYERS = [
+    ("dense", lambda: DP_QuickSpectralDense(7), (12,)),
+    ("dense no bias", lambda: DP_QuickSpectralDense(9, use_bias=False), (12,)),
+    ("dense on sequences (bias broadcast over 5 positions)", lambda: DP_QuickSpectralDense(6), (5, 4)),
+    ("dense without Björck", lambda: DP_QuickSpectralDense(7, eps_bjorck=None), (12,)),
+    ("conv same s1", lambda: DP_QuickSpectralConv2D(4, 3), (8, 8, 3)),
+    ("conv same s1 1 channel", lambda: DP_QuickSpectralConv2D(5, 3, use_bias=False), (8, 8, 1)),
+    ("conv same s2", lambda: DP_QuickSpectralConv2D(3, 3, strides=2), (9, 9, 2)),
+    ("conv valid s1", lambda: DP_QuickSpectralConv2D(3, 3, padding="valid"), (9, 9, 2)),
+    ("conv valid 5x5", lambda: DP_QuickSpectralConv2D(2, 5, padding="valid"), (7, 7, 1)),
+    ("conv patchify 2x2/2", lambda: DP_QuickSpectralConv2D(4, 2, strides=2, padding="valid"), (8, 8, 2)),
+    ("conv rectangular 3x1", lambda: DP_QuickSpectralConv2D(3, (3, 1)), (6, 5, 2)),
+]
+
+FREE_LAYERS = [
+    ("bounded input", lambda: DP_BoundedInput(1.0), (4, 4, 2)),
+    ("flatten", lambda: DP_Flatten(), (4, 4, 2)),
+    ("groupsort2", lambda: DP_GroupSort(2), (6, 6, 4)),
+    ("fullsort", lambda: DP_GroupSort(None), (10,)),
+    ("l2 pooling", lambda: DP_ScaledL2NormPooling2D(2), (6, 6, 3)),
+    ("l2 pooling 3x3, odd size", lambda: DP_ScaledL2NormPooling2D((3, 3)), (7, 7, 2)),
+]
+
+
+@pytest.mark.parametrize("name,make,in_shape", PARAM_LAYERS + FREE_LAYERS,
+                         ids=[c[0] for c in PARAM_LAYERS + FREE_LAYERS])
+def test_layer_bounds_hold_on_adversarial_inputs(name, make, in_shape):
+    rng = np.random.default_rng(0)
+    layer = make()
+    layer.build((None,) + in_shape)
+    for ctx, x, g in _adversarial_pairs(layer, in_shape, rng):
+        _check(layer, x, g, f"{name} / {ctx}")
+    if layer.trainable_variables:
+        x, g = _gradient_ascent(layer, in_shape, rng)
+        _check(layer, x, g, f"{name} / gradient ascent")
+
+
+@pytest.mark.parametrize("name,make,in_shape", PARAM_LAYERS, ids=[c[0] for c in PARAM_LAYERS])
+def test_bounds_hold_with_adversarial_weights(name, make, in_shape):
+    """Large biases and kernels perturbed away from the constraint set (as after a noisy
+    step, before projection): the bounds are recomputed from the weights, so they still hold."""
+    rng = np.random.default_rng(1)
+    layer = make()
+    layer.build((None,) + in_shape)
+    for v in layer.trainable_variables:
+        v.assign(v + tf.constant(rng.normal(scale=0.5, size=v.shape), tf.float32))
+    for ctx, x, g in _adversarial_pairs(layer, in_shape, rng):
+        _check(layer, x, g, f"{name} / perturbed weights / {ctx}")
+    x, g = _gradient_ascent(layer, in_shape, rng)
+    _check(layer, x, g, f"{name} / perturbed weights / gradient ascent")
+
+
+def test_conv_kernel_bound_is_tight_on_constant_images():
+    """DESIGN.md: a constant image with an aligned cotangent nearly reaches the kernel bound
+    (the variable is the orthonormal Psi and call() multiplies by N, so the bound is
+    N sqrt(s) ||x|| ~ ||x||, not sqrt(s) ||x||)."""
+    layer = DP_QuickSpectralConv2D(4, 3, use_bias=False)
+    layer.build((None, 16, 16, 1))
+    x = _normalise(tf.ones((16, 16, 1)), X_BOUND)
+    ratios = _check(layer, x, _normalise(tf.ones((16, 16, 4)), G_BOUND), "constant")
+    assert ratios[0] > 0.85, ratios
+    assert float(layer.coef * np.sqrt(layer._multiplicity)) < 1.1
+
+
+def test_dense_kernel_bound_is_attained():
+    layer = DP_QuickSpectralDense(5, use_bias=False)
+    layer.build((None, 8))
+    x = _normalise(tf.constant(np.arange(1.0, 9.0), tf.float32), X_BOUND)
+    ratios = _check(layer, x, _normalise(tf.ones((5,)), G_BOUND), "outer product")
+    assert ratios[0] == pytest.approx(1.0, rel=1e-5)
+
+
+def test_bounded_input_clips_in_forward_pass():
+    layer = DP_BoundedInput(3.0)
+    x = tf.constant(np.random.default_rng(0).normal(size=(5, 4, 4, 1)) * 10, tf.float32)
+    norms = tf.norm(tf.reshape(layer(x), (5, -1)), axis=1).numpy()
+    assert np.all(norms <= 3.0)
+    small = x / 100.0
+    np.testing.assert_allclose(layer(small).numpy(), small.numpy())
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "3"])
+def test_bounded_input_rejects_bad_bounds(bad):
+    with pytest.raises(ValueError, match="upper_bound"):
+        DP_BoundedInput(bad)
+
+
+def test_groupsort2_matches_deel_lip_forward_and_is_a_permutation_backward():
+    from deel.lip.layers import GroupSort2
+
+    x = tf.constant(np.random.default_rng(0).normal(size=(3, 5, 5, 6)), tf.float32)
+    ours, theirs = DP_GroupSort(2), GroupSort2()
+    np.testing.assert_array_equal(ours(x).numpy(), theirs(x).numpy())
+    tied = tf.ones((1, 4))  # every pair is a tie
+    g = tf.constant([[1.0, 1.0, 1.0, 1.0]])
+    with tf.GradientTape() as tape:
+        tape.watch(tied)
+        value = tf.reduce_sum(DP_GroupSort(2)(tied) * g)
+    grad = tape.gradient(value, tied)
+    assert float(tf.norm(grad)) == pytest.approx(float(tf.norm(g)))

@@ -1,0 +1,114 @@
+"""Each DP loss: Lipschitz constant w.r.t. the logits, and per-example independence."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lipdp.losses import (DP_MulticlassHinge, DP_MulticlassHKR, DP_MulticlassKR, DP_TauBCE,
+                          DP_TauCategoricalCrossentropy)
+
+LOSSES = [
+    ("cce tau=1", lambda: DP_TauCategoricalCrossentropy(1.0), 10),
+    ("cce tau=30", lambda: DP_TauCategoricalCrossentropy(30.0), 10),
+    ("cce tau=0.1 two classes", lambda: DP_TauCategoricalCrossentropy(0.1), 2),
+    ("bce one output", lambda: DP_TauBCE(5.0), 1),
+    ("bce multilabel", lambda: DP_TauBCE(2.0), 6),
+    ("hinge", lambda: DP_MulticlassHinge(1.0), 10),
+    ("hinge big margin", lambda: DP_MulticlassHinge(100.0), 4),
+    ("kr", lambda: DP_MulticlassKR(), 10),
+    ("kr binary", lambda: DP_MulticlassKR(), 1),
+    ("hkr", lambda: DP_MulticlassHKR(alpha=5.0, min_margin=100.0), 10),
+]
+IDS = [c[0] for c in LOSSES]
+
+
+def _labels(rng, n, k):
+    """Valid and malformed labels: one-hot, smoothed, multi-hot, negative, huge."""
+    if k == 1:
+        return np.concatenate([rng.integers(0, 2, (n - 3, 1)), [[-1.0], [7.0], [0.5]]]).astype("float32")
+    one_hot = np.eye(k, dtype="float32")[rng.integers(0, k, n - 4)]
+    malformed = np.stack([np.ones(k), -np.ones(k), 50 * rng.random(k), np.full(k, 1.0 / k)])
+    return np.concatenate([one_hot, malformed.astype("float32")])
+
+
+def _logit_gradient_norms(loss, logits, labels):
+    logits = tf.constant(logits, tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        value = tf.reduce_sum(loss.call(tf.constant(labels), logits))
+    # The loss is a sum of per-example terms, so row i of the gradient is example i's.
+    return tf.norm(tape.gradient(value, logits), axis=-1).numpy()
+
+
+@pytest.mark.parametrize("name,make,k", LOSSES, ids=IDS)
+def test_logit_gradient_never_exceeds_lipschitz_constant(name, make, k):
+    loss, rng = make(), np.random.default_rng(0)
+    bound = loss.lipschitz(k)
+    for scale in (0.01, 1.0, 10.0, 1000.0):
+        labels = _labels(rng, 64, k)
+        norms = _logit_gradient_norms(loss, rng.normal(scale=scale, size=(64, k)), labels)
+        assert np.all(norms <= bound * (1 + 1e-5)), (name, scale, norms.max(), bound)
+    # Gradient ascent on the logits, to look for the worst case.
+    labels = _labels(rng, 16, k)
+    logits = tf.Variable(rng.normal(size=(16, k)).astype("float32"))
+    for _ in range(100):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                value = tf.reduce_sum(loss.call(labels, logits))
+            objective = tf.reduce_sum(tf.square(inner.gradient(value, logits)))
+        direction = outer.gradient(objective, logits)
+        if direction is None:
+            break
+        logits.assign_add(0.1 * direction / (tf.norm(direction) + 1e-12))
+    norms = _logit_gradient_norms(loss, logits.numpy(), labels)
+    assert np.all(norms <= bound * (1 + 1e-5)), (name, norms.max(), bound)
+
+
+@pytest.mark.parametrize("name,make,k", [c for c in LOSSES if c[0] in ("cce tau=1", "hinge", "kr", "hkr")],
+                         ids=["cce", "hinge", "kr", "hkr"])
+def test_constant_is_attained_on_valid_labels(name, make, k):
+    """The constants are tight: some valid (logit, label) pair nearly reaches L."""
+    loss = make()
+    logits = np.zeros((1, k), np.float32)
+    logits[0, 1] = 100.0 if name.startswith("cce") else -100.0  # wrong and confident / every hinge active
+    labels = np.eye(k, dtype=np.float32)[[0]]
+    norm = _logit_gradient_norms(loss, logits, labels)[0]
+    assert norm == pytest.approx(loss.lipschitz(k), rel=1e-2)
+
+
+@pytest.mark.parametrize("name,make,k", LOSSES, ids=IDS)
+def test_loss_is_per_example(name, make, k):
+    """One example's loss must not depend on the rest of the batch (no batch statistics)."""
+    loss, rng = make(), np.random.default_rng(1)
+    logits = rng.normal(size=(8, k)).astype("float32")
+    labels = _labels(rng, 8, k)
+    batch = loss.call(tf.constant(labels), tf.constant(logits)).numpy()
+    single = [float(loss.call(tf.constant(labels[i:i + 1]), tf.constant(logits[i:i + 1]))[0])
+              for i in range(8)]
+    np.testing.assert_allclose(batch, single, rtol=1e-5, atol=1e-6)
+
+
+def test_deel_lip_multiclass_kr_is_not_per_example():
+    """Why lipdp does not wrap deel-lip's MulticlassKR: it normalises by batch class counts."""
+    from deel.lip.losses import MulticlassKR
+
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(8, 3)).astype("float32")
+    labels = np.eye(3, dtype="float32")[rng.integers(0, 3, 8)]
+    kr = MulticlassKR(reduction=tf.keras.losses.Reduction.NONE)
+    batch = kr(labels, logits).numpy()
+    single = np.array([kr(labels[i:i + 1], logits[i:i + 1]).numpy()[0] for i in range(8)])
+    assert not np.allclose(batch, single)
+
+
+@pytest.mark.parametrize("make,arg", [(DP_TauCategoricalCrossentropy, "tau"), (DP_TauBCE, "tau"),
+                                      (DP_MulticlassHinge, "min_margin")])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_bad_hyper_parameters_are_echoed(make, arg, bad):
+    with pytest.raises(ValueError, match=arg):
+        make(bad)
+
+
+def test_one_vs_all_losses_need_two_classes():
+    with pytest.raises(ValueError, match="at least 2"):
+        DP_MulticlassHinge().lipschitz(1)
