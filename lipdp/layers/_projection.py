@@ -48,3 +48,38 @@ class ProjectionConfig:
 
     def get_config(self):
         return {key: getattr(self, key) for key in self.KEYS}
+
+
+def project_kernel(kernel, u, config, maxiter_spectral):
+    """Project a kernel onto (approximately) the orthonormal matrices, robustly.
+
+    The kernel is reshaped to ``(-1, out)`` (RKO for convolutions), divided by
+    the spectral norm estimated by deel-lip's cached power iteration, then
+    orthogonalised with deel-lip's Björck iteration. Björck only converges when
+    every singular value is below sqrt(3); after a large noisy step the cached
+    vector can under-estimate the spectral norm by more than that, and Björck
+    blows up. When its result is not finite, the projection restarts from the
+    kernel divided by its Frobenius norm (>= its spectral norm, so Björck
+    converges). Privacy never depends on this: bounds use certified norms.
+
+    Returns:
+        ``(projected kernel with the input's shape, new power-iteration vector)``.
+    """
+    import tensorflow as tf
+    from deel.lip.normalizers import bjorck_normalization, spectral_normalization
+
+    matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
+    normalised, u, _ = spectral_normalization(matrix, u, eps=config.eps_spectral,
+                                              maxiter=maxiter_spectral)
+    if config.eps_bjorck is not None:
+        def bjorck(w):
+            return bjorck_normalization(w, eps=config.eps_bjorck, beta=config.beta_bjorck,
+                                        maxiter=config.maxiter_bjorck)
+
+        candidate = bjorck(normalised)
+        normalised = tf.cond(
+            tf.reduce_all(tf.math.is_finite(candidate)),
+            lambda: candidate,
+            lambda: bjorck(matrix / (tf.norm(matrix) + config.eps_spectral)),
+        )
+    return tf.reshape(normalised, kernel.shape), u

@@ -7,9 +7,8 @@ import math
 import numpy as np
 import tensorflow as tf
 from deel.lip.layers.convolutional import _compute_conv_lip_factor
-from deel.lip.normalizers import reshaped_kernel_orthogonalization
 
-from lipdp.layers._projection import BUILD_MAXITER_SPECTRAL
+from lipdp.layers._projection import BUILD_MAXITER_SPECTRAL, project_kernel
 from lipdp.layers.base import DPLayer, check_no_activation
 from lipdp.layers.dense import _projection_config
 from lipdp.operator_norms import conv_operator_norm_upper
@@ -105,12 +104,8 @@ class DP_QuickSpectralConv2D(tf.keras.layers.Conv2D, DPLayer):
             self._project(BUILD_MAXITER_SPECTRAL)
 
     def _project(self, maxiter_spectral):
-        cfg = self.projection
-        kernel, u, _ = reshaped_kernel_orthogonalization(
-            self.kernel, self.u, adjustment_coef=1.0, eps_spectral=cfg.eps_spectral,
-            eps_bjorck=cfg.eps_bjorck, beta=cfg.beta_bjorck,
-            maxiter_spectral=maxiter_spectral, maxiter_bjorck=cfg.maxiter_bjorck,
-        )
+        # RKO: orthonormalise the (kh kw C) x F reshaping of Psi.
+        kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral)
         self.kernel.assign(kernel)
         self.u.assign(u)
 

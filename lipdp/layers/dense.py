@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import tensorflow as tf
-from deel.lip.normalizers import bjorck_normalization, spectral_normalization
 
-from lipdp.layers._projection import BUILD_MAXITER_SPECTRAL, ProjectionConfig
+from lipdp.layers._projection import BUILD_MAXITER_SPECTRAL, ProjectionConfig, project_kernel
 from lipdp.layers.base import DPLayer, check_no_activation
 from lipdp.operator_norms import dense_spectral_norm_upper
 
@@ -73,14 +72,7 @@ class DP_QuickSpectralDense(tf.keras.layers.Dense, DPLayer):
             self._project(BUILD_MAXITER_SPECTRAL)
 
     def _project(self, maxiter_spectral):
-        cfg = self.projection
-        kernel, u, _ = spectral_normalization(
-            self.kernel, self.u, eps=cfg.eps_spectral, maxiter=maxiter_spectral
-        )
-        if cfg.eps_bjorck is not None:
-            kernel = bjorck_normalization(
-                kernel, eps=cfg.eps_bjorck, beta=cfg.beta_bjorck, maxiter=cfg.maxiter_bjorck
-            )
+        kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral)
         self.kernel.assign(kernel)
         self.u.assign(u)
 
