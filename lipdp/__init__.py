@@ -1,0 +1,31 @@
+"""lipdp: differentially private training of Lipschitz networks without clipping.
+
+Clipless DP-SGD (Béthune et al.): the networks are Lipschitz by construction, so
+every per-example gradient has an analytic bound ("backpropagation for bounds"),
+and Gaussian noise is calibrated to it at every step of `model.fit`.
+"""
+
+from lipdp import bounds, certify, data, layers, losses
+from lipdp.accounting import get_eps_delta, get_max_epochs
+from lipdp.callbacks import DP_Accountant
+from lipdp.metadata import DatasetMetadata, DPParameters, NoiseStrategy, Sampling
+from lipdp.model import DP_Model, DP_Sequential
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DP_Accountant",
+    "DP_Model",
+    "DP_Sequential",
+    "DPParameters",
+    "DatasetMetadata",
+    "NoiseStrategy",
+    "Sampling",
+    "bounds",
+    "certify",
+    "data",
+    "get_eps_delta",
+    "get_max_epochs",
+    "layers",
+    "losses",
+]

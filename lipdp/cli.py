@@ -1,0 +1,230 @@
+"""Command line: ``lipdp train CONFIG [--set section.field=value ...]``.
+
+``lipdp train`` loads a YAML config (`lipdp.config`), builds the data, the model
+and the privacy accountant, trains with ``model.fit`` (one line per epoch with
+loss, accuracy and epsilon) and ends with a summary: training time, the final
+``(epsilon, delta)``, test accuracy and certified accuracy at each radius.
+
+Exit codes: 0 success; 1 the data cannot be found or read; 2 invalid command
+line or config (a one-paragraph message, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Optional, Sequence
+
+import yaml
+
+from lipdp.config import ConfigError, load_config
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_DATA, EXIT_CONFIG = 0, 1, 2
+
+_OVERRIDE_HELP = ("override one config field, e.g. --set training.epochs=5 or "
+                  "--set model.widths=[256,256]; the value is parsed as YAML "
+                  "(repeatable)")
+
+
+def _schema_help() -> str:
+    """The schema block of `lipdp.config`'s docstring (sections, fields, defaults)."""
+    import lipdp.config
+
+    doc = lipdp.config.__doc__ or ""
+    start, end = doc.find("Schema (defaults shown)::"), doc.find("\nArchitectures")
+    if start < 0 or end < start:
+        return ""
+    return "config schema (defaults shown):" + doc[start + len("Schema (defaults shown)::"):end]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lipdp",
+        description="Differentially private training of Lipschitz networks (Clipless DP-SGD).",
+        epilog="Run 'lipdp train --help' for the options of a training run.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    train = sub.add_parser(
+        "train",
+        help="train a model described by a YAML config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a Lipschitz network with Clipless DP-SGD as described by a YAML\n"
+                    "config, then report (epsilon, delta), test accuracy and certified accuracy.\n"
+                    "Every field has a default; a config file states only what differs.",
+        epilog=_schema_help() + "\nexample:\n  lipdp train configs/fashion_mnist.yaml "
+               "--set training.epochs=2\n\nexit codes: 0 success, 1 data not found or "
+               "corrupt, 2 invalid command line or config",
+    )
+    train.add_argument("config", metavar="CONFIG", help="path of the YAML config file")
+    train.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="SECTION.FIELD=VALUE", help=_OVERRIDE_HELP)
+    return parser
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to the *current* ``sys.stdout`` (so output stays in order with prints)."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _format_config(cfg) -> str:
+    """One ``section:`` per line, then ``  field: value`` (values in YAML flow style)."""
+    lines = []
+    for section, fields in cfg.items():
+        lines.append(f"{section}:")
+        for field, value in fields.items():
+            text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+            text = text[:-3].strip() if text.endswith("\n...") else text  # scalar doc end
+            lines.append(f"  {field}: {text}")
+    return "\n".join(lines)
+
+
+def _section(title: str):
+    print(f"\n=== {title} ===")
+
+
+def _print_table(rows, header):
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    for row in [header] + rows:
+        print("  " + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))))
+
+
+def _train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    _section("Config")
+    print(_format_config(cfg))
+
+    # Heavy imports only once the config is known to be valid.
+    from lipdp import accounting, certify
+    from lipdp.bounds import gradient_bounds, lipschitz_bound
+    from lipdp.config import build_from_config
+
+    _section("Data")
+    model, ds_train, ds_test, metadata, fit_kwargs = build_from_config(cfg)
+    print(f"{cfg['dataset']['name']}: {metadata.nb_samples_train} train / "
+          f"{metadata.nb_samples_test} test examples of shape {metadata.input_shape}, "
+          f"{metadata.nb_classes} classes; inputs bounded by {cfg['dataset']['bound']} to L2 "
+          f"norm {metadata.max_norm:g}")
+    print(f"sampling: {metadata.sampling.value}, expected batch size {metadata.batch_size} "
+          f"(q = {metadata.sampling_rate:.4g}), {metadata.steps_per_epoch} steps per epoch")
+
+    _section("Model")
+    model.summary(print_fn=print)
+    print(f"certified Lipschitz constant (input -> logits): {float(lipschitz_bound(model)):.6g}")
+    print(f"loss: {type(model.dp_loss).__name__}, Lipschitz constant w.r.t. logits "
+          f"{model.dp_loss.lipschitz(metadata.nb_classes):.6g}")
+
+    _section("Gradient bounds at initialisation")
+    unordered = gradient_bounds(model)  # backward order: list in forward order
+    bounds = {v.name: unordered[v.name] for v in model.trainable_variables}
+    d = metadata.batch_size
+    _print_table([[name, f"{b:.6g}", f"{b / d:.6g}"] for name, b in bounds.items()],
+                 ["variable", "per-example bound", f"sensitivity (/ D={d})"])
+    total = sum(b * b for b in bounds.values()) ** 0.5
+    sigma = cfg["privacy"]["noise_multiplier"]
+    if cfg["privacy"]["noisify_strategy"] == "global":
+        noise = (f"noise std (global) = {sigma:g} x {total / d:.6g} = {sigma * total / d:.6g} "
+                 "on every coordinate")
+    else:
+        noise = f"noise std (per-layer) = {sigma:g} x the variable's sensitivity"
+    print(f"  global per-example bound sqrt(sum b^2) = {total:.6g}; {noise}")
+
+    _section("Plan")
+    epochs = fit_kwargs["epochs"]
+    eps, delta = accounting.get_eps_delta(model, epochs)
+    budget = cfg["privacy"]["epsilon_budget"]
+    source = ("training.epochs" if cfg["training"]["epochs"] is not None
+              else f"the most that fit in epsilon_budget={budget:g}")
+    print(f"{epochs} epochs ({source}) = {epochs * metadata.steps_per_epoch} steps -> "
+          f"epsilon={eps:.4g} at delta={delta:g}")
+    if budget is not None:
+        sigma = accounting.model_step_noise_multiplier(model)
+        max_steps = accounting.max_steps_for_budget(budget, sigma, metadata.sampling_rate, delta)
+        if eps > budget:
+            print(f"that exceeds epsilon_budget={budget:g}: the accountant will stop training "
+                  f"after {max_steps} steps (epsilon="
+                  f"{accounting.compute_epsilon(sigma, metadata.sampling_rate, max_steps, delta):.4g})")
+        else:
+            print(f"the accountant stops training before epsilon exceeds {budget:g}")
+
+    _section("Training")
+    verbose = 1 if sys.stdout.isatty() else 2
+    start = time.perf_counter()
+    history = model.fit(ds_train, verbose=verbose, **fit_kwargs)
+    wall = time.perf_counter() - start
+
+    radii = cfg["certification"]["radii"]
+    all_radii = [0.0] + [r for r in radii if r != 0.0]
+    certified = certify.certified_accuracy(model, ds_test, all_radii)
+    eps_final = accounting.epsilon_spent(model)
+    epochs_run = len(history.history.get("loss", []))
+
+    _section("Summary")
+    print(f"training wall time : {wall:.1f} s ({epochs_run} epochs, {model.dp_steps_taken} steps)")
+    print(f"privacy            : (epsilon={eps_final:.4g}, delta={delta:g})-DP"
+          + ("" if budget is None else f"  [budget {budget:g}]"))
+    print(f"test accuracy      : {certified[0.0]:.4f}")
+    print(f"certified accuracy : L2 radius in input space (Lipschitz constant "
+          f"{float(lipschitz_bound(model)):.4g})")
+    _print_table([[f"{r:g}", f"{certified[r]:.4f}"] for r in radii], ["radius", "accuracy"])
+
+    path = cfg["output"]["save_model"]
+    if path is not None:
+        model.save(path)
+        print(f"model saved to {path}")
+    return EXIT_OK
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``lipdp`` command; returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return int(e.code or 0)
+
+    logger = logging.getLogger("lipdp")
+    handler = _StdoutHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    previous = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # no duplicates through handlers the root logger may have
+    try:
+        return _train(args)
+    except ConfigError as e:
+        print(f"lipdp: invalid config: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except FileNotFoundError as e:
+        print(f"lipdp: {e}", file=sys.stderr)
+        return EXIT_DATA
+    except ValueError as e:
+        from lipdp.data import DatasetFormatError
+
+        if isinstance(e, DatasetFormatError):
+            print(f"lipdp: corrupt dataset: {e}", file=sys.stderr)
+            return EXIT_DATA
+        raise
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous[0])
+        logger.propagate = previous[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,526 @@
+"""YAML configuration of a private training run, and everything built from it.
+
+A config file is a YAML mapping of sections; every field has a default, so a
+file only states what differs. `load_config` reads the file, applies
+``--set section.field=value`` overrides (the value is parsed by
+``yaml.safe_load``: ``--set training.epochs=5``, ``--set model.widths=[256,256]``,
+``--set privacy.epsilon_budget=null``), rejects unknown sections and fields
+(listing the valid ones) and validates every field, echoing the bad value.
+`build_from_config` then builds the data pipelines, the model, its loss and
+optimizer, and the arguments of ``model.fit``.
+
+Schema (defaults shown)::
+
+    dataset:
+      name: fashion_mnist      # fashion_mnist | mnist | cifar10 | digits | breast_cancer
+      batch_size: 5000         # D: expected batch size (Poisson), public gradient denominator
+      input_bound: 10.0        # X0: L2 bound on every input ([0, 1]-scaled pixels)
+      bound: clip              # clip: x * min(1, X0/||x||) | normalize: x * X0/||x||
+      sampling: poisson        # poisson (what the accountant assumes) | shuffle (warns)
+      seed: null               # int: reproducible batch sampling (experiments only: the
+                               #   amplification by subsampling assumes secret randomness)
+      nb_samples_train: null   # int: train on the first n examples only
+      data_dir: null           # directory holding the files (see lipdp.data)
+    model:
+      architecture: mlp        # mlp | cnn
+      widths: [1024]           # mlp: hidden widths (each dense layer followed by GroupSort2)
+      conv_filters: [32, 64]   # cnn: filters of the 3x3 conv blocks (conv, GroupSort2, L2 pool 2x2)
+      dense_width: 512         # cnn: width of the hidden dense layer
+      use_bias: false          # biases in every dense / conv layer
+    loss:
+      name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
+      tau: 10.0                # temperature of tau_cce / tau_bce
+      min_margin: 1.0          # margin of hinge / hkr
+      alpha: 10.0              # hinge weight of hkr
+    optimizer:
+      name: adam               # adam | sgd
+      learning_rate: 0.001
+      momentum: 0.9            # sgd only
+    privacy:
+      noise_multiplier: 3.0    # sigma (0: no noise, not private: epsilon is infinite)
+      delta: 1.0e-5
+      noisify_strategy: global # global | per-layer
+      epsilon_budget: 3.0      # null: no budget (then training.epochs is required)
+    training:
+      epochs: null             # null: the most epochs the budget allows (get_max_epochs)
+    certification:
+      radii: [0.0, 0.1, 0.25, 0.5, 1.0]   # L2 radii in input space; 0 = clean accuracy
+    output:
+      save_model: null         # path for model.save(...) after training
+
+Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
+
+- ``mlp``: ``DP_BoundedInput(X0), DP_Flatten, [DP_QuickSpectralDense(w), DP_GroupSort(2)]
+  for w in widths, DP_QuickSpectralDense(nb_classes)``.
+- ``cnn`` (the paper's network with the defaults): ``DP_BoundedInput(X0),
+  [DP_QuickSpectralConv2D(f, 3x3), DP_GroupSort(2), DP_ScaledL2NormPooling2D(2)]
+  for f in conv_filters, DP_Flatten, DP_QuickSpectralDense(dense_width),
+  DP_GroupSort(2), DP_QuickSpectralDense(nb_classes)``. Needs image inputs.
+
+The training budget: with ``epochs: null`` the run lasts ``get_max_epochs(epsilon_budget,
+model)`` epochs (at least one: if the budget allows less than an epoch, the
+accountant stops mid-epoch). In any case the `DP_Accountant` callback stops
+training before a step would exceed ``epsilon_budget``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "DEFAULT_CONFIG",
+    "apply_overrides",
+    "build_from_config",
+    "build_loss",
+    "build_model",
+    "build_optimizer",
+    "load_config",
+    "planned_epochs",
+    "validate_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration file, override or value is invalid (message says why)."""
+
+
+DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
+    "dataset": {
+        "name": "fashion_mnist",
+        "batch_size": 5000,
+        "input_bound": 10.0,
+        "bound": "clip",
+        "sampling": "poisson",
+        "seed": None,
+        "nb_samples_train": None,
+        "data_dir": None,
+    },
+    "model": {
+        "architecture": "mlp",
+        "widths": [1024],
+        "conv_filters": [32, 64],
+        "dense_width": 512,
+        "use_bias": False,
+    },
+    "loss": {"name": "tau_cce", "tau": 10.0, "min_margin": 1.0, "alpha": 10.0},
+    "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9},
+    "privacy": {
+        "noise_multiplier": 3.0,
+        "delta": 1.0e-5,
+        "noisify_strategy": "global",
+        "epsilon_budget": 3.0,
+    },
+    "training": {"epochs": None},
+    "certification": {"radii": [0.0, 0.1, 0.25, 0.5, 1.0]},
+    "output": {"save_model": None},
+}
+
+
+# --------------------------------------------------------------------------- #
+# Field validators: each returns the normalised value or raises ConfigError.
+# --------------------------------------------------------------------------- #
+def _invalid(key, expected, value):
+    return ConfigError(f"Received an invalid value for `{key}`, expected {expected}. "
+                       f"Received: {key}={value!r}")
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_float(value):
+    """A real number, or a string PyYAML left unparsed (it reads ``1e-5`` as a string)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _positive_int(key, value):
+    if not _is_int(value) or value <= 0:
+        raise _invalid(key, "a positive integer", value)
+    return int(value)
+
+
+def _number(low=None, high=None, low_open=False, high_open=False, expected=None):
+    def validate(key, value):
+        x = _as_float(value)
+        ok = x is not None and math.isfinite(x)
+        if ok and low is not None:
+            ok = x > low if low_open else x >= low
+        if ok and high is not None:
+            ok = x < high if high_open else x <= high
+        if not ok:
+            raise _invalid(key, expected, value)
+        return x
+
+    return validate
+
+
+def _choice(*choices):
+    def validate(key, value):
+        if value not in choices:
+            raise _invalid(key, "one of " + ", ".join(repr(c) for c in choices), value)
+        return value
+
+    return validate
+
+
+def _bool(key, value):
+    if not isinstance(value, bool):
+        raise _invalid(key, "true or false", value)
+    return value
+
+
+def _int_list(key, value, allow_empty=True):
+    if not isinstance(value, list) or not all(_is_int(v) and v > 0 for v in value) \
+            or (not allow_empty and not value):
+        expected = "a list of positive integers" + ("" if allow_empty else " (non-empty)")
+        raise _invalid(key, expected, value)
+    return [int(v) for v in value]
+
+
+def _radii(key, value):
+    if not isinstance(value, list):
+        raise _invalid(key, "a list of finite non-negative numbers", value)
+    out = []
+    for r in value:
+        x = _as_float(r)
+        if x is None or not math.isfinite(x) or x < 0:
+            raise _invalid(key, "a list of finite non-negative numbers", value)
+        out.append(x)
+    return out
+
+
+def _optional_int(key, value):
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise _invalid(key, "null or an integer", value)
+    return int(value)
+
+
+def _optional_str(key, value):
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _invalid(key, "null or a non-empty string (a path)", value)
+    return value
+
+
+def _dataset_names():
+    from lipdp.data import DATASET_NAMES
+
+    return DATASET_NAMES
+
+
+def _dataset_name(key, value):
+    return _choice(*_dataset_names())(key, value)
+
+
+_POSITIVE = _number(low=0, low_open=True, expected="a finite positive number")
+_NON_NEGATIVE = _number(low=0, expected="a finite non-negative number")
+
+_VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
+    "dataset": {
+        "name": _dataset_name,
+        "batch_size": _positive_int,
+        "input_bound": _POSITIVE,
+        "bound": _choice("clip", "normalize"),
+        "sampling": _choice("poisson", "shuffle"),
+        "seed": _optional_int,
+        "nb_samples_train": lambda k, v: None if v is None else _positive_int(k, v),
+        "data_dir": _optional_str,
+    },
+    "model": {
+        "architecture": _choice("mlp", "cnn"),
+        "widths": _int_list,
+        "conv_filters": lambda k, v: _int_list(k, v, allow_empty=False),
+        "dense_width": _positive_int,
+        "use_bias": _bool,
+    },
+    "loss": {
+        "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
+        "tau": _POSITIVE,
+        "min_margin": _POSITIVE,
+        "alpha": _POSITIVE,
+    },
+    "optimizer": {
+        "name": _choice("adam", "sgd"),
+        "learning_rate": _POSITIVE,
+        "momentum": _number(low=0, high=1, high_open=True, expected="a number in [0, 1)"),
+    },
+    "privacy": {
+        "noise_multiplier": _NON_NEGATIVE,
+        "delta": _number(low=0, high=1, low_open=True, high_open=True,
+                         expected="a number in (0, 1)"),
+        "noisify_strategy": _choice("global", "per-layer"),
+        "epsilon_budget": lambda k, v: None if v is None else _POSITIVE(k, v),
+    },
+    "training": {"epochs": lambda k, v: None if v is None else _positive_int(k, v)},
+    "certification": {"radii": _radii},
+    "output": {"save_model": _optional_str},
+}
+assert _VALIDATORS.keys() == DEFAULT_CONFIG.keys()
+assert all(_VALIDATORS[s].keys() == DEFAULT_CONFIG[s].keys() for s in DEFAULT_CONFIG)
+
+
+# --------------------------------------------------------------------------- #
+# Reading, merging, overriding, validating.
+# --------------------------------------------------------------------------- #
+def _valid_keys(section=None) -> str:
+    if section is None:
+        return ", ".join(DEFAULT_CONFIG)
+    return ", ".join(f"{section}.{k}" for k in DEFAULT_CONFIG[section])
+
+
+def _check_key(section, field, where):
+    where = f" {where}" if where else ""
+    if section not in DEFAULT_CONFIG:
+        raise ConfigError(f"Unknown config section `{section}`{where}. Valid sections: "
+                          f"{_valid_keys()}.")
+    if field is not None and field not in DEFAULT_CONFIG[section]:
+        raise ConfigError(f"Unknown config key `{section}.{field}`{where}. Valid keys: "
+                          f"{_valid_keys(section)}.")
+
+
+def _merge(user: Any, where: str) -> Dict[str, Dict[str, Any]]:
+    """Defaults updated with the user's mapping (unknown sections / keys rejected)."""
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    if user is None:
+        return cfg
+    where_ = f" {where}" if where else ""
+    if not isinstance(user, dict):
+        raise ConfigError(f"The config{where_} must be a mapping of sections "
+                          f"({_valid_keys()}). Received: {user!r}")
+    for section, fields in user.items():
+        _check_key(section, None, where)
+        if fields is None:
+            continue
+        if not isinstance(fields, dict):
+            raise ConfigError(f"Config section `{section}`{where_} must be a mapping of "
+                              f"fields ({_valid_keys(section)}). Received: {section}={fields!r}")
+        for field, value in fields.items():
+            _check_key(section, field, where)
+            cfg[section][field] = value
+    return cfg
+
+
+def parse_override(text: str) -> Tuple[str, str, Any]:
+    """``"section.field=value"`` -> ``(section, field, yaml.safe_load(value))``."""
+    if not isinstance(text, str) or "=" not in text:
+        raise ConfigError(f"Invalid override {text!r}: expected section.field=value, e.g. "
+                          "training.epochs=5.")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"Invalid override key {key!r} in {text!r}: expected section.field "
+                          f"(sections: {_valid_keys()}).")
+    section, field = parts
+    _check_key(section, field, f"in override {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Invalid YAML value in override {text!r}: {e}") from None
+    return section, field, value
+
+
+def apply_overrides(cfg: Dict[str, Dict[str, Any]], overrides: Sequence[str]):
+    """Returns a copy of `cfg` with ``section.field=value`` overrides applied (not validated)."""
+    cfg = copy.deepcopy(cfg)
+    for text in overrides or ():
+        section, field, value = parse_override(text)
+        cfg[section][field] = value
+    return cfg
+
+
+def validate_config(cfg: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Checks every field (and the few cross-field rules); returns a normalised copy.
+
+    Raises:
+        ConfigError: naming the field and echoing the bad value.
+    """
+    cfg = _merge(cfg, "")
+    out = {}
+    for section, validators in _VALIDATORS.items():
+        out[section] = {field: check(f"{section}.{field}", cfg[section][field])
+                        for field, check in validators.items()}
+    privacy, training = out["privacy"], out["training"]
+    if privacy["epsilon_budget"] is None and training["epochs"] is None:
+        raise ConfigError("Set `training.epochs` or `privacy.epsilon_budget`: with neither, "
+                          "the length of the run is undefined. Received: "
+                          "privacy.epsilon_budget=None, training.epochs=None")
+    if privacy["noise_multiplier"] == 0 and privacy["epsilon_budget"] is not None:
+        raise ConfigError("privacy.noise_multiplier=0 adds no noise (epsilon is infinite), so "
+                          "no step fits in a budget: set privacy.epsilon_budget=null and "
+                          "training.epochs. Received: privacy.noise_multiplier=0, "
+                          f"privacy.epsilon_budget={privacy['epsilon_budget']!r}")
+    dataset = out["dataset"]
+    n = dataset["nb_samples_train"]
+    if n is not None and dataset["batch_size"] > n:
+        raise ConfigError(f"`dataset.batch_size` ({dataset['batch_size']}) exceeds "
+                          f"`dataset.nb_samples_train` ({n}).")
+    return out
+
+
+def load_config(path=None, overrides: Sequence[str] = ()) -> Dict[str, Dict[str, Any]]:
+    """Reads a YAML config (or only the defaults if `path` is None), applies overrides, validates.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, unknown key, invalid value.
+    """
+    user = None
+    if path is not None:
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                user = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"Cannot read config file {path}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"Invalid YAML in config file {path}: {e}") from None
+    cfg = _merge(user, f"in {path}" if path is not None else "")
+    return validate_config(apply_overrides(cfg, overrides))
+
+
+# --------------------------------------------------------------------------- #
+# Builders.
+# --------------------------------------------------------------------------- #
+def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
+    """The `DP_Sequential` described by the ``model`` section (see module docstring)."""
+    from lipdp import layers
+    from lipdp.model import DP_Sequential
+
+    use_bias = model_cfg["use_bias"]
+    stack: List[Any] = [layers.DP_BoundedInput(input_shape=metadata.input_shape,
+                                               upper_bound=metadata.max_norm)]
+    if model_cfg["architecture"] == "mlp":
+        stack.append(layers.DP_Flatten())
+        for width in model_cfg["widths"]:
+            stack += [layers.DP_QuickSpectralDense(width, use_bias=use_bias),
+                      layers.DP_GroupSort(2)]
+    else:
+        if len(metadata.input_shape) != 3:
+            raise ConfigError("model.architecture='cnn' needs image inputs (H, W, C); dataset "
+                              f"inputs have shape {metadata.input_shape}. Use 'mlp'.")
+        for filters in model_cfg["conv_filters"]:
+            stack += [layers.DP_QuickSpectralConv2D(filters, 3, use_bias=use_bias),
+                      layers.DP_GroupSort(2),
+                      layers.DP_ScaledL2NormPooling2D(pool_size=2, strides=2)]
+        stack += [layers.DP_Flatten(),
+                  layers.DP_QuickSpectralDense(model_cfg["dense_width"], use_bias=use_bias),
+                  layers.DP_GroupSort(2)]
+    stack.append(layers.DP_QuickSpectralDense(metadata.nb_classes, use_bias=use_bias))
+    return DP_Sequential(layers=stack, dp_parameters=dp_parameters, dataset_metadata=metadata)
+
+
+def build_loss(loss_cfg: Dict[str, Any]):
+    """The DP loss of the ``loss`` section."""
+    from lipdp import losses
+
+    name = loss_cfg["name"]
+    if name == "tau_cce":
+        return losses.DP_TauCategoricalCrossentropy(tau=loss_cfg["tau"])
+    if name == "tau_bce":
+        return losses.DP_TauBCE(tau=loss_cfg["tau"])
+    if name == "hinge":
+        return losses.DP_MulticlassHinge(min_margin=loss_cfg["min_margin"])
+    if name == "kr":
+        return losses.DP_MulticlassKR()
+    return losses.DP_MulticlassHKR(alpha=loss_cfg["alpha"], min_margin=loss_cfg["min_margin"])
+
+
+def build_optimizer(optimizer_cfg: Dict[str, Any]):
+    """The Keras optimizer of the ``optimizer`` section."""
+    import tensorflow as tf
+
+    if optimizer_cfg["name"] == "adam":
+        return tf.keras.optimizers.Adam(learning_rate=optimizer_cfg["learning_rate"])
+    return tf.keras.optimizers.SGD(learning_rate=optimizer_cfg["learning_rate"],
+                                   momentum=optimizer_cfg["momentum"])
+
+
+def planned_epochs(cfg: Dict[str, Dict[str, Any]], model) -> int:
+    """``training.epochs``, or the most epochs ``privacy.epsilon_budget`` allows (>= 1).
+
+    Raises:
+        ConfigError: the budget does not even allow one step.
+    """
+    from lipdp import accounting
+
+    epochs, budget = cfg["training"]["epochs"], cfg["privacy"]["epsilon_budget"]
+    if budget is not None:
+        sigma = accounting.model_step_noise_multiplier(model)
+        q, delta = model.dataset_metadata.sampling_rate, cfg["privacy"]["delta"]
+        if accounting.max_steps_for_budget(budget, sigma, q, delta) == 0:
+            one = accounting.compute_epsilon(sigma, q, 1, delta)
+            raise ConfigError(
+                f"privacy.epsilon_budget={budget!r} does not allow a single step: one step "
+                f"spends epsilon={one:.4g} (noise multiplier {sigma:g}, sampling rate {q:g}). "
+                "Raise the budget or privacy.noise_multiplier, or lower dataset.batch_size.")
+    if epochs is not None:
+        return epochs
+    # At least one epoch: if less than an epoch fits, the accountant stops mid-epoch.
+    return max(1, accounting.get_max_epochs(budget, model))
+
+
+def build_from_config(cfg: Dict[str, Dict[str, Any]]):
+    """Builds a run from a config (validated again here).
+
+    Returns:
+        ``(model, ds_train, ds_test, metadata, fit_kwargs)``: a compiled
+        `DP_Sequential`, the pipelines and metadata of `lipdp.data.load_dataset`,
+        and ``fit_kwargs = {"epochs", "validation_data", "callbacks"}`` for
+        ``model.fit(ds_train, **fit_kwargs)``; the callbacks hold a
+        `DP_Accountant` with the config's budget that prints epsilon each epoch.
+
+    Raises:
+        ConfigError: invalid config, or values the data / model reject (e.g.
+            a batch size larger than the training set).
+        FileNotFoundError, lipdp.data.DatasetFormatError: the data is missing
+            or corrupt.
+    """
+    from lipdp.callbacks import DP_Accountant
+    from lipdp.data import DatasetFormatError, load_dataset
+    from lipdp.metadata import DPParameters
+
+    cfg = validate_config(cfg)
+    d = cfg["dataset"]
+    bound = {"bound_clip_value" if d["bound"] == "clip" else "bound_normalize": d["input_bound"]}
+    try:
+        ds_train, ds_test, metadata = load_dataset(
+            d["name"], d["batch_size"], sampling=d["sampling"], seed=d["seed"],
+            nb_samples_train=d["nb_samples_train"], data_dir=d["data_dir"], **bound)
+    except DatasetFormatError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"Invalid dataset section: {e}") from None
+    p = cfg["privacy"]
+    try:
+        dp_parameters = DPParameters(noise_multiplier=p["noise_multiplier"], delta=p["delta"],
+                                     noisify_strategy=p["noisify_strategy"])
+        model = build_model(cfg["model"], metadata, dp_parameters)
+        model.compile(loss=build_loss(cfg["loss"]), optimizer=build_optimizer(cfg["optimizer"]),
+                      metrics=["accuracy"])
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"Cannot build the model from the config: {e}") from None
+    fit_kwargs = {
+        "epochs": planned_epochs(cfg, model),
+        "validation_data": ds_test,
+        "callbacks": [DP_Accountant(epsilon_budget=p["epsilon_budget"], log_fn="print")],
+    }
+    return model, ds_train, ds_test, metadata, fit_kwargs

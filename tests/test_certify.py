@@ -1,0 +1,201 @@
+"""Tests of lipdp.certify: radius formula, soundness against attacks, accuracy.
+
+Soundness is tested against an independent adversary: for each input, random
+perturbations and a projected-gradient attack on the runner-up margin, both
+restricted to the L2 ball of radius 0.99 * r(x), must never change the
+predicted class. The 1% slack covers float32 rounding of the logits (relative
+~1e-6), far below it. The attack is checked to be strong: with a budget of
+2 r(x) it must flip most decisions, and inside 0.99 r(x) it must consume a
+large part of the margin, so a loose or wrong radius would be caught.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lipdp import certify
+from lipdp.bounds import lipschitz_bound
+from lipdp.layers import DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralDense
+from lipdp.metadata import DatasetMetadata, DPParameters
+from lipdp.model import DP_Sequential
+
+DIM, NB_CLASSES, X0 = 8, 3, 2.0
+
+
+def make_model(nb_outputs=NB_CLASSES, seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    metadata = DatasetMetadata(input_shape=(DIM,), nb_classes=nb_outputs, nb_samples_train=100,
+                               nb_samples_test=10, batch_size=10, max_norm=X0)
+    model = DP_Sequential(
+        layers=[
+            DP_BoundedInput(input_shape=(DIM,), upper_bound=X0),
+            DP_Flatten(),
+            DP_QuickSpectralDense(16, use_bias=True),
+            DP_GroupSort(2),
+            DP_QuickSpectralDense(nb_outputs, use_bias=True),
+        ],
+        dp_parameters=DPParameters(noise_multiplier=1.0, delta=1e-5),
+        dataset_metadata=metadata,
+    )
+    # Non-zero biases, so that the certificate covers affine layers too.
+    for layer in model.layers:
+        if getattr(layer, "use_bias", False):
+            layer.bias.assign(tf.random.normal(layer.bias.shape, stddev=0.3, seed=seed))
+    return model
+
+
+def sample_inputs(n, seed=1):
+    """Inputs of norm in [0.2, 3]: inside the clipping ball, on it and outside it."""
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, DIM))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return (x * rng.uniform(0.2, 3.0, size=(n, 1))).astype(np.float32)
+
+
+def predict(model, x):
+    return np.argmax(model(x, training=False).numpy(), axis=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+def test_radius_formula_matches_hand_computation(model):
+    x = sample_inputs(50)
+    radii = certify.certified_radii(model, x, batch_size=7)  # several batches
+    logits = model(x, training=False).numpy().astype(np.float64)
+    lip = float(lipschitz_bound(model))
+    assert 0.99 < lip < 1.01  # spectrally normalised layers, 1-Lipschitz activations
+    expected = []
+    for row in logits:
+        top, second = sorted(row)[-1], sorted(row)[-2]
+        expected.append((top - second) / (math.sqrt(2.0) * lip))
+    # The reference logits come from one batch of 50, the radii from batches of
+    # 7: float32 matmuls of different shapes round differently (relative ~1e-7
+    # on the logits, amplified by the subtraction), hence atol 1e-6.
+    np.testing.assert_allclose(radii, expected, rtol=1e-5, atol=1e-6)
+    assert radii.shape == (50,) and np.all(radii >= 0)
+
+
+def test_radius_of_a_tie_is_zero_and_binary_formula():
+    np.testing.assert_array_equal(certify.margins(np.array([[1.0, 1.0, 0.0]])), [0.0])
+    binary = make_model(nb_outputs=1)
+    x = sample_inputs(20)
+    lip = float(lipschitz_bound(binary))
+    logit = binary(x, training=False).numpy()[:, 0].astype(np.float64)
+    np.testing.assert_allclose(certify.certified_radii(binary, x), np.abs(logit) / lip,
+                               rtol=1e-12)
+
+
+def _project(delta, eps):
+    norms = tf.norm(delta, axis=1, keepdims=True)
+    return delta * tf.minimum(1.0, eps / tf.maximum(norms, 1e-12))
+
+
+def pgd_attack(model, x, labels, eps, steps=300, seed=0):
+    """L2 PGD on ``max_{j != k} f_j - f_k`` (per-example step eps/20 decayed to eps/200).
+
+    Returns the perturbations (each of norm <= eps) that reached the largest
+    objective along the way.
+    """
+    x = tf.constant(x)
+    eps = tf.constant(eps.reshape(-1, 1), tf.float32)
+    mask = tf.one_hot(labels, NB_CLASSES)
+    rng = tf.random.Generator.from_seed(seed)
+    delta = _project(rng.normal(x.shape) * eps, eps)
+    best_delta, best_obj = delta, tf.fill([x.shape[0]], -np.inf)
+
+    def objective(d):
+        logits = model(x + d, training=False)
+        runner_up = tf.reduce_max(logits - 1e9 * mask, axis=1)
+        return runner_up - tf.reduce_sum(logits * mask, axis=1)
+
+    for step in range(steps):
+        with tf.GradientTape() as tape:
+            tape.watch(delta)
+            obj = objective(delta)
+        better = obj > best_obj
+        best_obj = tf.where(better, obj, best_obj)
+        best_delta = tf.where(better[:, None], delta, best_delta)
+        grad = tape.gradient(obj, delta)
+        grad = grad / tf.maximum(tf.norm(grad, axis=1, keepdims=True), 1e-12)
+        size = eps / 20.0 * (0.1 ** (step / steps))
+        delta = _project(delta + size * grad, eps)
+    obj = objective(delta)
+    better = obj > best_obj
+    return tf.where(better[:, None], delta, best_delta).numpy()
+
+
+def test_soundness_random_and_gradient_attacks(model):
+    x = sample_inputs(64, seed=2)
+    labels = predict(model, x)
+    radii = certify.certified_radii(model, x)
+    assert np.all(radii > 0)
+    eps = (0.99 * radii).astype(np.float32)
+
+    # Random directions, on the sphere of radius eps.
+    rng = np.random.RandomState(3)
+    for _ in range(20):
+        u = rng.normal(size=x.shape)
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        np.testing.assert_array_equal(predict(model, x + (u * eps[:, None]).astype(np.float32)),
+                                      labels)
+
+    # Gradient attack inside the certified ball: never succeeds ...
+    delta = pgd_attack(model, x, labels, eps)
+    assert np.all(np.linalg.norm(delta, axis=1) <= eps * (1 + 1e-5))
+    np.testing.assert_array_equal(predict(model, x + delta), labels)
+    # ... but it is strong: it eats most of the margin on average (a sound but
+    # loose radius would leave it untouched) ...
+    logits = model(x, training=False).numpy()
+    attacked = model(x + delta, training=False).numpy()
+    margin_before = certify.margins(logits)
+    margin_after = certify.margins(attacked)
+    assert np.mean(margin_after / margin_before) < 0.6
+    # ... and with a budget of 2 r(x) it flips most decisions (measured: > 90%
+    # for two seeds), so the certified radius is within a factor 2 of tight.
+    delta_big = pgd_attack(model, x, labels, (2.0 * radii).astype(np.float32))
+    assert np.mean(predict(model, x + delta_big) != labels) > 0.5
+
+
+def test_certified_accuracy_radius_zero_is_accuracy(model):
+    x = sample_inputs(200, seed=4)
+    rng = np.random.RandomState(5)
+    labels = np.where(rng.uniform(size=200) < 0.7, predict(model, x),
+                      rng.randint(0, NB_CLASSES, size=200))
+    y = np.eye(NB_CLASSES, dtype=np.float32)[labels]
+    acc = float(np.mean(predict(model, x) == labels))
+    radii = [0.0, 0.01, 0.05, 0.1, 10.0]
+    result = certify.certified_accuracy(model, (x, y), radii, batch_size=33)
+    assert list(result) == radii
+    assert result[0.0] == pytest.approx(acc, abs=1e-12)
+    values = list(result.values())
+    assert all(a >= b for a, b in zip(values, values[1:]))  # non-increasing in r
+    assert result[10.0] == 0.0
+    # Same numbers from a batched tf.data pipeline and from integer labels.
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+    assert certify.certified_accuracy(model, ds, radii) == result
+    assert certify.certified_accuracy(model, (x, labels), radii) == result
+    # Independent computation of the r > 0 entries (strict inequality).
+    r = certify.certified_radii(model, x)
+    correct = predict(model, x) == labels
+    for radius in radii[1:]:
+        assert result[radius] == pytest.approx(np.mean(correct & (r > radius)), abs=1e-12)
+
+
+def test_certified_accuracy_strict_at_the_radius(model):
+    x = sample_inputs(1, seed=6)
+    labels = predict(model, x)
+    r = float(certify.certified_radii(model, x)[0])
+    res = certify.certified_accuracy(model, (x, labels), [0.0, r, np.nextafter(r, 0)])
+    assert res == {0.0: 1.0, r: 0.0, float(np.nextafter(r, 0)): 1.0}
+
+
+@pytest.mark.parametrize("bad", [[-0.1], [float("nan")], ["0.5"], [True]])
+def test_certified_accuracy_rejects_bad_radii(model, bad):
+    x = sample_inputs(3)
+    with pytest.raises(ValueError, match="radii"):
+        certify.certified_accuracy(model, (x, predict(model, x)), bad)

@@ -1,0 +1,305 @@
+"""Tests of lipdp.config and the `lipdp` command line.
+
+Hermetic: the end-to-end run trains on a tiny synthetic Fashion-MNIST-shaped
+IDX dataset written to a temporary directory and found through
+``$LIPDP_DATA_DIR``; nothing is downloaded (the Keras loader is replaced by one
+that fails).
+"""
+
+import os
+
+import pytest
+import tensorflow as tf
+import yaml
+
+from lipdp import cli, config, data
+from lipdp.config import ConfigError, load_config
+from tests.test_data import make_mnist_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_yaml(path, content):
+    path.write_text(yaml.safe_dump(content) if isinstance(content, dict) else content)
+    return str(path)
+
+
+@pytest.fixture
+def no_download(tmp_path, monkeypatch):
+    """No dataset reachable by accident (empty env dir, Keras home, Debian root, no network)."""
+    monkeypatch.delenv(data.DATA_DIR_ENV, raising=False)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
+    monkeypatch.setattr(data, "DEBIAN_DATASETS_DIR", str(tmp_path / "debian"))
+
+    def offline():
+        raise OSError("network disabled in tests")
+
+    monkeypatch.setattr(tf.keras.datasets.fashion_mnist, "load_data", offline)
+    return tmp_path
+
+
+@pytest.fixture
+def fake_fashion(no_download, monkeypatch):
+    """Synthetic Fashion-MNIST (60 train / 30 test, 28x28 uint8) under $LIPDP_DATA_DIR."""
+    root = no_download / "datasets"
+    make_mnist_dir(str(root / "fashion_mnist"), n_train=60, n_test=30)
+    monkeypatch.setenv(data.DATA_DIR_ENV, str(root))
+    return root
+
+
+# ----------------------------------------------------------------------------
+# config: files, defaults, overrides
+# ----------------------------------------------------------------------------
+
+
+def test_shipped_main_config_has_the_measured_settings():
+    cfg = load_config(os.path.join(REPO, "configs", "fashion_mnist.yaml"))
+    assert cfg["dataset"] == {"name": "fashion_mnist", "batch_size": 5000, "input_bound": 10.0,
+                              "bound": "clip", "sampling": "poisson", "seed": None,
+                              "nb_samples_train": None, "data_dir": None}
+    assert cfg["model"]["architecture"] == "mlp" and cfg["model"]["widths"] == [1024]
+    assert cfg["model"]["use_bias"] is False
+    assert (cfg["loss"]["name"], cfg["loss"]["tau"]) == ("tau_cce", 10.0)
+    assert (cfg["optimizer"]["name"], cfg["optimizer"]["learning_rate"]) == ("adam", 0.001)
+    assert cfg["privacy"] == {"noise_multiplier": 3.0, "delta": 1e-5,
+                              "noisify_strategy": "global", "epsilon_budget": 3.0}
+    assert cfg["training"]["epochs"] is None
+    assert cfg["certification"]["radii"] == [0.0, 0.1, 0.25, 0.5, 1.0]
+    cnn = load_config(os.path.join(REPO, "configs", "fashion_mnist_cnn.yaml"))
+    assert cnn["model"]["architecture"] == "cnn" and cnn["model"]["conv_filters"] == [32, 64]
+    assert cnn["model"]["dense_width"] == 512
+
+
+def test_defaults_partial_file_and_overrides(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", "dataset:\n  batch_size: 100\nmodel:\n")
+    cfg = load_config(path, ["training.epochs=3", "model.widths=[64, 32]",
+                             "model.use_bias=true", "privacy.epsilon_budget=null",
+                             "privacy.delta=1e-6", "optimizer.learning_rate=0.01"])
+    assert cfg["dataset"]["batch_size"] == 100
+    assert cfg["dataset"]["name"] == config.DEFAULT_CONFIG["dataset"]["name"]
+    assert cfg["training"]["epochs"] == 3
+    assert cfg["model"]["widths"] == [64, 32] and cfg["model"]["use_bias"] is True
+    assert cfg["privacy"]["epsilon_budget"] is None
+    # PyYAML reads "1e-6" as a string: numeric fields accept it as a number.
+    assert cfg["privacy"]["delta"] == 1e-6 and isinstance(cfg["privacy"]["delta"], float)
+    assert cfg["optimizer"]["learning_rate"] == 0.01
+    # The defaults themselves are untouched, and validation is idempotent.
+    assert config.DEFAULT_CONFIG["model"]["widths"] == [1024]
+    assert config.validate_config(cfg) == cfg
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("dataset.batch_size=-5", ["`dataset.batch_size`", "positive integer", "dataset.batch_size=-5"]),
+    ("dataset.batch_size=1.5", ["dataset.batch_size=1.5"]),
+    ("dataset.name=imagenet", ["'fashion_mnist'", "dataset.name='imagenet'"]),
+    ("dataset.bound=squash", ["'clip', 'normalize'", "dataset.bound='squash'"]),
+    ("dataset.input_bound=0", ["finite positive", "dataset.input_bound=0"]),
+    ("model.architecture=resnet", ["model.architecture='resnet'"]),
+    ("model.widths=[64, -1]", ["list of positive integers", "model.widths=[64, -1]"]),
+    ("model.use_bias=yes please", ["true or false", "model.use_bias='yes please'"]),
+    ("loss.name=mse", ["'tau_cce'", "loss.name='mse'"]),
+    ("loss.tau=-1", ["loss.tau=-1"]),
+    ("optimizer.momentum=1.0", ["[0, 1)", "optimizer.momentum=1.0"]),
+    ("privacy.delta=2", ["(0, 1)", "privacy.delta=2"]),
+    ("privacy.noise_multiplier=abc", ["privacy.noise_multiplier='abc'"]),
+    ("privacy.noisify_strategy=local", ["'per-layer'", "privacy.noisify_strategy='local'"]),
+    ("training.epochs=0", ["training.epochs=0"]),
+    ("certification.radii=[0.1, -1]", ["certification.radii=[0.1, -1]"]),
+    ("output.save_model=3", ["output.save_model=3"]),
+])
+def test_bad_values_are_echoed(override, fragments):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_unknown_keys_list_the_valid_ones(tmp_path):
+    with pytest.raises(ConfigError, match="Unknown config key `model.depth`") as info:
+        load_config(None, ["model.depth=3"])
+    for key in ("model.architecture", "model.widths", "model.use_bias"):
+        assert key in str(info.value)
+    with pytest.raises(ConfigError, match="Unknown config section `trainer`.*training"):
+        load_config(None, ["trainer.epochs=3"])
+    path = write_yaml(tmp_path / "c.yaml", {"privacy": {"epsilon": 3.0}})
+    with pytest.raises(ConfigError, match=r"`privacy.epsilon` in .*c.yaml.*privacy.epsilon_budget"):
+        load_config(path)
+    path = write_yaml(tmp_path / "d.yaml", {"optimiser": {"name": "sgd"}})
+    with pytest.raises(ConfigError, match="Unknown config section `optimiser`.*optimizer"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override", ["training.epochs", "epochs=3", "a.b.c=1", "=3"])
+def test_malformed_overrides(override):
+    with pytest.raises(ConfigError, match="override"):
+        load_config(None, [override])
+
+
+def test_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="Cannot read config file"):
+        load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="Invalid YAML"):
+        load_config(write_yaml(tmp_path / "a.yaml", "model: [unclosed\n"))
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(write_yaml(tmp_path / "b.yaml", "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="`model`.*mapping of fields"):
+        load_config(write_yaml(tmp_path / "c.yaml", "model: mlp\n"))
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="training.epochs.*epsilon_budget"):
+        load_config(None, ["privacy.epsilon_budget=null"])
+    with pytest.raises(ConfigError, match="noise_multiplier=0"):
+        load_config(None, ["privacy.noise_multiplier=0"])
+    with pytest.raises(ConfigError, match="exceeds"):
+        load_config(None, ["dataset.nb_samples_train=10", "dataset.batch_size=20"])
+    # Non-private runs are allowed when their length is given.
+    load_config(None, ["privacy.noise_multiplier=0", "privacy.epsilon_budget=null",
+                       "training.epochs=1"])
+
+
+# ----------------------------------------------------------------------------
+# builders
+# ----------------------------------------------------------------------------
+
+
+def test_build_cnn_is_the_papers_network(fake_fashion):
+    cfg = load_config(None, ["model.architecture=cnn", "dataset.batch_size=20",
+                             "privacy.epsilon_budget=null", "training.epochs=1",
+                             "loss.name=hkr", "optimizer.name=sgd"])
+    model, _, _, metadata, fit_kwargs = config.build_from_config(cfg)
+    kinds = [type(layer).__name__ for layer in model.layers]
+    assert kinds == ["DP_BoundedInput",
+                     "DP_QuickSpectralConv2D", "DP_GroupSort", "DP_ScaledL2NormPooling2D",
+                     "DP_QuickSpectralConv2D", "DP_GroupSort", "DP_ScaledL2NormPooling2D",
+                     "DP_Flatten", "DP_QuickSpectralDense", "DP_GroupSort",
+                     "DP_QuickSpectralDense"]
+    assert [model.layers[i].filters for i in (1, 4)] == [32, 64]
+    assert model.layers[8].units == 512 and model.layers[-1].units == 10
+    assert not any(getattr(layer, "use_bias", False) for layer in model.layers)
+    assert model.layers[0].upper_bound == 10.0 and metadata.max_norm == 10.0
+    assert type(model.dp_loss).__name__ == "DP_MulticlassHKR"
+    assert isinstance(model.optimizer, tf.keras.optimizers.SGD)
+    assert fit_kwargs["epochs"] == 1
+
+
+def test_build_rejects_what_the_data_rejects(fake_fashion):
+    # 60 training examples in the synthetic set: a batch of 100 cannot be drawn.
+    with pytest.raises(ConfigError, match="batch_size"):
+        config.build_from_config(load_config(None, ["dataset.batch_size=100"]))
+    with pytest.raises(ConfigError, match="image inputs"):
+        config.build_from_config(load_config(None, [
+            "dataset.name=digits", "dataset.batch_size=100", "model.architecture=cnn"]))
+
+
+@pytest.mark.parametrize("epochs", ["null", "2"])
+def test_budget_too_small_for_one_step(fake_fashion, epochs):
+    cfg = load_config(None, ["dataset.batch_size=30", "privacy.epsilon_budget=0.01",
+                             f"training.epochs={epochs}"])
+    with pytest.raises(ConfigError, match="does not allow a single step"):
+        config.build_from_config(cfg)
+
+
+def test_budget_shorter_than_one_epoch(fake_fashion):
+    # q = 30/60, sigma = 3: one step spends epsilon 0.88, an epoch (2 steps) 1.20.
+    cfg = load_config(None, ["dataset.batch_size=30", "privacy.epsilon_budget=1.0"])
+    _, _, _, _, fit_kwargs = config.build_from_config(cfg)
+    assert fit_kwargs["epochs"] == 1  # the accountant stops after the first step
+
+
+# ----------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------
+
+
+def test_help(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "train" in capsys.readouterr().out
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "CONFIG" in out and "--set" in out
+    for field in ("epsilon_budget: 3.0", "architecture: mlp", "radii: [0.0, 0.1"):
+        assert field in out  # the schema with its defaults
+    assert cli.main([]) == 2  # no command
+    assert cli.main(["fly"]) == 2
+
+
+def test_bad_config_exits_2_without_traceback(tmp_path, capsys):
+    path = write_yaml(tmp_path / "c.yaml", {"dataset": {"batch_size": -1}})
+    assert cli.main(["train", path]) == 2
+    err = capsys.readouterr().err
+    assert "dataset.batch_size=-1" in err and "Traceback" not in err
+    assert cli.main(["train", path, "--set", "dataset.batch_size=10", "--set", "model.nope=1"]) == 2
+    err = capsys.readouterr().err
+    assert "model.nope" in err and "model.widths" in err
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_missing_data_exits_1(no_download, capsys):
+    path = write_yaml(no_download / "c.yaml", {"dataset": {"batch_size": 10}})
+    assert cli.main(["train", path]) == 1
+    err = capsys.readouterr().err
+    assert "not found" in err and "Traceback" not in err
+
+
+def test_train_end_to_end(fake_fashion, tmp_path, capsys):
+    saved = tmp_path / "model.keras"
+    path = write_yaml(tmp_path / "tiny.yaml", {
+        "dataset": {"name": "fashion_mnist", "batch_size": 10, "nb_samples_train": 40,
+                    "input_bound": 10.0, "seed": 0},
+        "model": {"architecture": "mlp", "widths": [16]},
+        # q = 10/40, sigma = 3: 4 steps/epoch, epsilon 1.18 after 2 epochs, 1.42 after 3.
+        "privacy": {"noise_multiplier": 3.0, "delta": 1e-5, "epsilon_budget": 1.3},
+        "certification": {"radii": [0.0, 0.01, 0.5]},
+        "output": {"save_model": str(saved)},
+    })
+    assert cli.main(["train", path, "--set", "optimizer.learning_rate=0.01"]) == 0
+    out = capsys.readouterr().out
+    # the resolved config is printed as YAML that reads back to itself
+    printed = out.split("=== Config ===")[1].split("=== Data ===")[0]
+    assert yaml.safe_load(printed) == load_config(path, ["optimizer.learning_rate=0.01"])
+    # data source, model, bounds, plan
+    assert "loaded from" in out and str(fake_fashion) in out
+    assert "DP_QuickSpectralDense" in out and "Total params" in out
+    assert "per-example bound" in out and "kernel" in out
+    assert "2 epochs (the most that fit in epsilon_budget=1.3) = 8 steps" in out
+    # per epoch: Keras line with epsilon, and the accountant's line
+    assert "Epoch 2/2" in out and "Epoch 3/" not in out
+    assert "epsilon: 1.1795" in out and "lipdp: epoch 2: epsilon=1.179" in out
+    # summary
+    summary = out.split("=== Summary ===")[1]
+    assert "training wall time" in summary and "(2 epochs, 8 steps)" in summary
+    assert "(epsilon=1.179, delta=1e-05)-DP" in summary
+    assert "test accuracy" in summary and "certified accuracy" in summary
+    rows = [line.split() for line in summary.splitlines() if line.startswith("  ")]
+    assert [r[0] for r in rows] == ["radius", "0", "0.01", "0.5"]
+    accuracies = [float(r[1]) for r in rows[1:]]
+    assert all(0 <= a <= 1 for a in accuracies)
+    assert accuracies == sorted(accuracies, reverse=True)
+    test_accuracy = float(summary.split("test accuracy")[1].split(":")[1].split()[0])
+    assert test_accuracy == accuracies[0]
+    assert saved.exists() and f"model saved to {saved}" in out
+
+
+def test_documented_schema_matches_the_defaults():
+    schema = cli._schema_help().split(":", 1)[1]
+    assert yaml.safe_load(schema) == config.DEFAULT_CONFIG
+
+
+def test_train_stops_at_the_budget(fake_fashion, tmp_path, capsys):
+    path = write_yaml(tmp_path / "tiny.yaml", {
+        "dataset": {"batch_size": 10, "nb_samples_train": 40},
+        "model": {"widths": [8]},
+        "privacy": {"epsilon_budget": 1.3},
+        "training": {"epochs": 3},  # 12 steps would spend epsilon 1.42; 9 fit in 1.3
+        "certification": {"radii": [0.1]},
+    })
+    assert cli.main(["train", path]) == 0
+    out = capsys.readouterr().out
+    assert "that exceeds epsilon_budget=1.3: the accountant will stop training after 9 steps" in out
+    summary = out.split("=== Summary ===")[1]
+    assert "(3 epochs, 9 steps)" in summary
+    eps = float(summary.split("(epsilon=")[1].split(",")[0])
+    assert eps <= 1.3
+    rows = [line.split() for line in summary.splitlines() if line.startswith("  ")]
+    assert [r[0] for r in rows] == ["radius", "0.1"]
