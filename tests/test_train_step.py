@@ -84,7 +84,11 @@ def test_zero_noise_step_is_plain_sgd_on_sum_over_denominator_then_projection():
 def test_projections_hold_after_every_step():
     """After each noisy step: every dense kernel's exact largest singular value (SVD) is
     <= 1 + 1e-3, the RKO matrix of every conv kernel too, and the certified operator bound
-    of each conv is >= a power iteration on the conv operator itself and within 5% of it."""
+    of each conv is >= a power iteration on the conv operator itself, and not far above it.
+    Tightness tolerance: the certificate is the norm of a circular convolution on a
+    (H+2)x(W+2) torus; on these tiny 8x8 inputs its edge effects make it up to ~10% larger than
+    the zero-padded operator (measured 9% with one channel, 0.6% at 14x14 with 32 channels), so
+    15% is asserted here; soundness (measured <= certified) is asserted exactly."""
     rng = np.random.default_rng(3)
     model = _compiled(cnn(sigma=3.0), lr=0.3)
     x, y = _data(rng, 64)
@@ -103,7 +107,7 @@ def test_projections_hold_after_every_step():
                     layer.input_shape[1:], iterations=300)
                 assert measured <= certified * (1 + 1e-4), layer.name
                 if layer.strides == (1, 1):
-                    assert certified <= measured * 1.05, layer.name
+                    assert certified <= measured * 1.15, layer.name
 
 
 def test_certified_dense_norm_matches_svd_for_unprojected_kernels():

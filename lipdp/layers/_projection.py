@@ -83,3 +83,64 @@ def project_kernel(kernel, u, config, maxiter_spectral):
             lambda: bjorck(matrix / (tf.norm(matrix) + config.eps_spectral)),
         )
     return tf.reshape(normalised, kernel.shape), u
+
+
+def projection_config(eps_spectral=None, maxiter_spectral=None, eps_bjorck="default",
+                      beta_bjorck=None, maxiter_bjorck=None):
+    """Build a ProjectionConfig from layer arguments, keeping the defaults for unset ones.
+
+    ``eps_bjorck="default"`` keeps deel-lip's tolerance; ``None`` disables Björck.
+    """
+    kwargs = {"eps_spectral": eps_spectral, "maxiter_spectral": maxiter_spectral,
+              "beta_bjorck": beta_bjorck, "maxiter_bjorck": maxiter_bjorck}
+    kwargs = {key: value for key, value in kwargs.items() if value is not None}
+    if eps_bjorck != "default":
+        kwargs["eps_bjorck"] = eps_bjorck
+    return ProjectionConfig(**kwargs)
+
+
+# Keras arguments that would change the variables or the loss behind the bounds' back.
+_FORBIDDEN_KWARGS = ("kernel_constraint", "kernel_regularizer", "bias_regularizer",
+                     "activity_regularizer")
+
+
+class ProjectedKernelMixin:
+    """What spectrally constrained DP layers share: argument checks, the cached
+    power-iteration vector ``u`` (a non-trainable weight, saved with the model),
+    the projection, the bias norm and the config."""
+
+    @staticmethod
+    def _pop_forbidden_kwargs(layer_name, kwargs):
+        for key in _FORBIDDEN_KWARGS:
+            if kwargs.pop(key, None) is not None:
+                raise ValueError(f"{layer_name} does not accept `{key}`.")
+
+    def _build_projection(self, nb_outputs):
+        """Create ``u`` and project once, so constraints hold from the first step on."""
+        import tensorflow as tf
+
+        self.u = self.add_weight(
+            name="power_iteration_u", shape=(1, nb_outputs), trainable=False,
+            initializer=tf.keras.initializers.RandomNormal(seed=None),
+        )
+        with tf.init_scope():
+            self._project(BUILD_MAXITER_SPECTRAL)
+
+    def _project(self, maxiter_spectral):
+        kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral)
+        self.kernel.assign(kernel)
+        self.u.assign(u)
+
+    def project(self):
+        self._project(self.projection.maxiter_spectral)
+
+    def _bias_norm(self):
+        import tensorflow as tf
+
+        return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
+
+    def _projected_config(self, config, hidden=()):
+        """Drop the Keras arguments this layer refuses; add the projection's."""
+        for key in _FORBIDDEN_KWARGS + ("activation", "bias_constraint") + tuple(hidden):
+            config.pop(key, None)
+        return {**config, **self.projection.get_config()}

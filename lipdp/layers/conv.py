@@ -8,9 +8,8 @@ import numpy as np
 import tensorflow as tf
 from deel.lip.layers.convolutional import _compute_conv_lip_factor
 
-from lipdp.layers._projection import BUILD_MAXITER_SPECTRAL, project_kernel
+from lipdp.layers._projection import ProjectedKernelMixin, projection_config
 from lipdp.layers.base import DPLayer, check_no_activation
-from lipdp.layers.dense import _projection_config
 from lipdp.operator_norms import conv_operator_norm_upper
 
 
@@ -24,7 +23,7 @@ def patch_multiplicity(kernel_size, strides):
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
-class DP_QuickSpectralConv2D(tf.keras.layers.Conv2D, DPLayer):
+class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLayer):
     """2D convolution ``y = conv(x, N * Psi) + b`` with an RKO-projected variable Psi.
 
     The trainable variable ``Psi`` (shape ``(kh, kw, C, F)``) is kept, after every
@@ -67,11 +66,7 @@ class DP_QuickSpectralConv2D(tf.keras.layers.Conv2D, DPLayer):
                              f"Received: dilation_rate={kwargs['dilation_rate']!r}")
         if kwargs.get("groups", 1) != 1:
             raise ValueError(f"{name} does not support groups. Received: groups={kwargs['groups']!r}")
-        for forbidden in ("kernel_constraint", "kernel_regularizer", "bias_regularizer",
-                          "activity_regularizer"):
-            if kwargs.get(forbidden) is not None:
-                raise ValueError(f"{name} does not accept `{forbidden}`.")
-            kwargs.pop(forbidden, None)
+        self._pop_forbidden_kwargs(name, kwargs)
         if not isinstance(filters, int) or filters < 1:
             raise ValueError(
                 "Received an invalid value for `filters`, expected a positive integer. "
@@ -79,8 +74,8 @@ class DP_QuickSpectralConv2D(tf.keras.layers.Conv2D, DPLayer):
             )
         super().__init__(filters, kernel_size, strides=strides, padding=padding,
                          use_bias=use_bias, kernel_initializer=kernel_initializer, **kwargs)
-        self.projection = _projection_config(eps_spectral, maxiter_spectral, eps_bjorck,
-                                             beta_bjorck, maxiter_bjorck)
+        self.projection = projection_config(eps_spectral, maxiter_spectral, eps_bjorck,
+                                            beta_bjorck, maxiter_bjorck)
 
     def build(self, input_shape):
         input_shape = tf.TensorShape(input_shape)
@@ -96,21 +91,8 @@ class DP_QuickSpectralConv2D(tf.keras.layers.Conv2D, DPLayer):
         self._multiplicity = patch_multiplicity(self.kernel_size, self.strides)
         self.coef = float(_compute_conv_lip_factor(self.kernel_size, self.strides,
                                                    input_shape, "channels_last"))
-        self.u = self.add_weight(
-            name="power_iteration_u", shape=(1, self.filters), trainable=False,
-            initializer=tf.keras.initializers.RandomNormal(seed=None),
-        )
-        with tf.init_scope():
-            self._project(BUILD_MAXITER_SPECTRAL)
-
-    def _project(self, maxiter_spectral):
-        # RKO: orthonormalise the (kh kw C) x F reshaping of Psi.
-        kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral)
-        self.kernel.assign(kernel)
-        self.u.assign(u)
-
-    def project(self):
-        self._project(self.projection.maxiter_spectral)
+        # RKO: the projection orthonormalises the (kh kw C) x F reshaping of Psi.
+        self._build_projection(self.filters)
 
     def effective_kernel(self):
         """The kernel the forward pass convolves with: ``N * Psi``."""
@@ -125,9 +107,6 @@ class DP_QuickSpectralConv2D(tf.keras.layers.Conv2D, DPLayer):
 
     def _operator_bound(self):
         return conv_operator_norm_upper(self.effective_kernel(), self._input_hw)
-
-    def _bias_norm(self):
-        return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
 
     def propagate_inputs(self, input_bound):
         return (self._operator_bound() * input_bound
@@ -144,9 +123,5 @@ class DP_QuickSpectralConv2D(tf.keras.layers.Conv2D, DPLayer):
         return self._operator_bound() * gradient_bound
 
     def get_config(self):
-        config = super().get_config()
-        for key in ("activation", "kernel_constraint", "kernel_regularizer", "bias_regularizer",
-                    "activity_regularizer", "bias_constraint", "groups", "dilation_rate",
-                    "data_format"):
-            config.pop(key, None)
-        return {**config, **self.projection.get_config()}
+        return self._projected_config(super().get_config(),
+                                      hidden=("groups", "dilation_rate", "data_format"))

@@ -6,13 +6,13 @@ import math
 
 import tensorflow as tf
 
-from lipdp.layers._projection import BUILD_MAXITER_SPECTRAL, ProjectionConfig, project_kernel
+from lipdp.layers._projection import ProjectedKernelMixin, projection_config
 from lipdp.layers.base import DPLayer, check_no_activation
 from lipdp.operator_norms import dense_spectral_norm_upper
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
-class DP_QuickSpectralDense(tf.keras.layers.Dense, DPLayer):
+class DP_QuickSpectralDense(ProjectedKernelMixin, tf.keras.layers.Dense, DPLayer):
     """Dense layer ``y = x W + b`` whose kernel is projected after every step.
 
     The projection (deel-lip's spectral normalisation with a cached power
@@ -41,19 +41,15 @@ class DP_QuickSpectralDense(tf.keras.layers.Dense, DPLayer):
                  eps_spectral=None, maxiter_spectral=None, eps_bjorck="default",
                  beta_bjorck=None, maxiter_bjorck=None, **kwargs):
         check_no_activation(type(self).__name__, activation)
-        for forbidden in ("kernel_constraint", "kernel_regularizer", "bias_regularizer",
-                          "activity_regularizer"):
-            if kwargs.get(forbidden) is not None:
-                raise ValueError(f"{type(self).__name__} does not accept `{forbidden}`.")
-            kwargs.pop(forbidden, None)
+        self._pop_forbidden_kwargs(type(self).__name__, kwargs)
         if not isinstance(units, int) or units < 1:
             raise ValueError(
                 "Received an invalid value for `units`, expected a positive integer. "
                 f"Received: units={units!r}"
             )
         super().__init__(units, use_bias=use_bias, kernel_initializer=kernel_initializer, **kwargs)
-        self.projection = _projection_config(eps_spectral, maxiter_spectral, eps_bjorck,
-                                             beta_bjorck, maxiter_bjorck)
+        self.projection = projection_config(eps_spectral, maxiter_spectral, eps_bjorck,
+                                            beta_bjorck, maxiter_bjorck)
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -64,26 +60,10 @@ class DP_QuickSpectralDense(tf.keras.layers.Dense, DPLayer):
                 "to bound its bias contribution."
             )
         self._positions = int(math.prod(input_shape[1:-1])) if input_shape.rank > 2 else 1
-        self.u = self.add_weight(
-            name="power_iteration_u", shape=(1, self.units), trainable=False,
-            initializer=tf.keras.initializers.RandomNormal(seed=None),
-        )
-        with tf.init_scope():
-            self._project(BUILD_MAXITER_SPECTRAL)
-
-    def _project(self, maxiter_spectral):
-        kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral)
-        self.kernel.assign(kernel)
-        self.u.assign(u)
-
-    def project(self):
-        self._project(self.projection.maxiter_spectral)
+        self._build_projection(self.units)
 
     def _spectral_bound(self):
         return dense_spectral_norm_upper(self.kernel)
-
-    def _bias_norm(self):
-        return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
 
     def propagate_inputs(self, input_bound):
         return (self._spectral_bound() * input_bound
@@ -99,24 +79,5 @@ class DP_QuickSpectralDense(tf.keras.layers.Dense, DPLayer):
         return self._spectral_bound() * gradient_bound
 
     def get_config(self):
-        config = super().get_config()
-        for key in ("activation", "kernel_constraint", "kernel_regularizer", "bias_regularizer",
-                    "activity_regularizer", "bias_constraint"):
-            config.pop(key, None)
-        return {**config, **self.projection.get_config()}
+        return self._projected_config(super().get_config())
 
-
-def _projection_config(eps_spectral, maxiter_spectral, eps_bjorck, beta_bjorck, maxiter_bjorck):
-    """Build a ProjectionConfig, keeping deel-lip's defaults for unset values."""
-    kwargs = {}
-    if eps_spectral is not None:
-        kwargs["eps_spectral"] = eps_spectral
-    if maxiter_spectral is not None:
-        kwargs["maxiter_spectral"] = maxiter_spectral
-    if eps_bjorck != "default":
-        kwargs["eps_bjorck"] = eps_bjorck
-    if beta_bjorck is not None:
-        kwargs["beta_bjorck"] = beta_bjorck
-    if maxiter_bjorck is not None:
-        kwargs["maxiter_bjorck"] = maxiter_bjorck
-    return ProjectionConfig(**kwargs)
