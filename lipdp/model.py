@@ -35,14 +35,34 @@ class _DPModelMixin:
         if not isinstance(dp_parameters, DPParameters):
             raise TypeError("`dp_parameters` must be a lipdp.DPParameters. "
                             f"Received: {type(dp_parameters).__name__}")
-        if not isinstance(dataset_metadata, DatasetMetadata):
-            raise TypeError("`dataset_metadata` must be a lipdp.DatasetMetadata. "
-                            f"Received: {type(dataset_metadata).__name__}")
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
         self.dp_loss = None
         self._dp_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="dp_steps_taken")
         self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen")
+
+    @property
+    def dataset_metadata(self):
+        """The `DatasetMetadata` of the training set (may be set after construction,
+        e.g. on a `lipdp.zoo` model; required before `compile`)."""
+        return self._dataset_metadata
+
+    @dataset_metadata.setter
+    def dataset_metadata(self, metadata):
+        if metadata is not None and not isinstance(metadata, DatasetMetadata):
+            raise TypeError("`dataset_metadata` must be a lipdp.DatasetMetadata. "
+                            f"Received: {type(metadata).__name__}")
+        if getattr(self, "_dataset_metadata", None) is not None and getattr(self, "dp_loss", None):
+            raise RuntimeError("The model is compiled: build a new model for another data set "
+                               "(the bounds' denominator and the accountant depend on it).")
+        self._dataset_metadata = metadata
+
+    def _require_metadata(self):
+        if self._dataset_metadata is None:
+            raise ValueError("This model has no dataset_metadata: set `model.dataset_metadata = "
+                             "lipdp.DatasetMetadata(...)` (or use the one returned by "
+                             "lipdp.data.load_dataset) before compiling.")
+        return self._dataset_metadata
 
     # ------------------------------------------------------------------ ledger
     @property
@@ -66,9 +86,10 @@ class _DPModelMixin:
         if loss_weights is not None:
             raise ValueError("`loss_weights` is not supported by DP models: it rescales the "
                              "gradients behind the bounds' back.")
+        metadata = self._require_metadata()
         layers = dp_layers(self)
         nb_outputs = int(self.output_shape[-1])
-        if nb_outputs != self.dataset_metadata.nb_classes:
+        if nb_outputs != metadata.nb_classes:
             raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata declares "
                              f"nb_classes={self.dataset_metadata.nb_classes}.")
         self.dp_loss = loss
@@ -115,10 +136,12 @@ class _DPModelMixin:
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             per_example = self.dp_loss.call(y, y_pred)
-            loss = tf.debugging.check_numerics(
-                tf.reduce_sum(per_example) / denominator,
+            loss_sum = tf.debugging.check_numerics(
+                tf.reduce_sum(per_example),
                 "Non-finite loss in a private step (NaN/inf inputs or labels?)")
-        gradients = tape.gradient(loss, self.trainable_variables)
+        # The gradient of the *sum* is taken, then divided by D: every cotangent in the
+        # backward pass is then one example's own (what DP_ClipGradient clips).
+        gradients = [g / denominator for g in tape.gradient(loss_sum, self.trainable_variables)]
         sensitivities = self.sensitivities()
         noisy = [g + tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
                  for g, std in zip(gradients, self._noise_stddevs(sensitivities))]
@@ -218,14 +241,16 @@ class _DPModelMixin:
 
     # ------------------------------------------------------------ serialization
     def _dp_config(self):
+        metadata = self.dataset_metadata
         return {"dp_parameters": self.dp_parameters.get_config(),
-                "dataset_metadata": self.dataset_metadata.get_config()}
+                "dataset_metadata": None if metadata is None else metadata.get_config()}
 
     @staticmethod
     def _pop_dp_config(config):
         config = dict(config)
+        metadata = config.pop("dataset_metadata", None)
         return (config, DPParameters.from_config(config.pop("dp_parameters")),
-                DatasetMetadata.from_config(config.pop("dataset_metadata")))
+                None if metadata is None else DatasetMetadata.from_config(metadata))
 
 
 class _EpochSizeCheck(tf.keras.callbacks.Callback):
