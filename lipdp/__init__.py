@@ -11,6 +11,8 @@ from lipdp.callbacks import DP_Accountant
 from lipdp.metadata import DatasetMetadata, DPParameters, NoiseStrategy, Sampling
 from lipdp.model import DP_Model, DP_Sequential
 
+from lipdp import zoo  # noqa: I001 (after lipdp.model, which it builds on)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -28,4 +30,5 @@ __all__ = [
     "get_max_epochs",
     "layers",
     "losses",
+    "zoo",
 ]

@@ -17,25 +17,35 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer
+from lipdp.layers.base import DPLayer, chain_backward, chain_lipschitz
 from lipdp.layers.basic import DP_BoundedInput
+from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
 
 # Non-DP layers users commonly reach for, and what to use instead.
 _REPLACEMENTS = {
     "Dense": "lipdp.layers.DP_QuickSpectralDense",
     "Conv2D": "lipdp.layers.DP_QuickSpectralConv2D",
     "Flatten": "lipdp.layers.DP_Flatten",
-    "MaxPooling2D": "lipdp.layers.DP_ScaledL2NormPooling2D",
+    "MaxPooling2D": "lipdp.layers.DP_MaxPool2D or lipdp.layers.DP_ScaledL2NormPooling2D",
     "AveragePooling2D": "lipdp.layers.DP_ScaledL2NormPooling2D",
-    "ReLU": "lipdp.layers.DP_GroupSort(2)",
-    "Activation": "lipdp.layers.DP_GroupSort(2)",
-    "BatchNormalization": "nothing: its running statistics leak and its scale is unbounded; "
-                          "remove it (Lipschitz networks train without it)",
-    "LayerNormalization": "nothing in this release (its division by the norm is unbounded)",
-    "Dropout": "nothing: remove it (its 1/(1-rate) rescaling is not bounded by the DP layers)",
-    "Lambda": "a DP layer implementing the three bound methods (lipdp.layers.DPLayer)",
+    "GlobalAveragePooling2D": "lipdp.layers.DP_GlobalL2NormPooling2D",
+    "GlobalMaxPooling2D": "lipdp.layers.DP_GlobalL2NormPooling2D",
+    "ReLU": "lipdp.layers.DP_ReLU (or DP_GroupSort(2), which preserves gradient norms)",
+    "Activation": "lipdp.layers.DP_GroupSort(2), DP_ReLU, DP_Tanh, DP_Sigmoid or DP_Softplus",
+    "Reshape": "lipdp.layers.DP_Reshape",
+    "Permute": "lipdp.layers.DP_Permute",
+    "Add": "lipdp.layers.make_residuals (DP_SplitResidual / DP_WrappedResidual / "
+           "DP_MergeResidual)",
+    "BatchNormalization": "lipdp.layers.DP_LayerCentering (BatchNormalization's running "
+                          "statistics leak and its scale is unbounded)",
+    "LayerNormalization": "lipdp.layers.DP_LayerCentering (the division by the norm is "
+                          "unbounded)",
+    "Dropout": "nothing: remove it (its 1/(1-rate) rescaling at train time is not bounded)",
+    "Lambda": "a DP layer implementing the three bound methods (lipdp.layers.DPLayer): an "
+              "arbitrary function has no known bound",
 }
 
 
@@ -75,7 +85,33 @@ def dp_layers(model) -> List[DPLayer]:
         )
     if not isinstance(model, tf.keras.Sequential):
         _check_chain(layers)
+    check_residual_sections(layers)
     return layers
+
+
+def check_residual_sections(layers: Sequence[tf.keras.layers.Layer]):
+    """Split / wrapped / merge layers must form closed, non-nested sections."""
+    inside = False
+    for layer in layers:
+        if isinstance(layer, DP_SplitResidual):
+            if inside:
+                raise ValueError(f"'{layer.name}' opens a residual section inside another one: "
+                                 "sections do not nest.")
+            inside = True
+        elif isinstance(layer, DP_MergeResidual):
+            if not inside:
+                raise ValueError(f"'{layer.name}' closes a residual section that was never "
+                                 "opened by a DP_SplitResidual.")
+            inside = False
+        elif inside != isinstance(layer, DP_WrappedResidual):
+            where = "inside" if inside else "outside"
+            raise ValueError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) is {where} a residual section: "
+                "between DP_SplitResidual and DP_MergeResidual every layer must be wrapped in "
+                "DP_WrappedResidual, and only there (use lipdp.layers.make_residuals).")
+    if inside:
+        raise ValueError("The model ends inside a residual section: close it with "
+                         "DP_MergeResidual.")
 
 
 def _check_chain(layers: Sequence[tf.keras.layers.Layer]):
@@ -89,24 +125,18 @@ def _check_chain(layers: Sequence[tf.keras.layers.Layer]):
 
 
 def backpropagate_bounds(layers: Sequence[DPLayer], loss_lipschitz) -> List[Tuple[tf.Variable, tf.Tensor]]:
-    """Per-example gradient bound of every trainable variable of `layers` (TF scalars)."""
-    input_bounds = [tf.constant(float("inf"))]
-    for layer in layers:
-        input_bounds.append(layer.propagate_inputs(input_bounds[-1]))
-    gradient_bound = tf.constant(float(loss_lipschitz), tf.float32)
-    bounds = []
-    for layer, x_in in zip(reversed(layers), reversed(input_bounds[:-1])):
-        bounds.extend(layer.backpropagate_params(x_in, gradient_bound))
-        gradient_bound = layer.backpropagate_inputs(x_in, gradient_bound)
-    return bounds
+    """Per-example gradient bound of every trainable variable of `layers` (TF scalars).
+
+    Inputs are unbounded here: the first layer, `DP_BoundedInput`, bounds them.
+    """
+    return chain_backward(list(layers), tf.constant(float("inf")),
+                          tf.constant(float(loss_lipschitz), tf.float32))[0]
 
 
 def lipschitz_bound(model) -> tf.Tensor:
-    """Certified Lipschitz constant of the model w.r.t. its input (product over layers)."""
-    constant = tf.constant(1.0)
-    for layer in reversed(dp_layers(model)):
-        constant = layer.backpropagate_inputs(tf.constant(float("inf")), constant)
-    return constant
+    """Certified Lipschitz constant of the model w.r.t. its input (product over layers,
+    with the two paths of residual sections added)."""
+    return chain_lipschitz(dp_layers(model), tf.constant(float("inf")), tf.constant(1.0))
 
 
 def _loss_lipschitz(model, loss):
@@ -120,6 +150,24 @@ def _loss_lipschitz(model, loss):
     return loss.lipschitz(int(model.output_shape[-1]))
 
 
+def variable_names(model) -> Dict[object, str]:
+    """A readable name, unique within the model, for each trainable variable (by ``ref()``).
+
+    ``"<layer>/<variable>"``, or ``"<wrapper>/<layer>/<variable>"`` inside residual
+    sections. Built from layer names (unique in a Keras model and saved with it),
+    so they survive a `.keras` round trip, unlike TensorFlow variable names.
+    """
+    names = {}
+    for layer in dp_layers(model):
+        owners = [(layer.name, layer)]
+        if isinstance(layer, DP_WrappedResidual):
+            owners = [(f"{layer.name}/{inner.name}", inner) for inner in layer.branch]
+        for prefix, owner in owners:
+            for v in owner.trainable_variables:
+                names[v.ref()] = f"{prefix}/{v.name.split('/')[-1].split(':')[0]}"
+    return names
+
+
 def gradient_bounds(model, loss=None) -> Dict[str, float]:
     """Per-example gradient norm bound of every trainable variable, at the current weights.
 
@@ -129,8 +177,59 @@ def gradient_bounds(model, loss=None) -> Dict[str, float]:
         loss: a DP loss; defaults to the loss the model was compiled with.
 
     Returns:
-        ``{variable.name: bound}`` where, for every example ``(x, y)``,
+        ``{name: bound}`` (names from `variable_names`, in the order of
+        ``model.trainable_variables``) where, for every example ``(x, y)``,
         ``||grad_v loss(f(x), y)||_2 <= bound`` (not divided by the batch size).
     """
-    bounds = backpropagate_bounds(dp_layers(model), _loss_lipschitz(model, loss))
-    return {variable.name: float(bound) for variable, bound in bounds}
+    bounds = {v.ref(): float(b) for v, b in
+              backpropagate_bounds(dp_layers(model), _loss_lipschitz(model, loss))}
+    names = variable_names(model)
+    return {names[v.ref()]: bounds[v.ref()] for v in model.trainable_variables}
+
+
+def tightness(model, dataset, loss=None, max_batches=None) -> Dict[str, Dict[str, float]]:
+    """How close the observed per-example gradient norms come to their bounds.
+
+    For every trainable variable v, the exact per-example gradient norms
+    ``||grad_v loss(f(x_i), y_i)||`` over the examples of `dataset` (vectorised
+    Jacobians, `lipdp.per_example`) are divided by the bound used to calibrate
+    the noise, at the current weights (the paper's Figures 11-12). A ratio far
+    below 1 is noise wasted on that variable; a ratio above 1 would be a broken
+    invariant.
+
+    Args:
+        model: a built DP model.
+        dataset: a `tf.data.Dataset` of ``(x, y)`` batches, or a pair of arrays.
+        loss: a DP loss; defaults to the loss the model was compiled with.
+        max_batches: stop after this many batches (default: the whole dataset).
+
+    Returns:
+        ``{name: {"bound", "max_ratio", "mean_ratio", "examples"}}`` with the names
+        of `variable_names`.
+    """
+    from lipdp.per_example import per_example_gradient_norms, per_example_gradients
+
+    loss = loss if loss is not None else getattr(model, "dp_loss", None)
+    bound_by_ref = {v.ref(): float(b) for v, b in
+                    backpropagate_bounds(dp_layers(model), _loss_lipschitz(model, loss))}
+    variables = model.trainable_variables
+    if isinstance(dataset, (tuple, list)):
+        dataset = tf.data.Dataset.from_tensor_slices(tuple(dataset)).batch(256)
+    ratios = [[] for _ in variables]
+    for index, (x, y) in enumerate(dataset):
+        if max_batches is not None and index >= max_batches:
+            break
+        if int(tf.shape(x)[0]) == 0:
+            continue
+        norms = per_example_gradient_norms(per_example_gradients(model, loss.call, x, y, variables))
+        for bucket, v, n in zip(ratios, variables, norms):
+            bucket.append(n.numpy() / bound_by_ref[v.ref()])
+    if not ratios or not ratios[0]:
+        raise ValueError("The dataset yielded no examples.")
+    report = {}
+    names = variable_names(model)
+    for v, bucket in zip(variables, ratios):
+        values = np.concatenate(bucket)
+        report[names[v.ref()]] = {"bound": bound_by_ref[v.ref()], "max_ratio": float(values.max()),
+                          "mean_ratio": float(values.mean()), "examples": int(values.size)}
+    return report

@@ -130,8 +130,7 @@ def _train(args) -> int:
           f"{model.dp_loss.lipschitz(metadata.nb_classes):.6g}")
 
     _section("Gradient bounds at initialisation")
-    unordered = gradient_bounds(model)  # backward order: list in forward order
-    bounds = {v.name: unordered[v.name] for v in model.trainable_variables}
+    bounds = gradient_bounds(model)  # in the order of model.trainable_variables
     d = metadata.batch_size
     _print_table([[name, f"{b:.6g}", f"{b / d:.6g}"] for name, b in bounds.items()],
                  ["variable", "per-example bound", f"sensitivity (/ D={d})"])

@@ -183,3 +183,52 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
 
     def get_config(self):
         return {**super().get_config(), "alpha": self.alpha, "min_margin": self.min_margin}
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
+    """K-cosine similarity (appendix C.1): ``-<y_pred, y> / max(K, ||y_pred||)``, y one-hot.
+
+    The paper's ``K X_min`` is the single parameter ``K`` here: the floor of the
+    denominator. Where ``||y_pred|| < K`` the gradient is ``-y / K`` (norm 1/K);
+    elsewhere it is ``-(y - <u, y> u) / ||y_pred||`` with ``u = y_pred / ||y_pred||``,
+    of norm ``sqrt(1 - <u, y>^2) / ||y_pred|| <= 1/K``. Hence ``L = 1 / K``.
+    Labels are mapped to one-hot.
+
+    Args:
+        K: the floor of the denominator (> 0); larger K means smaller gradients.
+    """
+
+    def __init__(self, K=1.0, reduction=Reduction.AUTO, name="DP_KCosineSimilarity"):
+        _check_positive(K, "K")
+        super().__init__(reduction=reduction, name=name)
+        self.K = float(K)
+
+    def call(self, y_true, y_pred):
+        y_one_hot = _to_one_hot(y_true, y_pred)
+        norms = tf.maximum(self.K, tf.norm(y_pred, axis=-1))
+        return -tf.reduce_sum(y_one_hot * y_pred, axis=-1) / norms
+
+    def lipschitz(self, nb_outputs):
+        return 1.0 / self.K
+
+    def get_config(self):
+        return {**super().get_config(), "K": self.K}
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_MeanAbsoluteError(tf.keras.losses.Loss, DP_Loss):
+    """``mean_k |y_pred_k - y_k|`` over the K outputs, for regression.
+
+    Gradient ``sign(y_pred - y) / K`` (0 where equal), of norm at most
+    ``sqrt(K) / K``: ``L = 1 / sqrt(K)``, whatever the targets.
+    """
+
+    def __init__(self, reduction=Reduction.AUTO, name="DP_MeanAbsoluteError"):
+        super().__init__(reduction=reduction, name=name)
+
+    def call(self, y_true, y_pred):
+        return tf.reduce_mean(tf.abs(y_pred - tf.cast(y_true, y_pred.dtype)), axis=-1)
+
+    def lipschitz(self, nb_outputs):
+        return 1.0 / math.sqrt(nb_outputs)

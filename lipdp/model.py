@@ -23,7 +23,7 @@ import warnings
 
 import tensorflow as tf
 
-from lipdp.bounds import backpropagate_bounds, dp_layers
+from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPParameters, NoiseStrategy, Sampling
 
@@ -96,6 +96,13 @@ class _DPModelMixin:
         self._loss_lipschitz = float(loss.lipschitz(nb_outputs))
         self._check_every_variable_bounded(layers)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def compile_from_config(self, config):
+        """Re-compile after `tf.keras.models.load_model` (loss, optimizer, metrics)."""
+        config = tf.keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
 
     def _check_every_variable_bounded(self, layers):
         bounded = {v.ref() for v, _ in backpropagate_bounds(layers, self._loss_lipschitz)}
@@ -286,6 +293,9 @@ class DP_Sequential(_DPModelMixin, tf.keras.Sequential):
     """
 
     def __init__(self, layers=None, dp_parameters=None, dataset_metadata=None, name=None, **kwargs):
+        if layers:  # clear errors on malformed residual sections, before any shape error
+            check_residual_sections([layer for layer in layers
+                                     if not isinstance(layer, tf.keras.layers.InputLayer)])
         super().__init__(layers=layers, name=name, **kwargs)
         self._init_dp(dp_parameters, dataset_metadata)
 
@@ -319,7 +329,12 @@ class DP_Model(_DPModelMixin, tf.keras.Model):
         dp_layers(self)
 
     def get_config(self):
-        return {**super().get_config(), **self._dp_config()}
+        # Keras only writes the graph for constructors identical to Functional's;
+        # DP_Model adds its DP arguments, so the graph is written explicitly.
+        from keras.src.engine.functional import get_network_config
+
+        config = get_network_config(self, config={"name": self.name, "trainable": self.trainable})
+        return {**config, **self._dp_config()}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

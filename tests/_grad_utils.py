@@ -15,12 +15,15 @@ def per_example_gradient_norms(model, loss, x, y):
     Computed one example at a time with its own GradientTape: no per-example
     trick that could share a bug with the library. Returns {name: (n,) array}.
     """
-    norms = {v.name: [] for v in model.trainable_variables}
+    from lipdp.bounds import variable_names  # the keys gradient_bounds() uses
+
+    names = variable_names(model)
+    norms = {names[v.ref()]: [] for v in model.trainable_variables}
     for i in range(len(x)):
         with tf.GradientTape() as tape:
             value = tf.reduce_sum(loss.call(y[i:i + 1], model(x[i:i + 1], training=True)))
         for v, g in zip(model.trainable_variables, tape.gradient(value, model.trainable_variables)):
-            norms[v.name].append(0.0 if g is None else float(tf.norm(g)))
+            norms[names[v.ref()]].append(0.0 if g is None else float(tf.norm(g)))
     return {k: np.asarray(v) for k, v in norms.items()}
 
 

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
-                          DP_QuickSpectralDense, DP_ScaledL2NormPooling2D)
+from lipdp.layers import (DP_AddBias, DP_BoundedInput, DP_ClipGradient, DP_Flatten,
+                          DP_GlobalL2NormPooling2D, DP_GroupSort, DP_LayerCentering, DP_MaxPool2D,
+                          DP_Patches, DP_Permute, DP_QuickFrobeniusDense, DP_QuickSpectralConv2D,
+                          DP_QuickSpectralDense, DP_ReLU, DP_Reshape, DP_ScaledL2NormPooling2D,
+                          DP_Sigmoid, DP_Softplus, DP_SpectralConv2D, DP_SpectralDense, DP_Tanh)
 from tests._grad_utils import REL_TOL
 
 X_BOUND, G_BOUND = 2.5, 1.7
@@ -86,7 +89,8 @@ def _gradient_ascent(layer, in_shape, rng, steps=80):
             grads = inner.gradient(value, layer.trainable_variables)
             objective = tf.add_n([tf.reduce_sum(tf.square(gv)) for gv in grads])
         dx, dg = outer.gradient(objective, [x, g])
-        x.assign(_normalise(x + 0.3 * X_BOUND * _normalise(dx, 1.0), X_BOUND))
+        if dx is not None:  # None: the parameter gradient does not depend on x (a bias)
+            x.assign(_normalise(x + 0.3 * X_BOUND * _normalise(dx, 1.0), X_BOUND))
         g.assign(_normalise(g + 0.3 * G_BOUND * _normalise(dg, 1.0), G_BOUND))
     return x.numpy(), g.numpy()
 
@@ -103,6 +107,15 @@ PARAM_LAYERS = [
     ("conv valid 5x5", lambda: DP_QuickSpectralConv2D(2, 5, padding="valid"), (7, 7, 1)),
     ("conv patchify 2x2/2", lambda: DP_QuickSpectralConv2D(4, 2, strides=2, padding="valid"), (8, 8, 2)),
     ("conv rectangular 3x1", lambda: DP_QuickSpectralConv2D(3, (3, 1)), (6, 5, 2)),
+    ("frobenius dense", lambda: DP_QuickFrobeniusDense(5), (12,)),
+    ("frobenius dense on sequences", lambda: DP_QuickFrobeniusDense(3), (4, 6)),
+    ("reparametrised spectral dense", lambda: DP_SpectralDense(7), (12,)),
+    ("reparametrised spectral dense on tokens", lambda: DP_SpectralDense(6), (5, 6)),
+    ("reparametrised conv same s1", lambda: DP_SpectralConv2D(4, 3), (8, 8, 3)),
+    ("reparametrised conv valid s2", lambda: DP_SpectralConv2D(3, 3, strides=2, padding="valid"),
+     (9, 9, 2)),
+    ("add bias on vectors", lambda: DP_AddBias(2.0), (6,)),
+    ("add bias on images (broadcast over 16 pixels)", lambda: DP_AddBias(0.5), (4, 4, 3)),
 ]
 
 FREE_LAYERS = [
@@ -112,6 +125,21 @@ FREE_LAYERS = [
     ("fullsort", lambda: DP_GroupSort(None), (10,)),
     ("l2 pooling", lambda: DP_ScaledL2NormPooling2D(2), (6, 6, 3)),
     ("l2 pooling 3x3, odd size", lambda: DP_ScaledL2NormPooling2D((3, 3)), (7, 7, 2)),
+    ("global l2 pooling", lambda: DP_GlobalL2NormPooling2D(), (5, 5, 3)),
+    ("max pooling 2x2", lambda: DP_MaxPool2D(2), (6, 6, 2)),
+    ("max pooling 3x3/2 overlapping, same", lambda: DP_MaxPool2D(3, strides=2, padding="same"),
+     (7, 7, 2)),
+    ("relu", lambda: DP_ReLU(), (4, 4, 2)),
+    ("tanh", lambda: DP_Tanh(), (12,)),
+    ("sigmoid", lambda: DP_Sigmoid(), (12,)),
+    ("softplus", lambda: DP_Softplus(), (12,)),
+    ("reshape", lambda: DP_Reshape((8, 4)), (4, 4, 2)),
+    ("permute", lambda: DP_Permute((2, 1)), (5, 3)),
+    ("patches 2x2", lambda: DP_Patches(2), (4, 6, 2)),
+    ("layer centering (channels)", lambda: DP_LayerCentering(), (4, 4, 3)),
+    ("layer centering (all axes)", lambda: DP_LayerCentering((1, 2, 3)), (3, 3, 2)),
+    ("clip gradient below G", lambda: DP_ClipGradient(1.0), (10,)),
+    ("clip gradient above G", lambda: DP_ClipGradient(5.0), (10,)),
 ]
 
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lipdp.losses import (DP_MulticlassHinge, DP_MulticlassHKR, DP_MulticlassKR, DP_TauBCE,
+from lipdp.losses import (DP_KCosineSimilarity, DP_MeanAbsoluteError, DP_MulticlassHinge,
+                          DP_MulticlassHKR, DP_MulticlassKR, DP_TauBCE,
                           DP_TauCategoricalCrossentropy)
 
 LOSSES = [
@@ -18,6 +19,10 @@ LOSSES = [
     ("kr", lambda: DP_MulticlassKR(), 10),
     ("kr binary", lambda: DP_MulticlassKR(), 1),
     ("hkr", lambda: DP_MulticlassHKR(alpha=5.0, min_margin=100.0), 10),
+    ("k-cosine K=1", lambda: DP_KCosineSimilarity(1.0), 10),
+    ("k-cosine K=0.05", lambda: DP_KCosineSimilarity(0.05), 3),
+    ("mae", lambda: DP_MeanAbsoluteError(), 10),
+    ("mae one output", lambda: DP_MeanAbsoluteError(), 1),
 ]
 IDS = [c[0] for c in LOSSES]
 
@@ -64,13 +69,18 @@ def test_logit_gradient_never_exceeds_lipschitz_constant(name, make, k):
     assert np.all(norms <= bound * (1 + 1e-5)), (name, norms.max(), bound)
 
 
-@pytest.mark.parametrize("name,make,k", [c for c in LOSSES if c[0] in ("cce tau=1", "hinge", "kr", "hkr")],
-                         ids=["cce", "hinge", "kr", "hkr"])
+TIGHT = ("cce tau=1", "hinge", "kr", "hkr", "k-cosine K=1", "mae")
+
+
+@pytest.mark.parametrize("name,make,k", [c for c in LOSSES if c[0] in TIGHT], ids=TIGHT)
 def test_constant_is_attained_on_valid_labels(name, make, k):
     """The constants are tight: some valid (logit, label) pair nearly reaches L."""
     loss = make()
     logits = np.zeros((1, k), np.float32)
-    logits[0, 1] = 100.0 if name.startswith("cce") else -100.0  # wrong and confident / every hinge active
+    # wrong and confident / every hinge active / below the cosine floor / all errors non-zero
+    logits[0, 1] = {"cce": 100.0, "k-c": 0.5, "mae": 3.0}.get(name[:3], -100.0)
+    if name == "mae":
+        logits[0] += 0.5
     labels = np.eye(k, dtype=np.float32)[[0]]
     norm = _logit_gradient_norms(loss, logits, labels)[0]
     assert norm == pytest.approx(loss.lipschitz(k), rel=1e-2)
@@ -102,7 +112,7 @@ def test_deel_lip_multiclass_kr_is_not_per_example():
 
 
 @pytest.mark.parametrize("make,arg", [(DP_TauCategoricalCrossentropy, "tau"), (DP_TauBCE, "tau"),
-                                      (DP_MulticlassHinge, "min_margin")])
+                                      (DP_MulticlassHinge, "min_margin"), (DP_KCosineSimilarity, "K")])
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
 def test_bad_hyper_parameters_are_echoed(make, arg, bad):
     with pytest.raises(ValueError, match=arg):

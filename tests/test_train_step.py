@@ -33,7 +33,7 @@ def test_noise_has_the_calibrated_standard_deviation(strategy):
     model = _compiled(cnn(strategy=strategy, sigma=sigma))
     x, y = _data(rng, 16)
     bounds = gradient_bounds(model)
-    deltas = np.array([bounds[v.name] for v in model.trainable_variables]) / 16.0
+    deltas = np.array(list(bounds.values())) / 16.0
     expected = (np.full_like(deltas, sigma * np.sqrt(np.sum(deltas ** 2))) if strategy == "global"
                 else sigma * deltas)
     samples = [[] for _ in model.trainable_variables]

@@ -128,8 +128,12 @@ class ProjectedKernelMixin:
 
     def _project(self, maxiter_spectral):
         kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral)
-        self.kernel.assign(kernel)
+        self._store_projection(kernel)
         self.u.assign(u)
+
+    def _store_projection(self, projected):
+        """Where the projected kernel goes: into the trained variable itself by default."""
+        self.kernel.assign(projected)
 
     def project(self):
         self._project(self.projection.maxiter_spectral)
@@ -144,3 +148,43 @@ class ProjectedKernelMixin:
         for key in _FORBIDDEN_KWARGS + ("activation", "bias_constraint") + tuple(hidden):
             config.pop(key, None)
         return {**config, **self.projection.get_config()}
+
+
+class ReparametrizedKernelMixin(ProjectedKernelMixin):
+    """The forward pass uses ``Wbar = Pi(V)``, the projection of a free variable V.
+
+    ``Wbar`` (a non-trainable weight, saved with the model) is recomputed from V
+    after every step; V itself is never modified by the projection. The forward
+    pass uses exactly ``Wbar``, and the gradient w.r.t. V is taken *straight
+    through* the projection: ``dloss/dV := dloss/dWbar``. Differentiating through
+    Björck iterations has no useful bound, whereas this makes every bound that
+    holds for a kernel Wbar hold for V. Since ``Pi(c V) = Pi(V)`` for c > 0, this
+    is projected gradient descent with the projection kept aside.
+    """
+
+    def _build_reparametrization(self):
+        import tensorflow as tf
+
+        self.projected_kernel = self.add_weight(
+            name="projected_kernel", shape=self.kernel.shape, trainable=False,
+            initializer="zeros")
+        with tf.init_scope():
+            self.projected_kernel.assign(self.kernel)
+
+    def _store_projection(self, projected):
+        self.projected_kernel.assign(projected)
+
+    def bounded_kernel(self):
+        """The value of the kernel the forward pass uses: ``Wbar``."""
+        return self.projected_kernel
+
+    def forward_kernel(self):
+        """``Wbar`` in value, with the gradient going straight to V."""
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def straight_through(free, projected):
+            return tf.identity(projected), lambda g: (g, tf.zeros_like(projected))
+
+        return straight_through(tf.convert_to_tensor(self.kernel),
+                                tf.convert_to_tensor(self.projected_kernel))

@@ -50,13 +50,22 @@ class DPLayer(abc.ABC):
     def backpropagate_inputs(self, input_bound, gradient_bound):
         """Upper bound of the cotangent norm at the input."""
 
+    def backpropagate_lipschitz(self, input_bound, gradient_bound):
+        """Upper bound of ``||J_f(x)^T g||`` for the *true* Jacobian of the forward map.
+
+        The same as `backpropagate_inputs` unless the layer alters its backward
+        pass (`DP_ClipGradient`): this one certifies robustness, the other one
+        calibrates noise.
+        """
+        return self.backpropagate_inputs(input_bound, gradient_bound)
+
     def project(self):
         """Enforce the layer's weight constraints in place (no-op by default)."""
         return None
 
     def lipschitz_bound(self):
         """Certified Lipschitz constant w.r.t. the input (``G_in`` for ``G = 1``)."""
-        return self.backpropagate_inputs(tf.constant(float("inf")), tf.constant(1.0))
+        return self.backpropagate_lipschitz(tf.constant(float("inf")), tf.constant(1.0))
 
 
 def check_no_activation(layer_name, activation):
@@ -67,3 +76,43 @@ def check_no_activation(layer_name, activation):
             f"{activation!r}): add a DP activation layer after it instead, e.g. "
             "`lipdp.layers.DP_GroupSort(2)`."
         )
+
+
+def chain_backward(layers, input_bound, gradient_bound):
+    """Backpropagation for bounds through a chain of DP layers.
+
+    Input bounds are propagated forward from `input_bound`; then, from the
+    cotangent bound `gradient_bound` at the chain's output, every layer reports
+    its variables' bounds and passes the cotangent bound to its input.
+
+    Returns:
+        ``([(variable, per-example gradient bound), ...], input cotangent bound)``.
+    """
+    input_bounds = _input_bounds(layers, input_bound)
+    bounds = []
+    for layer, x_in in zip(reversed(layers), reversed(input_bounds)):
+        bounds.extend(layer.backpropagate_params(x_in, gradient_bound))
+        gradient_bound = layer.backpropagate_inputs(x_in, gradient_bound)
+    return bounds, gradient_bound
+
+
+def chain_lipschitz(layers, input_bound, gradient_bound):
+    """`gradient_bound` times the certified Lipschitz constant of the chain's forward map
+    (`DPLayer.backpropagate_lipschitz`, layer by layer)."""
+    for layer, x_in in zip(reversed(layers), reversed(_input_bounds(layers, input_bound))):
+        gradient_bound = layer.backpropagate_lipschitz(x_in, gradient_bound)
+    return gradient_bound
+
+
+def _input_bounds(layers, input_bound):
+    bounds = [input_bound]
+    for layer in layers[:-1]:
+        bounds.append(layer.propagate_inputs(bounds[-1]))
+    return bounds
+
+
+def chain_forward(layers, input_bound):
+    """Output norm bound of a chain of DP layers for inputs of norm <= `input_bound`."""
+    for layer in layers:
+        input_bound = layer.propagate_inputs(input_bound)
+    return input_bound

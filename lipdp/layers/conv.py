@@ -8,7 +8,8 @@ import numpy as np
 import tensorflow as tf
 from deel.lip.layers.convolutional import _compute_conv_lip_factor
 
-from lipdp.layers._projection import ProjectedKernelMixin, projection_config
+from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
+                                      projection_config)
 from lipdp.layers.base import DPLayer, check_no_activation
 from lipdp.operator_norms import conv_operator_norm_upper
 
@@ -91,15 +92,26 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
         self._multiplicity = patch_multiplicity(self.kernel_size, self.strides)
         self.coef = float(_compute_conv_lip_factor(self.kernel_size, self.strides,
                                                    input_shape, "channels_last"))
+        self._build_kernel_constraint()
+
+    def _build_kernel_constraint(self):
         # RKO: the projection orthonormalises the (kh kw C) x F reshaping of Psi.
         self._build_projection(self.filters)
 
+    def bounded_kernel(self):
+        """The value of the variable the forward pass convolves with (times N)."""
+        return self.kernel
+
+    def forward_kernel(self):
+        """That variable as the forward pass differentiates it."""
+        return self.kernel
+
     def effective_kernel(self):
         """The kernel the forward pass convolves with: ``N * Psi``."""
-        return self.coef * self.kernel
+        return self.coef * self.bounded_kernel()
 
     def call(self, inputs):
-        outputs = tf.nn.conv2d(inputs, self.effective_kernel(), strides=self.strides,
+        outputs = tf.nn.conv2d(inputs, self.coef * self.forward_kernel(), strides=self.strides,
                                padding=self.padding.upper())
         if self.use_bias:
             outputs = tf.nn.bias_add(outputs, self.bias)
@@ -125,3 +137,19 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
     def get_config(self):
         return self._projected_config(super().get_config(),
                                       hidden=("groups", "dilation_rate", "data_format"))
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_SpectralConv2D(ReparametrizedKernelMixin, DP_QuickSpectralConv2D):
+    """Reparametrised RKO convolution: the forward pass convolves with ``N * Pi(V)``.
+
+    As deel-lip's SpectralConv2D, the convolution uses the RKO-orthogonalised
+    version ``Psibar = Pi(V)`` of a free variable V; the gradient w.r.t. V is
+    taken straight through the projection (`ReparametrizedKernelMixin`), so the
+    bounds of `DP_QuickSpectralConv2D` hold for V (kernel ``N sqrt(m) X G``),
+    with the operator norm certified on ``N * Psibar``. Same arguments.
+    """
+
+    def _build_kernel_constraint(self):
+        self._build_reparametrization()
+        self._build_projection(self.filters)

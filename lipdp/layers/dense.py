@@ -1,4 +1,5 @@
-"""Spectrally normalised dense layer with analytic gradient bounds."""
+"""Dense layers with analytic gradient bounds: spectral (projected or reparametrised)
+and Frobenius-normalised."""
 
 from __future__ import annotations
 
@@ -6,50 +7,42 @@ import math
 
 import tensorflow as tf
 
-from lipdp.layers._projection import ProjectedKernelMixin, projection_config
+from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
+                                      projection_config)
 from lipdp.layers.base import DPLayer, check_no_activation
 from lipdp.operator_norms import dense_spectral_norm_upper
 
+_FORBIDDEN = ("kernel_constraint", "kernel_regularizer", "bias_regularizer", "activity_regularizer")
 
-@tf.keras.utils.register_keras_serializable("lipdp")
-class DP_QuickSpectralDense(ProjectedKernelMixin, tf.keras.layers.Dense, DPLayer):
-    """Dense layer ``y = x W + b`` whose kernel is projected after every step.
 
-    The projection (deel-lip's spectral normalisation with a cached power
-    iteration vector ``u``, then Björck orthogonalisation) keeps ``||W||_2 ~ 1``.
-    The stored variable *is* the kernel used in the forward pass.
+class _BoundedDense(tf.keras.layers.Dense, DPLayer):
+    """``y = x W + b`` and the bounds every dense DP layer shares.
 
-    Bounds, with ``T`` the number of positions the kernel is applied to
-    (``T = 1`` for 2D inputs, the product of the middle dimensions otherwise) and
-    ``S`` a certified upper bound of ``||W||_2`` recomputed from the current weights
-    (`lipdp.operator_norms.dense_spectral_norm_upper`, never the power iteration):
+    With ``T`` the number of positions the kernel is applied to (``T = 1`` for
+    2D inputs, the product of the middle dimensions otherwise) and ``S`` a
+    certified upper bound of the spectral norm of the kernel the forward pass
+    uses, recomputed from the current weights
+    (`lipdp.operator_norms.dense_spectral_norm_upper`, never a power iteration):
 
     - ``propagate_inputs(X) = S X + sqrt(T) ||b||``
     - kernel: ``||sum_t x_t g_t^T||_F <= sum_t ||x_t|| ||g_t|| <= X G``
+      (Cauchy-Schwarz, the token/channel-mixing argument of appendix C.2.4)
     - bias: ``||sum_t g_t|| <= sqrt(T) G``
     - ``backpropagate_inputs(X, G) = S G``
-
-    Args:
-        units: number of outputs.
-        use_bias: whether to add a (trainable, unconstrained) bias.
-        kernel_initializer: defaults to "orthogonal".
-        eps_spectral, maxiter_spectral, eps_bjorck, beta_bjorck, maxiter_bjorck:
-            see `ProjectionConfig`. ``eps_bjorck=None`` disables Björck.
     """
 
     def __init__(self, units, use_bias=True, kernel_initializer="orthogonal", activation=None,
-                 eps_spectral=None, maxiter_spectral=None, eps_bjorck="default",
-                 beta_bjorck=None, maxiter_bjorck=None, **kwargs):
+                 **kwargs):
         check_no_activation(type(self).__name__, activation)
-        self._pop_forbidden_kwargs(type(self).__name__, kwargs)
-        if not isinstance(units, int) or units < 1:
+        for key in _FORBIDDEN:
+            if kwargs.pop(key, None) is not None:
+                raise ValueError(f"{type(self).__name__} does not accept `{key}`.")
+        if not isinstance(units, int) or isinstance(units, bool) or units < 1:
             raise ValueError(
                 "Received an invalid value for `units`, expected a positive integer. "
                 f"Received: units={units!r}"
             )
         super().__init__(units, use_bias=use_bias, kernel_initializer=kernel_initializer, **kwargs)
-        self.projection = projection_config(eps_spectral, maxiter_spectral, eps_bjorck,
-                                            beta_bjorck, maxiter_bjorck)
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -60,10 +53,16 @@ class DP_QuickSpectralDense(ProjectedKernelMixin, tf.keras.layers.Dense, DPLayer
                 "to bound its bias contribution."
             )
         self._positions = int(math.prod(input_shape[1:-1])) if input_shape.rank > 2 else 1
-        self._build_projection(self.units)
+
+    def bounded_kernel(self):
+        """The kernel the forward pass multiplies by (what S bounds)."""
+        return self.kernel
+
+    def _bias_norm(self):
+        return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
 
     def _spectral_bound(self):
-        return dense_spectral_norm_upper(self.kernel)
+        return dense_spectral_norm_upper(self.bounded_kernel())
 
     def propagate_inputs(self, input_bound):
         return (self._spectral_bound() * input_bound
@@ -79,5 +78,87 @@ class DP_QuickSpectralDense(ProjectedKernelMixin, tf.keras.layers.Dense, DPLayer
         return self._spectral_bound() * gradient_bound
 
     def get_config(self):
+        config = super().get_config()
+        for key in _FORBIDDEN + ("activation", "bias_constraint"):
+            config.pop(key, None)
+        return config
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_QuickSpectralDense(ProjectedKernelMixin, _BoundedDense):
+    """Dense layer whose kernel variable is projected after every step.
+
+    The projection (deel-lip's spectral normalisation with a cached power
+    iteration vector ``u``, then Björck orthogonalisation) keeps ``||W||_2 ~ 1``.
+    The stored variable *is* the kernel used in the forward pass. Bounds: see
+    `_BoundedDense` (kernel ``X G``, bias ``sqrt(T) G``, Lipschitz ``S``).
+
+    Args:
+        units: number of outputs.
+        use_bias: whether to add a (trainable, unconstrained) bias.
+        kernel_initializer: defaults to "orthogonal".
+        eps_spectral, maxiter_spectral, eps_bjorck, beta_bjorck, maxiter_bjorck:
+            see `ProjectionConfig`. ``eps_bjorck=None`` disables Björck.
+    """
+
+    def __init__(self, units, use_bias=True, kernel_initializer="orthogonal", activation=None,
+                 eps_spectral=None, maxiter_spectral=None, eps_bjorck="default",
+                 beta_bjorck=None, maxiter_bjorck=None, **kwargs):
+        super().__init__(units, use_bias=use_bias, kernel_initializer=kernel_initializer,
+                         activation=activation, **kwargs)
+        self.projection = projection_config(eps_spectral, maxiter_spectral, eps_bjorck,
+                                            beta_bjorck, maxiter_bjorck)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._build_projection(self.units)
+
+    def get_config(self):
         return self._projected_config(super().get_config())
 
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_SpectralDense(ReparametrizedKernelMixin, DP_QuickSpectralDense):
+    """Reparametrised spectral dense layer: the forward pass uses ``Wbar = Pi(V)``.
+
+    As deel-lip's SpectralDense, the kernel the forward pass uses is the
+    orthogonalised (spectral normalisation + Björck) version of a free variable
+    V; unlike it, the gradient w.r.t. V is taken straight through the projection
+    (`ReparametrizedKernelMixin`), so the bounds of `_BoundedDense` hold for V
+    with ``S`` certified on ``Wbar``. Same arguments as `DP_QuickSpectralDense`.
+    """
+
+    def build(self, input_shape):
+        _BoundedDense.build(self, input_shape)
+        self._build_reparametrization()
+        self._build_projection(self.units)
+
+    def call(self, inputs):
+        outputs = tf.tensordot(inputs, self.forward_kernel(), [[inputs.shape.rank - 1], [0]])
+        if self.use_bias:
+            outputs = tf.nn.bias_add(outputs, self.bias)
+        return outputs
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_QuickFrobeniusDense(_BoundedDense):
+    """Dense layer whose kernel is divided by its Frobenius norm after every step.
+
+    ``||W||_2 <= ||W||_F = 1``: cheaper than the spectral projection (no power
+    iteration, no Björck) and exactly norm preserving for a single output. The
+    bounds are those of `_BoundedDense`, with ``S`` certified on the current
+    kernel (so they hold before the first projection too).
+
+    Args:
+        units: number of outputs.
+        use_bias: whether to add a (trainable, unconstrained) bias.
+        kernel_initializer: defaults to "orthogonal".
+    """
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        with tf.init_scope():
+            self.project()
+
+    def project(self):
+        self.kernel.assign(self.kernel / tf.maximum(tf.norm(self.kernel), 1e-12))

@@ -1,0 +1,72 @@
+"""Pooling layers with Lipschitz bounds: global L2-norm pooling and max pooling.
+
+(`DP_ScaledL2NormPooling2D`, windowed L2-norm pooling, is in `lipdp.layers.basic`.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+from deel.lip.layers import ScaledGlobalL2NormPooling2D
+
+from lipdp.layers.base import DPLayer
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
+    """Global L2-norm pooling (deel-lip): channel c becomes ``k ||x[:, :, c]||_2``.
+
+    The channels are disjoint blocks of coordinates, so ``||f(x)|| = k ||x||``,
+    and the Jacobian of each block is ``k x_c^T / ||x_c||`` (norm k). deel-lip's
+    square root backpropagates ``dy / (2 (sqrt(u) + eps))``, which only shrinks
+    the true derivative: ``X_out = k X_in``, ``G_in = k G``.
+    """
+
+    def __init__(self, k_coef_lip=1.0, eps_grad_sqrt=1e-6, data_format="channels_last", **kwargs):
+        if data_format not in (None, "channels_last"):
+            raise ValueError("DP_GlobalL2NormPooling2D only supports data_format='channels_last'. "
+                             f"Received: data_format={data_format!r}")
+        if kwargs.pop("keepdims", False):
+            raise ValueError("DP_GlobalL2NormPooling2D does not support keepdims=True.")
+        if not k_coef_lip > 0:
+            raise ValueError("Received an invalid value for `k_coef_lip`, expected a positive "
+                             f"number. Received: k_coef_lip={k_coef_lip!r}")
+        super().__init__(data_format="channels_last", k_coef_lip=k_coef_lip,
+                         eps_grad_sqrt=eps_grad_sqrt, **kwargs)
+
+    def propagate_inputs(self, input_bound):
+        return float(self.k_coef_lip) * input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return float(self.k_coef_lip) * gradient_bound
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_MaxPool2D(tf.keras.layers.MaxPooling2D, DPLayer):
+    """Max pooling, ``sqrt(m)``-Lipschitz with ``m = ceil(ph/sh) ceil(pw/sw)``.
+
+    m is the most windows one pixel belongs to (1 when the strides equal the pool
+    size, the default). Each output is one input coordinate of its window (the
+    padding of 'same' never wins a max), so ``||f(x)||^2 <= sum over windows of
+    ||x_window||^2 <= m ||x||^2``. Backward, each output cotangent goes to one
+    input pixel (TensorFlow routes ties to a single arg-max), and a pixel gathers
+    at most m of them: ``||g_in||^2 <= m ||g||^2`` (Cauchy-Schwarz).
+    ``X_out = sqrt(m) X_in``, ``G_in = sqrt(m) G``.
+    """
+
+    def __init__(self, pool_size=(2, 2), strides=None, padding="valid",
+                 data_format="channels_last", **kwargs):
+        if data_format not in (None, "channels_last"):
+            raise ValueError("DP_MaxPool2D only supports data_format='channels_last'. "
+                             f"Received: data_format={data_format!r}")
+        super().__init__(pool_size=pool_size, strides=strides, padding=padding,
+                         data_format="channels_last", **kwargs)
+        self._multiplicity = math.prod(math.ceil(p / s)
+                                       for p, s in zip(self.pool_size, self.strides))
+
+    def propagate_inputs(self, input_bound):
+        return math.sqrt(self._multiplicity) * input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return math.sqrt(self._multiplicity) * gradient_bound

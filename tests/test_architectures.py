@@ -1,0 +1,262 @@
+"""Whole networks built from the complete layer set: residual sections, the MLP-Mixer
+patches, gradient clipping, random compositions (hypothesis) and the tightness report,
+all against exact per-example gradients computed one example at a time."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lipdp
+from lipdp.bounds import NonDPLayerError, gradient_bounds, lipschitz_bound, tightness
+from lipdp.layers import (DP_AddBias, DP_BoundedInput, DP_ClipGradient, DP_Flatten,
+                          DP_GlobalL2NormPooling2D, DP_GroupSort, DP_LayerCentering, DP_MaxPool2D,
+                          DP_MergeResidual, DP_Patches, DP_Permute, DP_QuickFrobeniusDense,
+                          DP_QuickSpectralConv2D, DP_QuickSpectralDense, DP_ReLU,
+                          DP_ScaledL2NormPooling2D, DP_Sigmoid, DP_Softplus, DP_SpectralConv2D,
+                          DP_SpectralDense, DP_SplitResidual, DP_Tanh, DP_WrappedResidual,
+                          make_residuals)
+from lipdp.losses import (DP_KCosineSimilarity, DP_MeanAbsoluteError, DP_MulticlassHKR,
+                          DP_TauCategoricalCrossentropy)
+from tests._grad_utils import REL_TOL, assert_within_bounds, per_example_gradient_norms
+
+X0 = 2.0
+
+
+def _model(layers, nb_classes=3, shape=(6, 6, 2)):
+    metadata = lipdp.DatasetMetadata(shape, nb_classes, 32, 8, 8, X0, "shuffle")
+    return lipdp.DP_Sequential([DP_BoundedInput(X0, input_shape=shape)] + layers,
+                               dp_parameters=lipdp.DPParameters(1.0), dataset_metadata=metadata)
+
+
+def _inputs(rng, shape, n=6):
+    """Random inputs inside, on and far beyond the bound, a constant image, one hot pixel."""
+    x = rng.normal(size=(n,) + shape)
+    x *= (X0 * np.array([0.3, 1.0, 40.0] * (n // 3)) /
+          np.linalg.norm(x.reshape(n, -1), axis=1)).reshape((n,) + (1,) * len(shape))
+    constant = np.full((1,) + shape, X0 / np.sqrt(np.prod(shape)))
+    pixel = np.zeros((1,) + shape)
+    pixel[(0,) * (len(shape) + 1)] = X0
+    return np.concatenate([x, constant, pixel]).astype("float32")
+
+
+def _check_sound(model, loss, rng, shape, k, context):
+    x = _inputs(rng, shape)
+    y = np.eye(k, dtype="float32")[rng.integers(0, k, len(x))]
+    bounds = gradient_bounds(model, loss)
+    assert_within_bounds(per_example_gradient_norms(model, loss, x, y), bounds, context)
+    # Certified Lipschitz constant against finite differences.
+    lip = float(lipschitz_bound(model))
+    x2 = x + rng.normal(scale=0.05, size=x.shape).astype("float32")
+    num = np.linalg.norm((model(x2) - model(x)).numpy().reshape(len(x), -1), axis=1)
+    den = np.linalg.norm((x2 - x).reshape(len(x), -1), axis=1)
+    assert np.all(num <= lip * den * (1 + REL_TOL) + 1e-6), context
+    return bounds
+
+
+def _perturb(model, rng, scale=0.3):
+    """Move every weight off its constraint set, as a noisy step does before projection."""
+    for v in model.trainable_variables:
+        v.assign(v + tf.constant(rng.normal(scale=scale, size=v.shape), tf.float32))
+
+
+@pytest.mark.parametrize("merge", ["1-lip-add", "add"])
+def test_resnet_block_bounds_hold_with_projected_and_perturbed_weights(merge):
+    rng = np.random.default_rng(0)
+    model = _model([DP_SpectralConv2D(4, 3), DP_GroupSort(2),
+                    *make_residuals([DP_QuickSpectralConv2D(4, 3), DP_GroupSort(2),
+                                     DP_QuickSpectralConv2D(4, 3), DP_AddBias(0.5)], merge),
+                    DP_MaxPool2D(2), DP_Flatten(), DP_QuickSpectralDense(3)])
+    loss = DP_TauCategoricalCrossentropy(8.0)
+    _check_sound(model, loss, rng, (6, 6, 2), 3, f"{merge} / projected")
+    _perturb(model, rng)
+    _check_sound(model, loss, rng, (6, 6, 2), 3, f"{merge} / perturbed")
+
+
+def test_residual_bounds_are_the_pair_rule():
+    """Split/merge arithmetic: with an identity-like branch the Lipschitz bound of the
+    block is c (1 + Lip(branch)); gradient bounds of the branch see c G."""
+    branch = DP_QuickSpectralDense(4, use_bias=False)
+    model = _model([DP_Flatten(), DP_QuickSpectralDense(4, use_bias=False),
+                    *make_residuals([branch], "1-lip-add")], nb_classes=4)
+    s = float(lipdp.operator_norms.dense_spectral_norm_upper(branch.kernel))
+    first = float(lipdp.operator_norms.dense_spectral_norm_upper(model.layers[2].kernel))
+    assert float(lipschitz_bound(model)) == pytest.approx(0.5 * (1 + s) * first, rel=1e-6)
+    bounds = gradient_bounds(model, DP_MeanAbsoluteError())  # L = 1/2 for 4 outputs
+    x_branch = first * X0
+    assert bounds[f"{model.layers[4].name}/{branch.name}/kernel"] == pytest.approx(
+        x_branch * 0.5 * 0.5, rel=1e-6)
+
+
+def test_mixer_with_token_and_channel_mixing_is_sound():
+    rng = np.random.default_rng(1)
+    tokens, channels = 9, 6
+    token_mixing = [DP_LayerCentering(), DP_Permute((2, 1)), DP_SpectralDense(10), DP_GroupSort(2),
+                    DP_QuickSpectralDense(tokens), DP_Permute((2, 1))]
+    model = _model([DP_Patches(2), DP_QuickSpectralDense(channels),
+                    DP_SplitResidual(), DP_WrappedResidual(token_mixing), DP_MergeResidual(),
+                    *make_residuals([DP_QuickFrobeniusDense(channels), DP_Tanh()]),
+                    DP_Flatten(), DP_QuickSpectralDense(3)])
+    assert model.output_shape == (None, 3)
+    loss = DP_MulticlassHKR(alpha=3.0, min_margin=1.0)
+    _check_sound(model, loss, rng, (6, 6, 2), 3, "mixer / projected")
+    _perturb(model, rng, 0.2)
+    _check_sound(model, loss, rng, (6, 6, 2), 3, "mixer / perturbed")
+
+
+def test_clip_gradient_replaces_the_loss_constant_below_it():
+    rng = np.random.default_rng(2)
+    layers = [DP_Flatten(), DP_QuickSpectralDense(8), DP_GroupSort(2), DP_QuickSpectralDense(3)]
+    loss = DP_TauCategoricalCrossentropy(20.0)
+    plain = gradient_bounds(_model(layers), loss)
+    clipped_model = _model([DP_Flatten(), DP_QuickSpectralDense(8), DP_GroupSort(2),
+                            DP_QuickSpectralDense(3), DP_ClipGradient(0.1)])
+    clipped = gradient_bounds(clipped_model, loss)
+    last_bias = [name for name in clipped if name.endswith("bias")][-1]
+    assert clipped[last_bias] == pytest.approx(0.1)
+    assert max(plain.values()) > 5 * max(clipped.values())
+    _check_sound(clipped_model, loss, rng, (6, 6, 2), 3, "clip gradient")
+    # The last bias' per-example gradient *is* the cotangent: min(||grad loss||, 0.1).
+    x = _inputs(rng, (6, 6, 2))
+    y = np.eye(3, dtype="float32")[np.zeros(len(x), int)]
+    clip = clipped_model.layers[-1]
+    clip.clip_value = 1e9
+    raw_norms = per_example_gradient_norms(clipped_model, loss, x, y)[last_bias]
+    clip.clip_value = float(np.median(raw_norms))
+    clipped_norms = per_example_gradient_norms(clipped_model, loss, x, y)[last_bias]
+    np.testing.assert_allclose(clipped_norms, np.minimum(raw_norms, clip.clip_value), rtol=1e-5)
+    assert (raw_norms > clip.clip_value).any() and (raw_norms < clip.clip_value).any()
+
+
+LAYER_MENU = ["conv", "spectral conv", "groupsort", "relu", "tanh", "sigmoid", "softplus",
+              "maxpool", "l2pool", "centering", "bias", "residual", "residual add"]
+
+
+def _draw_layer(choice, channels, size, draw):
+    """One layer (or residual section) for the random composition; returns (layers, channels, size)."""
+    if choice in ("conv", "spectral conv"):
+        filters = draw(st.sampled_from([2, 4]))
+        stride = draw(st.sampled_from([1, 2])) if size >= 4 else 1
+        padding = draw(st.sampled_from(["same", "valid"])) if size >= 4 else "same"
+        kernel = draw(st.sampled_from([1, 3]))
+        cls = DP_QuickSpectralConv2D if choice == "conv" else DP_SpectralConv2D
+        layer = cls(filters, kernel, strides=stride, padding=padding,
+                    use_bias=draw(st.booleans()))
+        out = (size - (kernel - 1 if padding == "valid" else 0) + stride - 1) // stride
+        return [layer], filters, out
+    if choice in ("maxpool", "l2pool"):
+        if size < 2:
+            return [], channels, size
+        layer = DP_MaxPool2D(2) if choice == "maxpool" else DP_ScaledL2NormPooling2D(2)
+        return [layer], channels, size // 2
+    if choice.startswith("residual"):
+        activation = draw(st.sampled_from([lambda: DP_GroupSort(2), DP_ReLU, DP_Tanh]))
+        branch = [DP_QuickSpectralConv2D(channels, 3), activation(), DP_AddBias(0.3),
+                  DP_SpectralConv2D(channels, 1)][:draw(st.integers(1, 4))]
+        merge = "add" if choice.endswith("add") else "1-lip-add"
+        if draw(st.booleans()):  # the branch as one wrapped chain
+            return ([DP_SplitResidual(), DP_WrappedResidual(branch), DP_MergeResidual(merge)],
+                    channels, size)
+        return make_residuals(branch, merge), channels, size
+    simple = {"groupsort": lambda: DP_GroupSort(2), "relu": DP_ReLU, "tanh": DP_Tanh,
+              "sigmoid": DP_Sigmoid, "softplus": DP_Softplus, "centering": DP_LayerCentering,
+              "bias": lambda: DP_AddBias(1.0)}
+    return [simple[choice]()], channels, size
+
+
+@st.composite
+def random_networks(draw):
+    channels, size, layers = 2, 6, []
+    for _ in range(draw(st.integers(2, 6))):
+        new, channels, size = _draw_layer(draw(st.sampled_from(LAYER_MENU)), channels, size, draw)
+        layers += new
+    head = draw(st.sampled_from(["flatten", "global"]))
+    layers.append(DP_Flatten() if head == "flatten" else DP_GlobalL2NormPooling2D())
+    dense = draw(st.sampled_from([DP_QuickSpectralDense, DP_SpectralDense, DP_QuickFrobeniusDense]))
+    layers.append(dense(3, use_bias=draw(st.booleans())))
+    if draw(st.booleans()):
+        layers.append(DP_ClipGradient(draw(st.sampled_from([0.05, 1.0]))))
+    loss = draw(st.sampled_from(["cce", "hkr", "cosine"]))
+    return layers, loss, draw(st.booleans()), draw(st.integers(0, 2 ** 16))
+
+
+LOSS_FACTORIES = {"cce": lambda: DP_TauCategoricalCrossentropy(10.0),
+                  "hkr": lambda: DP_MulticlassHKR(alpha=2.0, min_margin=1.0),
+                  "cosine": lambda: DP_KCosineSimilarity(0.5)}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(random_networks())
+def test_random_compositions_are_sound(network):
+    layers, loss_name, perturb, seed = network
+    rng = np.random.default_rng(seed)
+    model = _model(layers)
+    if perturb:
+        _perturb(model, rng, 0.2)
+    names = " -> ".join(type(layer).__name__ for layer in model.layers)
+    _check_sound(model, LOSS_FACTORIES[loss_name](), rng, (6, 6, 2), 3, names)
+
+
+def test_tightness_matches_an_independent_computation():
+    rng = np.random.default_rng(3)
+    model = _model([DP_Flatten(), DP_QuickSpectralDense(8), DP_GroupSort(2),
+                    DP_QuickSpectralDense(3), DP_ClipGradient(0.5)])
+    loss = DP_TauCategoricalCrossentropy(5.0)
+    model.compile(loss=loss, optimizer="sgd")
+    x = _inputs(rng, (6, 6, 2), n=9)
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, len(x))]
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    report = tightness(model, dataset)
+    norms = per_example_gradient_norms(model, loss, x, y)
+    bounds = gradient_bounds(model)
+    assert list(report) == list(bounds)
+    for name, row in report.items():
+        assert row["examples"] == len(x)
+        assert row["bound"] == pytest.approx(bounds[name])
+        assert row["max_ratio"] == pytest.approx(norms[name].max() / bounds[name], rel=1e-4)
+        assert row["mean_ratio"] == pytest.approx(norms[name].mean() / bounds[name], rel=1e-4)
+        assert row["max_ratio"] <= 1 + REL_TOL
+    # clipped well below L: the last bias' gradient reaches the clip value.
+    assert report[list(report)[-1]]["max_ratio"] == pytest.approx(1.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("layer,hint", [
+    (tf.keras.layers.BatchNormalization(), "DP_LayerCentering"),
+    (tf.keras.layers.Dropout(0.5), "remove it"),
+    (tf.keras.layers.Lambda(lambda t: 2 * t), "no known bound"),
+    (tf.keras.layers.LayerNormalization(), "DP_LayerCentering"),
+])
+def test_unboundable_layers_are_refused_with_a_replacement(layer, hint):
+    model = _model([DP_Flatten(), layer, DP_QuickSpectralDense(3)])
+    with pytest.raises(NonDPLayerError, match=hint) as error:
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0))
+    assert layer.name in str(error.value) and type(layer).__name__ in str(error.value)
+
+
+HEAD = [DP_Flatten(), DP_QuickSpectralDense(3)]
+
+
+@pytest.mark.parametrize("layers,message", [
+    (lambda: [DP_SplitResidual(), DP_GroupSort(2), DP_MergeResidual(), *HEAD], "is inside a residual"),
+    (lambda: [DP_WrappedResidual(DP_GroupSort(2)), *HEAD], "outside a residual"),
+    (lambda: [DP_MergeResidual(), *HEAD], "never opened"),
+    (lambda: [DP_SplitResidual(), DP_WrappedResidual(DP_GroupSort(2)), *HEAD], "is inside a residual"),
+    (lambda: [DP_SplitResidual(), DP_WrappedResidual(DP_Flatten()),
+              DP_WrappedResidual(DP_QuickSpectralDense(3))], "ends inside"),
+    (lambda: [DP_SplitResidual(), DP_SplitResidual(), DP_WrappedResidual(DP_ReLU()),
+              DP_MergeResidual(), DP_MergeResidual(), *HEAD], "do not nest"),
+], ids=["unwrapped", "wrapped outside", "merge unopened", "unclosed", "ends inside", "nested"])
+def test_malformed_residual_sections_are_refused(layers, message):
+    """Refused when the model is built, before any shape error."""
+    with pytest.raises(ValueError, match=message):
+        _model(layers())
+
+
+def test_branch_must_keep_its_shape():
+    with pytest.raises(ValueError, match="keep the shape"):
+        _model([*make_residuals([DP_QuickSpectralConv2D(3, 3)]), DP_Flatten(),
+                DP_QuickSpectralDense(3)])
+    with pytest.raises(TypeError, match="do not nest"):
+        DP_WrappedResidual(DP_SplitResidual())

@@ -1,0 +1,129 @@
+"""The serialization contract, applied to every layer lipdp exports.
+
+Each layer is registered with Keras, has a complete `get_config` (from_config of
+it gives the same config back), keeps its cached power-iteration vectors as
+non-trainable weights, and survives a `.keras` round trip inside a DP model with
+the same outputs, weights and gradient bounds.
+"""
+
+import inspect
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lipdp
+import lipdp.layers as dp
+from lipdp.bounds import gradient_bounds, lipschitz_bound
+from lipdp.losses import DP_TauCategoricalCrossentropy
+
+SHAPE = (6, 6, 2)
+
+# name -> (layers before, the layer under test, layers after); the head maps to 3 logits.
+CASES = {
+    "DP_AddBias": ([], lambda: dp.DP_AddBias(0.7), []),
+    "DP_BoundedInput": ([], lambda: dp.DP_BoundedInput(1.5), []),
+    "DP_ClipGradient": ([], lambda: dp.DP_ClipGradient(0.3), []),
+    "DP_Flatten": ([], lambda: dp.DP_Flatten(), []),
+    "DP_GlobalL2NormPooling2D": ([], lambda: dp.DP_GlobalL2NormPooling2D(), []),
+    "DP_GroupSort": ([], lambda: dp.DP_GroupSort(2), []),
+    "DP_LayerCentering": ([], lambda: dp.DP_LayerCentering((1, 2)), []),
+    "DP_MaxPool2D": ([], lambda: dp.DP_MaxPool2D(3, strides=2, padding="same"), []),
+    "DP_Patches": ([], lambda: dp.DP_Patches(3), []),
+    "DP_Permute": ([], lambda: dp.DP_Permute((3, 1, 2)), []),
+    "DP_QuickFrobeniusDense": ([dp.DP_Flatten], lambda: dp.DP_QuickFrobeniusDense(5), []),
+    "DP_QuickSpectralConv2D": ([], lambda: dp.DP_QuickSpectralConv2D(4, 3, strides=2,
+                                                                      eps_bjorck=1e-3), []),
+    "DP_QuickSpectralDense": ([dp.DP_Flatten], lambda: dp.DP_QuickSpectralDense(
+        5, maxiter_spectral=3), []),
+    "DP_ReLU": ([], lambda: dp.DP_ReLU(), []),
+    "DP_Reshape": ([], lambda: dp.DP_Reshape((36, 2)), []),
+    "DP_ScaledL2NormPooling2D": ([], lambda: dp.DP_ScaledL2NormPooling2D(2), []),
+    "DP_Sigmoid": ([], lambda: dp.DP_Sigmoid(), []),
+    "DP_Softplus": ([], lambda: dp.DP_Softplus(), []),
+    "DP_SpectralConv2D": ([], lambda: dp.DP_SpectralConv2D(4, 3, padding="valid"), []),
+    "DP_SpectralDense": ([dp.DP_Flatten], lambda: dp.DP_SpectralDense(6, use_bias=False), []),
+    "DP_Tanh": ([], lambda: dp.DP_Tanh(), []),
+    "DP_SplitResidual": ([], lambda: dp.DP_SplitResidual(),
+                         [lambda: dp.DP_WrappedResidual(dp.DP_ReLU()), dp.DP_MergeResidual]),
+    "DP_WrappedResidual": ([dp.DP_SplitResidual], lambda: dp.DP_WrappedResidual(
+        [dp.DP_QuickSpectralConv2D(2, 3), dp.DP_GroupSort(2), dp.DP_AddBias(1.0)]),
+        [dp.DP_MergeResidual]),
+    "DP_MergeResidual": ([dp.DP_SplitResidual, lambda: dp.DP_WrappedResidual(
+        dp.DP_QuickSpectralConv2D(2, 1))], lambda: dp.DP_MergeResidual("add"), []),
+}
+
+EXPORTED = sorted(name for name, obj in vars(dp).items()
+                  if inspect.isclass(obj) and issubclass(obj, dp.DPLayer) and obj is not dp.DPLayer)
+
+
+def test_every_exported_layer_has_a_contract_case():
+    assert sorted(CASES) == EXPORTED
+
+
+def _model(name):
+    before, make, after = CASES[name]
+    layer = make()
+    layers = ([dp.DP_BoundedInput(4.0, input_shape=SHAPE)] + [f() for f in before] + [layer]
+              + [f() for f in after] + [dp.DP_Flatten(), dp.DP_QuickSpectralDense(3)])
+    metadata = lipdp.DatasetMetadata(SHAPE, 3, 32, 8, 8, 4.0, "shuffle")
+    model = lipdp.DP_Sequential(layers, dp_parameters=lipdp.DPParameters(2.0, 1e-6, "per-layer"),
+                                dataset_metadata=metadata, name=f"contract_{name.lower()}")
+    model.compile(loss=DP_TauCategoricalCrossentropy(4.0), optimizer=tf.keras.optimizers.SGD(0.5))
+    return model, layer
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_layer_serialization_contract(name, tmp_path):
+    model, layer = _model(name)
+    cls = type(layer)
+    assert tf.keras.utils.get_registered_object(f"lipdp>{cls.__name__}") is cls
+    config = layer.get_config()
+    assert cls.from_config(config).get_config() == config
+    if hasattr(layer, "u"):
+        assert any(w is layer.u for w in layer.non_trainable_weights)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32,) + SHAPE).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, 32)]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # weights off their initial values
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+
+    assert type(loaded) is lipdp.DP_Sequential
+    assert loaded.dp_parameters == model.dp_parameters
+    assert loaded.dataset_metadata == model.dataset_metadata
+    assert loaded.dp_steps_taken == model.dp_steps_taken == 4
+    assert [type(layer).__name__ for layer in loaded.layers] == \
+        [type(layer).__name__ for layer in model.layers]
+    for a, b in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.name)
+    np.testing.assert_array_equal(model(x).numpy(), loaded(x).numpy())
+    assert gradient_bounds(loaded) == gradient_bounds(model)
+    assert float(lipschitz_bound(loaded)) == float(lipschitz_bound(model))
+    assert type(loaded.dp_loss) is DP_TauCategoricalCrossentropy
+
+
+def test_dp_model_round_trip_and_training_resumes(tmp_path):
+    inputs = tf.keras.Input(SHAPE)
+    h = dp.DP_BoundedInput(4.0)(inputs)
+    h = dp.DP_Flatten()(h)
+    h = dp.DP_SpectralDense(8)(h)
+    h = dp.DP_GroupSort(2)(h)
+    outputs = dp.DP_QuickSpectralDense(3)(h)
+    metadata = lipdp.DatasetMetadata(SHAPE, 3, 32, 8, 8, 4.0, "shuffle")
+    model = lipdp.DP_Model(inputs, outputs, dp_parameters=lipdp.DPParameters(1.0),
+                           dataset_metadata=metadata)
+    model.compile(loss=DP_TauCategoricalCrossentropy(4.0), optimizer="adam")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32,) + SHAPE).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, 32)]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.save(str(tmp_path / "m.keras"))
+    loaded = tf.keras.models.load_model(str(tmp_path / "m.keras"))
+    assert type(loaded) is lipdp.DP_Model and loaded.dp_steps_taken == 4
+    np.testing.assert_array_equal(model(x).numpy(), loaded(x).numpy())
+    assert gradient_bounds(loaded) == gradient_bounds(model)
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # re-compiled from the saved config
+    assert loaded.dp_steps_taken == 8
