@@ -95,7 +95,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from lipdp.metadata import NoiseStrategy, _parse_enum
+from lipdp.metadata import DPMode, NoiseStrategy, _parse_enum
 
 __all__ = [
     "step_noise_multiplier",
@@ -455,8 +455,16 @@ def _attr(model, name):
 
 
 def model_step_noise_multiplier(model) -> float:
-    """`step_noise_multiplier` of a model's `DPParameters` and number of noised variables."""
+    """`step_noise_multiplier` of a model's `DPParameters` and number of noised variables.
+
+    Classic DP-SGD (``mode="clipped"``) adds one isotropic Gaussian of std
+    ``sigma * Delta`` where ``Delta`` is the L2 sensitivity of the whole clipped
+    averaged gradient (``C / D`` flat or global, ``sqrt(sum_v C_v^2) / D``
+    per-layer): a Gaussian mechanism with multiplier sigma, whatever the rule.
+    """
     params = _attr(model, "dp_parameters")
+    if getattr(params, "mode", DPMode.CLIPLESS) == DPMode.CLIPPED:
+        return _check_noise_multiplier(params.noise_multiplier)
     return step_noise_multiplier(
         params.noisify_strategy, params.noise_multiplier, _attr(model, "nb_noised_variables")
     )

@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer, chain_backward, chain_lipschitz
+from lipdp.layers.base import DPLayer, chain_backward, chain_lipschitz, operator_norm_cache
 from lipdp.layers.basic import DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
 
@@ -129,14 +129,16 @@ def backpropagate_bounds(layers: Sequence[DPLayer], loss_lipschitz) -> List[Tupl
 
     Inputs are unbounded here: the first layer, `DP_BoundedInput`, bounds them.
     """
-    return chain_backward(list(layers), tf.constant(float("inf")),
-                          tf.constant(float(loss_lipschitz), tf.float32))[0]
+    with operator_norm_cache():  # each certified norm is computed once per pass
+        return chain_backward(list(layers), tf.constant(float("inf")),
+                              tf.constant(float(loss_lipschitz), tf.float32))[0]
 
 
 def lipschitz_bound(model) -> tf.Tensor:
     """Certified Lipschitz constant of the model w.r.t. its input (product over layers,
     with the two paths of residual sections added)."""
-    return chain_lipschitz(dp_layers(model), tf.constant(float("inf")), tf.constant(1.0))
+    with operator_norm_cache():
+        return chain_lipschitz(dp_layers(model), tf.constant(float("inf")), tf.constant(1.0))
 
 
 def _loss_lipschitz(model, loss):
@@ -187,7 +189,8 @@ def gradient_bounds(model, loss=None) -> Dict[str, float]:
     return {names[v.ref()]: bounds[v.ref()] for v in model.trainable_variables}
 
 
-def tightness(model, dataset, loss=None, max_batches=None) -> Dict[str, Dict[str, float]]:
+def tightness(model, dataset, loss=None, max_batches=None,
+              chunk_size: int = 64) -> Dict[str, Dict[str, float]]:
     """How close the observed per-example gradient norms come to their bounds.
 
     For every trainable variable v, the exact per-example gradient norms
@@ -202,6 +205,7 @@ def tightness(model, dataset, loss=None, max_batches=None) -> Dict[str, Dict[str
         dataset: a `tf.data.Dataset` of ``(x, y)`` batches, or a pair of arrays.
         loss: a DP loss; defaults to the loss the model was compiled with.
         max_batches: stop after this many batches (default: the whole dataset).
+        chunk_size: examples whose gradients are held in memory at once.
 
     Returns:
         ``{name: {"bound", "max_ratio", "mean_ratio", "examples"}}`` with the names
@@ -216,14 +220,16 @@ def tightness(model, dataset, loss=None, max_batches=None) -> Dict[str, Dict[str
     if isinstance(dataset, (tuple, list)):
         dataset = tf.data.Dataset.from_tensor_slices(tuple(dataset)).batch(256)
     ratios = [[] for _ in variables]
+    gradient_fn = tf.function(lambda x, y: per_example_gradients(model, loss.call, x, y,
+                                                                 variables)[0],
+                              reduce_retracing=True)
     for index, (x, y) in enumerate(dataset):
         if max_batches is not None and index >= max_batches:
             break
-        if int(tf.shape(x)[0]) == 0:
-            continue
-        norms = per_example_gradient_norms(per_example_gradients(model, loss.call, x, y, variables))
-        for bucket, v, n in zip(ratios, variables, norms):
-            bucket.append(n.numpy() / bound_by_ref[v.ref()])
+        for start in range(0, int(tf.shape(x)[0]), chunk_size):  # memory: chunk x parameters
+            gradients = gradient_fn(x[start:start + chunk_size], y[start:start + chunk_size])
+            for bucket, v, n in zip(ratios, variables, per_example_gradient_norms(gradients)):
+                bucket.append(n.numpy() / bound_by_ref[v.ref()])
     if not ratios or not ratios[0]:
         raise ValueError("The dataset yielded no examples.")
     report = {}

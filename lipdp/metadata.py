@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Optional, Tuple
+import numbers
+from typing import Optional, Tuple, Union
 
 
 class Sampling(str, enum.Enum):
@@ -39,6 +40,54 @@ class NoiseStrategy(str, enum.Enum):
 
     GLOBAL = "global"
     PER_LAYER = "per-layer"
+
+
+class DPMode(str, enum.Enum):
+    """Which private training algorithm `model.fit` runs.
+
+    - ``CLIPLESS``: Clipless DP-SGD. Per-example gradient norms are bounded
+      analytically through the Lipschitz DP layers; nothing is clipped.
+    - ``CLIPPED``: classic DP-SGD (Abadi et al.): every per-example gradient is
+      computed (or its norm, see `NormEngine`) and clipped; any Keras layer
+      without batch coupling is allowed (`lipdp.clipping`).
+    """
+
+    CLIPLESS = "clipless"
+    CLIPPED = "clipped"
+
+
+class Clipping(str, enum.Enum):
+    """How classic DP-SGD bounds a per-example gradient g (``mode="clipped"``).
+
+    - ``FLAT``: ``g * min(1, C / ||g||)`` over all trainable variables at once.
+    - ``PER_LAYER``: ``g_v * min(1, C_v / ||g_v||)`` for each trainable variable v;
+      the whole clipped gradient has norm at most ``sqrt(sum_v C_v^2)``.
+    - ``GLOBAL``: ``g * 1{||g|| <= C}`` (Bu et al., Algorithm 1, option 2): an
+      example's gradient is kept whole or dropped; norm at most C.
+
+    The averaged clipped gradient ``sum_i clip(g_i) / D`` then has L2 sensitivity
+    ``C / D`` (flat, global) or ``sqrt(sum_v C_v^2) / D`` (per-layer) under
+    add/remove-one, and the noise std is sigma times that.
+    """
+
+    FLAT = "flat"
+    PER_LAYER = "per-layer"
+    GLOBAL = "global"
+
+
+class NormEngine(str, enum.Enum):
+    """How the per-example gradient norms of classic DP-SGD are computed.
+
+    - ``VECTORIZED``: exact per-example gradients of every variable
+      (`lipdp.per_example`), then clipped and summed.
+    - ``GHOST``: Lee & Kifer's Algorithm 1: per-example norms of Dense, Conv2D
+      and Embedding layers from their inputs and output cotangents
+      (`lipdp.clipping.ghost_norms`), exact per-example gradients for the other
+      layers only, then a reweighted second backward pass.
+    """
+
+    VECTORIZED = "vectorized"
+    GHOST = "ghost"
 
 
 def _parse_enum(enum_cls, value, argname):
@@ -138,12 +187,43 @@ class DPParameters:
             sensitivity of the averaged gradient. 0 disables noise (then the run
             is not private and epsilon is infinite).
         delta: the delta of the reported (epsilon, delta)-DP guarantee.
-        noisify_strategy: a `NoiseStrategy` or its string value.
+        noisify_strategy: a `NoiseStrategy` or its string value. Clipless mode
+            only: classic DP-SGD always adds isotropic noise.
+        mode: a `DPMode` or its value: ``"clipless"`` (default, Clipless DP-SGD)
+            or ``"clipped"`` (classic DP-SGD with per-example clipping, see
+            `lipdp.clipping`). The fields below only apply to ``"clipped"`` and
+            must keep their defaults otherwise.
+        clipping: a `Clipping` rule or its value: ``"flat"`` (default),
+            ``"per-layer"`` or ``"global"``.
+        l2_norm_clip: the clipping threshold C (required in clipped mode). With
+            ``"per-layer"`` it is either a sequence of thresholds ``C_v``, one per
+            trainable variable in the order of `model.trainable_variables`
+            (checked at compile), or one number C, split as ``C_v = C / sqrt(V)``
+            over the V trainable variables (so that ``sqrt(sum_v C_v^2) = C``).
+        engine: a `NormEngine` or its value: ``"ghost"`` (default) or
+            ``"vectorized"``. Both give the same clipped gradient.
+        preclip_noise: std k >= 0 of the Gaussian perturbation ``k * N(0, I)``
+            added to each per-example gradient *before* clipping (Chen, Wu & Hong
+            2020, Sec. 5) to reduce the clipping bias; 0 (default) disables it.
+            It needs per-example gradients: with ``engine="ghost"`` the step
+            falls back to the vectorised engine (with a warning). It does not
+            change the sensitivity (clipping comes after it).
+
+    Raises:
+        ValueError: an invalid value; ``noisify_strategy="per-layer"`` in clipped
+            mode (the noise of classic DP-SGD is isotropic); clipped-mode fields
+            in clipless mode; several thresholds for a rule other than
+            ``"per-layer"``.
     """
 
     noise_multiplier: float = 1.0
     delta: float = 1e-5
     noisify_strategy: NoiseStrategy = NoiseStrategy.GLOBAL
+    mode: DPMode = DPMode.CLIPLESS
+    clipping: Clipping = Clipping.FLAT
+    l2_norm_clip: Optional[Union[float, Tuple[float, ...]]] = None
+    engine: NormEngine = NormEngine.GHOST
+    preclip_noise: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(
@@ -156,14 +236,90 @@ class DPParameters:
                 "Received an invalid value for `delta`, expected a number in (0, 1). "
                 f"Received: delta={self.delta!r}"
             )
+        object.__setattr__(self, "mode", _parse_enum(DPMode, self.mode, "mode"))
+        object.__setattr__(self, "clipping", _parse_enum(Clipping, self.clipping, "clipping"))
+        object.__setattr__(self, "engine", _parse_enum(NormEngine, self.engine, "engine"))
+        if not _is_real(self.preclip_noise) or not math.isfinite(self.preclip_noise) \
+                or self.preclip_noise < 0:
+            raise ValueError(
+                "Received an invalid value for `preclip_noise`, expected a finite non-negative "
+                f"number. Received: preclip_noise={self.preclip_noise!r}"
+            )
+        object.__setattr__(self, "preclip_noise", float(self.preclip_noise))
+        if self.mode is DPMode.CLIPLESS:
+            self._check_clipless()
+        else:
+            self._check_clipped()
+
+    def _check_clipless(self):
+        defaults = {"clipping": Clipping.FLAT, "l2_norm_clip": None,
+                    "engine": NormEngine.GHOST, "preclip_noise": 0.0}
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value != default:
+                shown = value.value if isinstance(value, enum.Enum) else value
+                raise ValueError(
+                    f"`{name}` only applies to mode='clipped' (classic DP-SGD); Clipless DP-SGD "
+                    f"bounds gradients without clipping. Received: mode='clipless', "
+                    f"{name}={shown!r}"
+                )
+
+    def _check_clipped(self):
+        if self.noisify_strategy is not NoiseStrategy.GLOBAL:
+            raise ValueError(
+                "Received an invalid value for `noisify_strategy` in mode='clipped', expected "
+                "'global': classic DP-SGD adds one isotropic Gaussian calibrated to the clipping "
+                "threshold (per-layer thresholds are set with clipping='per-layer'). "
+                f"Received: noisify_strategy={self.noisify_strategy.value!r}"
+            )
+        clip = self.l2_norm_clip
+        if clip is None:
+            raise ValueError("mode='clipped' needs a clipping threshold: pass `l2_norm_clip=C` "
+                             "(a positive number; per-variable thresholds with "
+                             "clipping='per-layer').")
+        if isinstance(clip, (list, tuple)):
+            if self.clipping is not Clipping.PER_LAYER:
+                raise ValueError(
+                    "Received an invalid value for `l2_norm_clip`, expected one positive number "
+                    f"with clipping={self.clipping.value!r} (a sequence of thresholds needs "
+                    f"clipping='per-layer'). Received: l2_norm_clip={clip!r}"
+                )
+            if not clip or not all(_is_positive_real(c) for c in clip):
+                raise ValueError(
+                    "Received an invalid value for `l2_norm_clip`, expected a non-empty sequence "
+                    f"of finite positive numbers. Received: l2_norm_clip={clip!r}"
+                )
+            object.__setattr__(self, "l2_norm_clip", tuple(float(c) for c in clip))
+        elif _is_positive_real(clip):
+            object.__setattr__(self, "l2_norm_clip", float(clip))
+        else:
+            raise ValueError(
+                "Received an invalid value for `l2_norm_clip`, expected a finite positive number "
+                "(or, with clipping='per-layer', a sequence of them). "
+                f"Received: l2_norm_clip={clip!r}"
+            )
 
     def get_config(self) -> dict:
+        clip = self.l2_norm_clip
         return {
             "noise_multiplier": float(self.noise_multiplier),
             "delta": float(self.delta),
             "noisify_strategy": self.noisify_strategy.value,
+            "mode": self.mode.value,
+            "clipping": self.clipping.value,
+            "l2_norm_clip": list(clip) if isinstance(clip, tuple) else clip,
+            "engine": self.engine.value,
+            "preclip_noise": float(self.preclip_noise),
         }
 
     @classmethod
     def from_config(cls, config: dict) -> "DPParameters":
         return cls(**config)
+
+
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_positive_real(value):
+    return _is_real(value) and math.isfinite(value) and value > 0

@@ -24,8 +24,10 @@ import warnings
 import tensorflow as tf
 
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
+from lipdp.clipping import ClippedDPSGD
+from lipdp.clipping.validation import leaf_layers
 from lipdp.losses import DP_Loss
-from lipdp.metadata import DatasetMetadata, DPParameters, NoiseStrategy, Sampling
+from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 
 
 class _DPModelMixin:
@@ -77,6 +79,21 @@ class _DPModelMixin:
 
     # ----------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None, **kwargs):
+        if self.dp_parameters.mode is DPMode.CLIPPED:
+            # Classic DP-SGD (lipdp.clipping): any loss with per-example values, any layer
+            # without batch coupling; no bounds to check.
+            if loss_weights is not None:
+                raise ValueError("`loss_weights` is not supported by DP models: it rescales the "
+                                 "gradients behind the clipping's back.")
+            metadata = self._require_metadata()
+            nb_outputs = int(self.output_shape[-1])
+            if nb_outputs != metadata.nb_classes:
+                raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata "
+                                 f"declares nb_classes={metadata.nb_classes}.")
+            self._clipped_dpsgd = ClippedDPSGD(self, loss, self.dp_parameters, metadata)
+            self.dp_loss = loss
+            super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+            return
         if not isinstance(loss, DP_Loss):
             raise TypeError(
                 "A DP model must be compiled with a DP loss from lipdp.losses (e.g. "
@@ -139,6 +156,9 @@ class _DPModelMixin:
         """
         if self.dp_loss is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
+        if self.dp_parameters.mode is DPMode.CLIPPED:
+            # Classic DP-SGD: `gradients` are the clipped averaged gradients (before noise).
+            return self._clipped_dpsgd.private_gradients(self, x, y)
         denominator = float(self.dataset_metadata.batch_size)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
@@ -155,8 +175,17 @@ class _DPModelMixin:
         return gradients, noisy, sensitivities, per_example, y_pred
 
     def project(self):
-        """Apply every layer's projection (after each step; idempotent up to numerics)."""
-        for layer in dp_layers(self):
+        """Apply every layer's projection (after each step; idempotent up to numerics).
+
+        In clipped mode the model need not be a chain of DP layers: every layer that
+        has a ``project`` method is projected.
+        """
+        if self.dp_parameters.mode is DPMode.CLIPPED:
+            layers = [layer for layer in leaf_layers(self)
+                      if callable(getattr(layer, "project", None))]
+        else:
+            layers = dp_layers(self)
+        for layer in layers:
             layer.project()
 
     def train_step(self, data):
@@ -326,7 +355,8 @@ class DP_Model(_DPModelMixin, tf.keras.Model):
                  **kwargs):
         super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
         self._init_dp(dp_parameters, dataset_metadata)
-        dp_layers(self)
+        if self.dp_parameters.mode is not DPMode.CLIPPED:  # clipped mode allows any layer
+            dp_layers(self)
 
     def get_config(self):
         # Keras only writes the graph for constructors identical to Functional's;

@@ -6,20 +6,22 @@ tightness report (`lipdp.bounds.tightness`) and classic clipped DP-SGD.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Sequence, Tuple
 
 import tensorflow as tf
 
 
 def per_example_gradients(model: tf.keras.Model, per_example_loss: Callable, x, y,
-                          variables: Sequence[tf.Variable] = None) -> List[tf.Tensor]:
-    """``grad_v loss(f(x_i), y_i)`` for every example i, one tensor per variable.
+                          variables: Sequence[tf.Variable] = None
+                          ) -> Tuple[List[tf.Tensor], tf.Tensor, tf.Tensor]:
+    """``(gradients, losses, y_pred)`` with ``gradients[v][i] = grad_v loss(f(x_i), y_i)``.
 
-    The Jacobian of the vector of per-example losses w.r.t. each variable is
-    computed with TensorFlow's vectorised Jacobian (pfor). Row i of that
-    Jacobian only depends on example i as long as the model has no batch
-    coupling (DP layers have none); in the backward pass every cotangent is then
-    the one of example i alone.
+    Each example goes through the model alone (a batch of one) inside
+    `tf.vectorized_map`, so row i depends on example i only, by construction,
+    and the cost grows linearly with the batch. (The Jacobian of the vector of
+    per-example losses would give the same values, but its vectorised backward
+    pass runs over the whole batch for every example: quadratic time and memory.)
+    Memory grows as ``batch x number of parameters``: callers chunk large batches.
 
     Args:
         model: a Keras model (called with ``training=True``).
@@ -28,16 +30,23 @@ def per_example_gradients(model: tf.keras.Model, per_example_loss: Callable, x, 
         variables: defaults to ``model.trainable_variables``.
 
     Returns:
-        A list aligned with `variables` of tensors of shape ``(batch,) + v.shape``
-        (zeros for a variable the loss does not depend on).
+        gradients aligned with `variables`, each of shape ``(batch,) + v.shape``
+        (zeros for a variable the loss does not depend on); the per-example
+        losses ``(batch,)``; the model's outputs ``(batch, ...)``.
     """
     variables = list(model.trainable_variables if variables is None else variables)
-    with tf.GradientTape(persistent=False) as tape:
-        losses = per_example_loss(y, model(x, training=True))
-    jacobians = tape.jacobian(losses, variables,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                              experimental_use_pfor=True)
-    return list(jacobians)
+
+    def one(example):
+        x_i, y_i = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), example)
+        with tf.GradientTape() as tape:
+            y_pred = model(x_i, training=True)
+            loss = tf.reduce_sum(per_example_loss(y_i, y_pred))
+        gradients = tape.gradient(loss, variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.convert_to_tensor(g) for g in gradients], loss, y_pred[0]
+
+    gradients, losses, y_pred = tf.vectorized_map(one, (x, y))
+    return list(gradients), losses, y_pred
 
 
 def per_example_gradient_norms(gradients: Sequence[tf.Tensor]) -> List[tf.Tensor]:

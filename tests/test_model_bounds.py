@@ -81,3 +81,20 @@ def test_model_lipschitz_bound_holds():
     b = a + tf.constant(rng.normal(size=(32, 8, 8, 2)) * 0.01, tf.float32)
     ratio = tf.norm(model(a) - model(b), axis=1) / tf.norm(tf.reshape(a - b, (32, -1)), axis=1)
     assert float(tf.reduce_max(ratio)) <= constant * (1 + 1e-4)
+
+
+def test_each_certified_norm_is_computed_once_per_bound_pass(monkeypatch):
+    """The cache is scoped to one pass: same bounds, one eigen-solve per layer and pass."""
+    import lipdp.layers.dense as dense
+
+    model = mlp()
+    loss = DP_TauCategoricalCrossentropy(5.0)
+    expected = gradient_bounds(model, loss)
+    calls = []
+    original = dense.dense_spectral_norm_upper
+    monkeypatch.setattr(dense, "dense_spectral_norm_upper",
+                        lambda kernel: calls.append(1) or original(kernel))
+    assert gradient_bounds(model, loss) == expected
+    assert len(calls) == 2  # two dense layers, each needed forward and backward
+    model.layers[-1].kernel.assign(model.layers[-1].kernel * 3.0)  # a new pass sees new weights
+    assert gradient_bounds(model, loss) != expected

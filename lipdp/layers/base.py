@@ -25,8 +25,38 @@ the constraints hold from the first step on).
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import tensorflow as tf
+
+# Certified operator norms computed during one pass of backpropagation for bounds,
+# by layer: each is needed forward (propagate_inputs) and backward
+# (backpropagate_inputs) at the same weights; the cache computes it once.
+_NORM_CACHE = None
+
+
+@contextlib.contextmanager
+def operator_norm_cache():
+    """Within this context, `cached_operator_norm` computes each layer's norm once.
+
+    Only for passes during which the weights do not change (one bound pass).
+    """
+    global _NORM_CACHE
+    outer, _NORM_CACHE = _NORM_CACHE, {}
+    try:
+        yield
+    finally:
+        _NORM_CACHE = outer
+
+
+def cached_operator_norm(layer, compute):
+    """``compute()`` (a certified norm of `layer` at its current weights), at most
+    once per `operator_norm_cache` context."""
+    if _NORM_CACHE is None:
+        return compute()
+    if id(layer) not in _NORM_CACHE:
+        _NORM_CACHE[id(layer)] = (layer, compute())  # the layer is kept alive: ids stay unique
+    return _NORM_CACHE[id(layer)][1]
 
 
 class DPLayer(abc.ABC):

@@ -10,7 +10,7 @@ from deel.lip.layers.convolutional import _compute_conv_lip_factor
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
-from lipdp.layers.base import DPLayer, check_no_activation
+from lipdp.layers.base import DPLayer, cached_operator_norm, check_no_activation
 from lipdp.operator_norms import conv_operator_norm_upper
 
 
@@ -118,7 +118,8 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
         return outputs
 
     def _operator_bound(self):
-        return conv_operator_norm_upper(self.effective_kernel(), self._input_hw)
+        return cached_operator_norm(
+            self, lambda: conv_operator_norm_upper(self.effective_kernel(), self._input_hw))
 
     def propagate_inputs(self, input_bound):
         return (self._operator_bound() * input_bound

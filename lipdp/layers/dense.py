@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
-from lipdp.layers.base import DPLayer, check_no_activation
+from lipdp.layers.base import DPLayer, cached_operator_norm, check_no_activation
 from lipdp.operator_norms import dense_spectral_norm_upper
 
 _FORBIDDEN = ("kernel_constraint", "kernel_regularizer", "bias_regularizer", "activity_regularizer")
@@ -62,7 +62,7 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
         return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
 
     def _spectral_bound(self):
-        return dense_spectral_norm_upper(self.bounded_kernel())
+        return cached_operator_norm(self, lambda: dense_spectral_norm_upper(self.bounded_kernel()))
 
     def propagate_inputs(self, input_bound):
         return (self._spectral_bound() * input_bound

@@ -1,0 +1,314 @@
+"""The ghost engine: Lee & Kifer's Algorithm 1 (fast per-example gradient clipping).
+
+One private step:
+
+1. forward pass under a persistent tape, recording the input ``a`` and the
+   pre-activation output ``z`` of every layer that has a ghost rule
+   (`lipdp.clipping.ghost_norms`: Dense, Conv2D, Embedding and lipdp's dense and
+   RKO-conv layers) -- their ``call`` is wrapped for the duration of the pass;
+2. first backward pass: ``g = d(sum_i loss_i)/dz``. Row i of ``g`` is example i's
+   own cotangent since examples do not interact (batch-coupled layers are
+   refused at compile time);
+3. per-example squared norms: from ``(a, g)`` for those layers (no per-example
+   gradient is formed); every other layer with trainable variables (the
+   *fallback*) is recorded too, and its exact per-example gradients are
+   replayed from its own input and output cotangent, vectorised over the batch;
+4. clipping factors ``nu`` from the rule;
+5. clipped sum: for rules with one factor per example (flat, global) the
+   gradient of the reweighted loss ``sum_i nu_i loss_i``, a second backward
+   pass on the same tape (Algorithm 1, line 14); for per-layer factors, each
+   ghost layer's variables get the local vector-Jacobian product of ``z`` with
+   the reweighted cotangents ``nu_{i,v} g_i`` and fallback variables
+   ``sum_i nu_{i,v} grad_v loss_i``.
+
+The result equals clipping exact per-example gradients (`vectorized`), up to
+float rounding. Which layers are handled by ghost rules and which fall back is
+decided at compile time (`ghost_plan`) and announced with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import tensorflow as tf
+
+from lipdp.clipping.engine import ClippedBatch, checked, squared_norms_of, weighted_sum
+from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
+from lipdp.clipping.rules import ClippingRule
+from lipdp.clipping.validation import leaf_layers
+
+
+_LOGGER = logging.getLogger("lipdp")
+
+
+class GhostFallbackWarning(UserWarning):
+    """Some trainable variables get exact per-example gradients in the ghost engine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GhostPlan:
+    """Which layers the ghost engine handles with ghost norms, and which fall back.
+
+    Attributes:
+        ghost: layers whose per-example norms come from their ghost rule.
+        fallback_layers: layers with trainable variables but no usable ghost
+            rule: their per-example gradients are computed exactly, from the
+            layer's own recorded input and output cotangent.
+        fallback: ``(layer name, reason)`` for every fallback, including
+            trainable variables owned by no layer (``"<model>"``).
+    """
+
+    ghost: Tuple[tf.keras.layers.Layer, ...]
+    fallback_layers: Tuple[tf.keras.layers.Layer, ...]
+    fallback: Tuple[Tuple[str, str], ...]
+
+    def describe(self) -> str:
+        """One line per layer: ``name (Type): ghost norm`` or ``name: exact ... (reason)``."""
+        lines = [f"{layer.name} ({type(layer).__name__}): ghost norm" for layer in self.ghost]
+        lines += [f"{name}: exact per-example gradients ({reason})"
+                  for name, reason in self.fallback]
+        return "\n".join(lines)
+
+
+def ghost_plan(model: tf.keras.Model) -> GhostPlan:
+    """Decide, for every layer with trainable variables, ghost norm or exact fallback.
+
+    A layer gets ghost norms when its exact type has a registered rule, the rule
+    supports its configuration, the rule covers all its trainable variables, and
+    none of those variables is shared with another layer. Trainable variables
+    owned by no layer (model-level weights) fall back too.
+    """
+    layers = list(leaf_layers(model))
+    owners: Dict[object, List[str]] = {}
+    for layer in layers:
+        for v in layer.trainable_weights:
+            owners.setdefault(v.ref(), []).append(layer.name)
+    ghost, fallback_layers, fallback = [], [], []
+    for layer in layers:
+        if not layer.trainable_weights:
+            continue
+        shared = [v.name for v in layer.trainable_weights if len(owners[v.ref()]) > 1]
+        rule = ghost_rule(layer)
+        if shared:
+            fallback.append((layer.name, f"variables shared with other layers: {shared}"))
+            continue  # exact gradients of the whole model for those (see _NormPass)
+        if rule is None:
+            reason = f"no ghost rule for {type(layer).__name__}"
+        else:
+            reason = rule.unsupported(layer)
+            covered = {v.ref() for v in rule.variables(layer)}
+            if reason is None and covered != {v.ref() for v in layer.trainable_weights}:
+                reason = "trainable variables outside its ghost rule"
+        if reason is None:
+            ghost.append(layer)
+        else:
+            fallback_layers.append(layer)
+            fallback.append((layer.name, reason))
+    orphans = [v.name for v in model.trainable_variables if v.ref() not in owners]
+    if orphans:
+        fallback.append(("<model>", f"variables owned by no layer: {orphans}"))
+    return GhostPlan(tuple(ghost), tuple(fallback_layers), tuple(fallback))
+
+
+_MISSING = object()
+
+
+@dataclasses.dataclass
+class _Call:
+    inputs: object
+    args: tuple
+    kwargs: dict
+    outputs: object  # the pre-activation for ghost layers
+
+
+@contextlib.contextmanager
+def _recording(ghost_layers: Sequence[tf.keras.layers.Layer],
+               other_layers: Sequence[tf.keras.layers.Layer]):
+    """Wrap each layer's ``call`` to record every call (`_Call`); restored on exit.
+
+    For `ghost_layers` the activation (Dense/Conv2D ``activation=``) is switched
+    off inside the original ``call`` and applied by the wrapper, so that the
+    recorded output is the pre-activation ``z`` the ghost rules need. Calls of
+    `other_layers` are recorded as they are.
+    """
+    records: Dict[int, List[_Call]] = {id(layer): [] for layer in [*ghost_layers, *other_layers]}
+    saved = []
+    for layer in [*ghost_layers, *other_layers]:
+        original = layer.call
+        had_instance_call = "call" in layer.__dict__
+        split = any(layer is g for g in ghost_layers)
+
+        def wrapper(inputs, *args, _layer=layer, _original=original, _split=split, **kwargs):
+            activation = _layer.__dict__.get("activation", _MISSING) if _split else _MISSING
+            if activation is not _MISSING:
+                object.__setattr__(_layer, "activation", None)
+            try:
+                outputs = _original(inputs, *args, **kwargs)
+            finally:
+                if activation is not _MISSING:
+                    object.__setattr__(_layer, "activation", activation)
+            records[id(_layer)].append(_Call(inputs, args, kwargs, outputs))
+            return outputs if activation in (_MISSING, None) else activation(outputs)
+
+        object.__setattr__(layer, "call", tf.autograph.experimental.do_not_convert(wrapper))
+        saved.append((layer, had_instance_call, original))
+    try:
+        yield records
+    finally:
+        for layer, had_instance_call, original in saved:
+            if had_instance_call:
+                object.__setattr__(layer, "call", original)
+            else:
+                object.__delattr__(layer, "call")
+
+
+def _replayable(call: _Call) -> bool:
+    """A recorded call can be replayed example by example if only its input is a tensor."""
+    return not any(tf.is_tensor(t) for t in tf.nest.flatten((call.args, call.kwargs)))
+
+
+def _replayed_gradients(layer, call: _Call, cotangents: List[tf.Tensor],
+                        variables: List[tf.Variable]) -> List[tf.Tensor]:
+    """Per-example gradients of `variables` from one layer's recorded input and output
+    cotangent: ``grad_v <g_i, layer(a_i)>`` for each example i, vectorised over i.
+
+    Exact (the same input and cotangent as the batch pass), local to the layer,
+    and linear in the batch size.
+    """
+    def one(example):
+        inputs, cts = example
+        inputs = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), inputs)
+        with tf.GradientTape() as tape:
+            outputs = tf.nest.flatten(layer.call(inputs, *call.args, **call.kwargs))
+        grads = tape.gradient(outputs, variables,
+                              output_gradients=[tf.expand_dims(c, 0) for c in cts],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.convert_to_tensor(g) for g in grads]
+
+    return list(tf.vectorized_map(one, (call.inputs, list(cotangents))))
+
+
+@dataclasses.dataclass
+class _NormPass:
+    tape: tf.GradientTape
+    variables: List[tf.Variable]
+    squared: List[tf.Tensor]
+    local: Dict[object, Tuple[tf.Tensor, tf.Tensor]]  # var ref -> (z, cotangent) of its layer
+    exact: Dict[object, tf.Tensor]  # var ref -> per-example gradients (fallback)
+    losses: tf.Tensor
+    y_pred: tf.Tensor
+
+
+class GhostEngine:
+    """Ghost-norm clipping for one model (see the module docstring).
+
+    Fallbacks, all exact: a fallback layer's per-example gradients are replayed
+    from its recorded input and output cotangent (`_replayed_gradients`);
+    variables that cannot be attributed to a single call of one layer (shared
+    variables, model-level variables, a layer called several times or with
+    tensor arguments) get the per-example Jacobian of the losses on the same
+    tape (quadratic in the batch size, so only for those).
+
+    Args:
+        model: the Keras model; its plan is computed here.
+        warn: emit a `GhostFallbackWarning` naming the layers that fall back.
+        norm_method: ``"auto"`` (default) or ``"gram"``, how Conv2D and rank > 2
+            Dense norms are computed (`lipdp.clipping.ghost_norms`).
+    """
+
+    name = "ghost"
+
+    def __init__(self, model: tf.keras.Model, warn: bool = True, norm_method: str = "auto"):
+        uses_gram(1, 1, 1, norm_method)  # validates the value
+        self.norm_method = norm_method
+        self.plan = ghost_plan(model)
+        _LOGGER.info("Ghost clipping plan:\n%s", self.plan.describe())
+        if warn and self.plan.fallback:
+            warnings.warn(
+                "Ghost clipping: these layers have no ghost norm and get exact per-example "
+                "gradients instead: "
+                + "; ".join(f"'{name}' ({reason})" for name, reason in self.plan.fallback),
+                GhostFallbackWarning, stacklevel=3)
+
+    def _norms(self, model, loss_fn: Callable, x, y) -> _NormPass:
+        plan = self.plan
+        with _recording(plan.ghost, plan.fallback_layers) as records:
+            with tf.GradientTape(persistent=True) as tape:
+                y_pred = model(x, training=True)
+                losses = checked(loss_fn(y, y_pred))
+                total = tf.reduce_sum(losses)
+        variables = list(model.trainable_variables)
+        for layer in plan.ghost + plan.fallback_layers:
+            if len(records[id(layer)]) != 1:
+                warnings.warn(f"Ghost clipping: layer '{layer.name}' was called "
+                              f"{len(records[id(layer)])} times in one forward pass; its "
+                              "variables get exact per-example gradients (Jacobian).",
+                              GhostFallbackWarning, stacklevel=4)
+        ghost = [layer for layer in plan.ghost if len(records[id(layer)]) == 1]
+        replay = [layer for layer in plan.fallback_layers
+                  if len(records[id(layer)]) == 1 and _replayable(records[id(layer)][0])]
+        # First backward pass: the cotangent of every recorded output.
+        targets = [records[id(layer)][0].outputs for layer in ghost]
+        targets += [tf.nest.flatten(records[id(layer)][0].outputs) for layer in replay]
+        cotangents = tape.gradient(total, targets) if targets else []
+        cotangents = tf.nest.map_structure(
+            lambda ct, t: tf.zeros_like(t) if ct is None else tf.convert_to_tensor(ct),
+            cotangents, targets) if targets else []
+        squared, local, exact = {}, {}, {}
+        for layer, g in zip(ghost, cotangents[:len(ghost)]):
+            call, rule = records[id(layer)][0], ghost_rule(layer)
+            norms_of = rule.squared_norms(layer, call.inputs, g, self.norm_method)
+            for v, norms in zip(rule.variables(layer), norms_of):
+                squared[v.ref()] = norms
+                local[v.ref()] = (call.outputs, g)
+        for layer, cts in zip(replay, cotangents[len(ghost):]):
+            layer_vars = list(layer.trainable_weights)
+            grads = _replayed_gradients(layer, records[id(layer)][0], cts, layer_vars)
+            for v, jac in zip(layer_vars, grads):
+                exact[v.ref()] = jac
+        rest = [v for v in variables if v.ref() not in squared and v.ref() not in exact]
+        if rest:
+            jacobians = tape.jacobian(losses, rest,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                                      experimental_use_pfor=True)
+            exact.update({v.ref(): jac for v, jac in zip(rest, jacobians)})
+        for ref, jac in exact.items():
+            squared[ref] = squared_norms_of([jac])[0]
+        return _NormPass(tape, variables, [squared[v.ref()] for v in variables], local, exact,
+                         losses, y_pred)
+
+    def per_example_squared_norms(self, model, loss_fn: Callable, x, y) -> List[tf.Tensor]:
+        """``||grad_v loss_i||^2``, ``(batch,)`` per trainable variable."""
+        result = self._norms(model, loss_fn, x, y)
+        del result.tape
+        return result.squared
+
+    def clipped_sum(self, model, loss_fn: Callable, x, y, rule: ClippingRule) -> ClippedBatch:
+        """Formal guarantee: ``gradient_sums[v] = sum_i nu[v][i] grad_v loss_i`` with
+        ``nu = rule.factors(ghost or exact squared norms)``."""
+        result = self._norms(model, loss_fn, x, y)
+        factors = rule.factors(result.squared)
+        if rule.uniform:
+            # Algorithm 1, line 14: the gradient of sum_i nu_i loss_i (nu held constant).
+            sums = result.tape.gradient(result.losses, result.variables,
+                                        output_gradients=tf.stop_gradient(factors[0]),
+                                        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        else:
+            sums = [self._per_variable_sum(result, v, nu)
+                    for v, nu in zip(result.variables, factors)]
+        del result.tape
+        sums = [tf.convert_to_tensor(g) for g in sums]
+        return ClippedBatch(sums, result.squared, result.losses, result.y_pred)
+
+    @staticmethod
+    def _per_variable_sum(result: _NormPass, variable, nu):
+        if variable.ref() in result.exact:
+            return weighted_sum(nu, result.exact[variable.ref()])
+        z, g = result.local[variable.ref()]
+        weights = tf.reshape(tf.stop_gradient(nu), [-1] + [1] * (g.shape.rank - 1))
+        return result.tape.gradient(z, variable, output_gradients=weights * g,
+                                    unconnected_gradients=tf.UnconnectedGradients.ZERO)

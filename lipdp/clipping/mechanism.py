@@ -1,0 +1,101 @@
+"""Classic DP-SGD in lipdp's train step: clip, average over D, add isotropic noise.
+
+One step releases ``(sum_i clip(g_i)) / D + N(0, (sigma Delta)^2 I)`` where D is
+the public batch denominator (`DatasetMetadata.batch_size`, never the realised
+size of a Poisson batch) and ``Delta = sensitivity / D`` with ``sensitivity``
+the bound of the clipping rule on every clipped per-example gradient
+(C for flat and global clipping, ``sqrt(sum_v C_v^2)`` per layer). Adding or
+removing one example changes the averaged gradient by at most Delta, so each
+step is a Poisson-subsampled Gaussian mechanism with noise multiplier sigma
+(`lipdp.accounting.model_step_noise_multiplier`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Tuple
+
+import tensorflow as tf
+
+from lipdp.clipping.engine import ClippedBatch
+from lipdp.clipping.ghost import GhostEngine
+from lipdp.clipping.rules import ClippingRule, make_rule
+from lipdp.clipping.validation import check_no_batch_coupling, per_example_loss
+from lipdp.clipping.vectorized import VectorizedEngine
+from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NormEngine
+
+
+class PreclipFallbackWarning(UserWarning):
+    """Pre-clipping perturbation needs per-example gradients: the ghost engine is not used."""
+
+
+class ClippedDPSGD:
+    """The clipped private step of one compiled model.
+
+    Built at compile time: checks the model (no batch-coupled layer, at least one
+    trainable variable), resolves the per-example loss, the clipping rule and
+    the engine. The model is passed to each call, not stored.
+
+    Args:
+        model: the Keras model being compiled.
+        loss: any loss `lipdp.clipping.validation.per_example_loss` accepts.
+        dp_parameters: `DPParameters` with ``mode="clipped"``.
+        dataset_metadata: gives the public denominator D.
+
+    Raises:
+        BatchCouplingError, TypeError, ValueError: see `check_no_batch_coupling`,
+            `per_example_loss`, `make_rule`.
+    """
+
+    def __init__(self, model: tf.keras.Model, loss, dp_parameters: DPParameters,
+                 dataset_metadata: DatasetMetadata):
+        if dp_parameters.mode is not DPMode.CLIPPED:
+            raise ValueError("ClippedDPSGD needs DPParameters(mode='clipped', ...).")
+        check_no_batch_coupling(model)
+        if not model.trainable_variables:
+            raise ValueError("The model has no trainable variables to train privately (is it "
+                             "built? give its first layer an input shape or an Input).")
+        self.loss_fn = per_example_loss(loss)
+        self.rule: ClippingRule = make_rule(dp_parameters, model.trainable_variables)
+        self.noise_multiplier = float(dp_parameters.noise_multiplier)
+        self.denominator = float(dataset_metadata.batch_size)
+        engine = dp_parameters.engine
+        if engine is NormEngine.GHOST and dp_parameters.preclip_noise > 0:
+            warnings.warn("preclip_noise > 0 needs every per-example gradient (the noise is "
+                          "added to it before clipping): using engine='vectorized' instead of "
+                          "'ghost'.", PreclipFallbackWarning, stacklevel=3)
+            engine = NormEngine.VECTORIZED
+        self.engine = (GhostEngine(model) if engine is NormEngine.GHOST
+                       else VectorizedEngine(dp_parameters.preclip_noise))
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 sensitivity Delta of the averaged clipped gradient (add/remove one example)."""
+        return self.rule.sensitivity() / self.denominator
+
+    @property
+    def noise_stddev(self) -> float:
+        """``sigma * Delta``: std of the Gaussian added to every coordinate."""
+        return self.noise_multiplier * self.sensitivity
+
+    def clipped_batch(self, model, x, y) -> ClippedBatch:
+        """The engine's output on one batch (sums of clipped gradients, norms, losses)."""
+        return self.engine.clipped_sum(model, self.loss_fn, x, y, self.rule)
+
+    def private_gradients(self, model, x, y) -> Tuple[List[tf.Tensor], List[tf.Tensor],
+                                                      List[tf.Tensor], tf.Tensor, tf.Tensor]:
+        """``(clipped, noisy, sensitivities, per_example_losses, y_pred)``.
+
+        ``clipped[v] = sum_i clip(g_i)_v / D``; ``noisy[v] = clipped[v] + N(0, (sigma
+        Delta)^2)`` on every coordinate, one draw per step; ``sensitivities[v]`` is
+        the bound on variable v's block alone, ``C_v / D`` per layer and ``C / D``
+        for flat and global clipping (one example may put its whole clipped norm on
+        any single variable). Aligned with `model.trainable_variables`.
+        """
+        batch = self.clipped_batch(model, x, y)
+        clipped = [g / self.denominator for g in batch.gradient_sums]
+        stddev = self.noise_stddev
+        noisy = [g + tf.random.normal(tf.shape(g), stddev=stddev, dtype=g.dtype) for g in clipped]
+        sensitivities = [tf.constant(s / self.denominator, tf.float32)
+                         for s in self.rule.variable_sensitivities()]
+        return clipped, noisy, sensitivities, batch.losses, batch.y_pred

@@ -1,0 +1,355 @@
+"""Classic clipped DP-SGD in lipdp's train step (`DPParameters(mode="clipped")`).
+
+Reference for every update: exact per-example gradients, one GradientTape per
+example, clipped with the rule written out here, summed and divided by the
+public denominator D. Tolerances: rtol 1e-5 / atol 1e-7 on averaged gradients
+(float32 sums of a handful of terms; measured agreement ~1e-7 relative).
+"""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_privacy  # the independent implementation compared against
+
+from lipdp.accounting import compute_epsilon, get_eps_delta, model_step_noise_multiplier
+from lipdp.clipping import (BatchCouplingError, GhostFallbackWarning, PreclipFallbackWarning,
+                            ghost_plan, make_rule)
+from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
+                          DP_QuickSpectralDense, DP_ScaledL2NormPooling2D)
+from lipdp.losses import DP_TauCategoricalCrossentropy
+from lipdp.metadata import DatasetMetadata, DPParameters
+from lipdp.model import DP_Model, DP_Sequential
+
+L = tf.keras.layers
+CCE = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+D = 8  # public denominator (dataset_metadata.batch_size), larger than the test batches
+
+
+def _metadata(shape, k, batch=D, n=64):
+    return DatasetMetadata(shape, k, n, 16, batch, None, "shuffle")
+
+
+def _params(clip, clipping="flat", engine="ghost", sigma=0.0, **kwargs):
+    return DPParameters(sigma, 1e-5, mode="clipped", clipping=clipping, l2_norm_clip=clip,
+                        engine=engine, **kwargs)
+
+
+def _mixed_layers():
+    """Dense, Conv2D (stride 1 'same' + relu, stride 2 'valid', stride 2 'same'), pooling."""
+    return [L.Input((8, 8, 2)), L.Conv2D(3, 3, padding="same", activation="relu"),
+            L.Conv2D(4, 3, strides=2, padding="valid"), L.ReLU(), L.MaxPooling2D(2, padding="same"),
+            L.Conv2D(3, 2, strides=2, padding="same"), L.AveragePooling2D(1), L.Flatten(),
+            L.Dense(5, activation="tanh"), L.Dense(4)]
+
+
+def _dp_layers():
+    return [DP_BoundedInput(3.0, input_shape=(8, 8, 2)), DP_QuickSpectralConv2D(4, 3),
+            DP_GroupSort(2), DP_ScaledL2NormPooling2D(2),
+            DP_QuickSpectralConv2D(4, 3, strides=2, padding="valid"), DP_GroupSort(None),
+            DP_Flatten(), DP_QuickSpectralDense(6), DP_GroupSort(2), DP_QuickSpectralDense(4)]
+
+
+def _data(n, shape=(8, 8, 2), k=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return (tf.constant(rng.normal(size=(n,) + shape) * 2.0, tf.float32),
+            tf.one_hot(rng.integers(0, k, n), k))
+
+
+def exact_per_example_gradients(model, loss, x, y):
+    """[example][variable] numpy gradients, one tape per example."""
+    fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else tf.keras.losses.get(loss)
+    out = []
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(fn(y[i:i + 1], model(x[i:i + 1], training=True)))
+        grads = tape.gradient(value, model.trainable_variables)
+        out.append([np.zeros(v.shape, np.float32) if g is None else tf.convert_to_tensor(g).numpy()
+                    for g, v in zip(grads, model.trainable_variables)])
+    return out
+
+
+def reference_update(per_example, clipping, clip, denominator):
+    """sum_i clip(g_i) / D with the rule written out; also which examples (per-layer: which
+    (example, variable) pairs) were clipped."""
+    sums = [np.zeros_like(g, dtype=np.float64) for g in per_example[0]]
+    clipped = []
+    for grads in per_example:
+        if clipping == "per-layer":
+            norms = [np.linalg.norm(g) for g in grads]
+            factors = [min(1.0, c / n) if n > 0 else 1.0 for c, n in zip(clip, norms)]
+            clipped.extend(f < 1 for f in factors)
+        else:
+            norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads))
+            if clipping == "flat":
+                factor = min(1.0, clip / norm)
+            else:  # global: keep the gradient only if its norm is at most C
+                factor = 1.0 if norm <= clip else 0.0
+            factors = [factor] * len(grads)
+            clipped.append(factor < 1)
+        for s, g, f in zip(sums, grads, factors):
+            s += f * g.astype(np.float64)
+    return [s / denominator for s in sums], clipped
+
+
+def _thresholds(per_example, clipping):
+    """Medians of the per-example norms: some examples are clipped, some are not."""
+    if clipping == "per-layer":
+        return [float(np.median([np.linalg.norm(g[v]) for g in per_example]))
+                for v in range(len(per_example[0]))]
+    totals = [math.sqrt(sum(float(np.sum(t ** 2)) for t in g)) for g in per_example]
+    return float(np.median(totals))
+
+
+def _compiled(make_layers, clipping, engine, loss, shape=(8, 8, 2), k=4, model_cls=DP_Sequential,
+              clip=None, **kwargs):
+    tf.keras.utils.set_random_seed(7)  # same weights for every call with the same factory
+    params = _params(1.0 if clip is None else clip, clipping, engine, **kwargs)
+    model = model_cls(make_layers(), dp_parameters=params, dataset_metadata=_metadata(shape, k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GhostFallbackWarning)
+        model.compile(loss=loss, optimizer=tf.keras.optimizers.SGD(0.1))
+    return model
+
+
+def _check_against_reference(make_layers, clipping, engine, loss, x, y, **kwargs):
+    # Thresholds from the exact norms of the very weights used below (fixed seed).
+    probe = _compiled(make_layers, "flat", "vectorized", loss, **kwargs)
+    clip = _thresholds(exact_per_example_gradients(probe, loss, x, y), clipping)
+    model = _compiled(make_layers, clipping, engine, loss, clip=clip, **kwargs)
+    per_example = exact_per_example_gradients(model, loss, x, y)
+    expected, clipped = reference_update(per_example, clipping, clip, D)
+    assert any(clipped) and not all(clipped), clipped
+    # Eagerly and compiled (as in fit).
+    for private_gradients in (model.private_gradients, tf.function(model.private_gradients)):
+        clean, noisy, sens, losses, y_pred = private_gradients(x, y)
+        for c, n, e, v in zip(clean, noisy, expected, model.trainable_variables):
+            np.testing.assert_allclose(c.numpy(), e, rtol=1e-5, atol=1e-7, err_msg=v.name)
+            np.testing.assert_array_equal(c.numpy(), n.numpy())  # sigma = 0
+        assert losses.shape == (len(x),) and y_pred.shape[0] == len(x)
+    return model
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+@pytest.mark.parametrize("clipping", ["flat", "per-layer", "global"])
+def test_clipped_update_equals_example_by_example_reference(clipping, engine):
+    x, y = _data(6)
+    model = _check_against_reference(_mixed_layers, clipping, engine, CCE, x, y)
+    if engine == "ghost":
+        assert ghost_plan(model).fallback == ()
+
+
+@pytest.mark.parametrize("engine,clipping", [("ghost", "flat"), ("ghost", "per-layer"),
+                                             ("ghost", "global"), ("vectorized", "flat")])
+def test_clipped_update_on_lipdp_layers(clipping, engine):
+    x, y = _data(6, seed=1)
+    _check_against_reference(_dp_layers, clipping, engine, DP_TauCategoricalCrossentropy(5.0), x, y)
+
+
+def _sequence_layers():
+    inputs = L.Input((5,), dtype="int32")
+    h = L.Embedding(4, 3)(inputs)
+    h = L.Dense(4, activation="relu")(h)
+    h = L.LayerNormalization(name="norm_fallback")(h)  # no ghost rule: exact fallback
+    return inputs, L.Dense(3, activation="softmax")(L.Flatten()(h))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per-layer"])
+def test_functional_model_with_embedding_and_fallback_layer(clipping):
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.integers(0, 4, (6, 5)), tf.int32)
+    y = tf.one_hot(rng.integers(0, 3, 6), 3)
+    _check_against_reference(_sequence_layers, clipping, "ghost",
+                             "categorical_crossentropy", x, y, shape=(5,), k=3,
+                             model_cls=lambda io, **kw: DP_Model(*io, **kw))
+
+
+def test_fallback_is_announced_at_compile():
+    inputs, outputs = _sequence_layers()
+    model = DP_Model(inputs, outputs, dp_parameters=_params(1.0),
+                     dataset_metadata=_metadata((5,), 3))
+    with pytest.warns(GhostFallbackWarning, match="norm_fallback"):
+        model.compile(loss=CCE)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_flat_clipping_agrees_with_tensorflow_privacy(engine):
+    """Same model, weights and batch; tf-privacy averages over its microbatches (= the batch
+    size here), so D = batch size. One SGD step each (ours through `fit`, i.e. the compiled
+    train step), compared on the weights."""
+    batch, clip, lr = 6, 2.7, 0.5
+    x, y = _data(batch, seed=3)
+    tf.keras.utils.set_random_seed(11)
+    reference = tf.keras.Sequential(_mixed_layers())
+    model = DP_Sequential(_mixed_layers(), dp_parameters=_params(clip, engine=engine),
+                          dataset_metadata=_metadata((8, 8, 2), 4, batch=batch, n=batch))
+    for ours, theirs in zip(model.trainable_variables, reference.trainable_variables):
+        ours.assign(theirs)
+    model.compile(loss=CCE, optimizer=tf.keras.optimizers.SGD(lr))
+    norms = [math.sqrt(sum(float(np.sum(t ** 2)) for t in g))
+             for g in exact_per_example_gradients(model, CCE, x, y)]
+    assert min(norms) < clip < max(norms), norms
+
+    optimizer = tensorflow_privacy.DPKerasSGDOptimizer(
+        l2_norm_clip=clip, noise_multiplier=0.0, num_microbatches=batch, learning_rate=lr)
+    loss_none = tf.keras.losses.CategoricalCrossentropy(
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+    optimizer.minimize(lambda: loss_none(y, reference(x, training=True)),
+                       reference.trainable_variables)
+    model.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
+    assert model.dp_steps_taken == 1
+    for ours, theirs in zip(model.trainable_variables, reference.trainable_variables):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=ours.name)
+
+
+def _wide_model(params):
+    tf.keras.utils.set_random_seed(5)
+    model = DP_Sequential([L.Input((30,)), L.Dense(200, activation="relu"), L.Dense(3)],
+                          dp_parameters=params, dataset_metadata=_metadata((30,), 3))
+    model.compile(loss=CCE, optimizer="sgd")
+    return model
+
+
+@pytest.mark.parametrize("clipping,clip,expected", [
+    ("flat", 0.7, 0.7),
+    ("global", 0.7, 0.7),
+    ("per-layer", [0.3, 0.1, 0.4, 0.2], math.sqrt(0.09 + 0.01 + 0.16 + 0.04)),
+])
+def test_noise_std_is_sigma_times_sensitivity_over_denominator(clipping, clip, expected):
+    """noisy - clean over 6803 coordinates x 3 draws: std within 3% of sigma * S / D
+    (the relative sd of a sample std over n ~ 2e4 draws is 1/sqrt(2n) = 0.5%), mean ~ 0."""
+    sigma = 2.5
+    model = _wide_model(_params(clip, clipping, sigma=sigma))
+    x, y = _data(5, shape=(30,), k=3)
+    diffs = []
+    for _ in range(3):
+        clean, noisy, sens, _, _ = model.private_gradients(x, y)
+        diffs.append(np.concatenate([(n - c).numpy().ravel() for c, n in zip(clean, noisy)]))
+    diffs = np.concatenate(diffs)
+    std = sigma * expected / D
+    assert diffs.std() == pytest.approx(std, rel=0.03)
+    assert abs(diffs.mean()) < 5 * std / math.sqrt(diffs.size)
+    per_variable = clip if clipping == "per-layer" else [clip] * 4
+    np.testing.assert_allclose([float(s) for s in sens], np.array(per_variable) / D, rtol=1e-6)
+    assert model._clipped_dpsgd.noise_stddev == pytest.approx(std)
+
+
+def test_single_per_layer_threshold_is_split_evenly():
+    variables = [tf.Variable(tf.zeros((3,))) for _ in range(4)]
+    rule = make_rule(_params(2.0, "per-layer"), variables)
+    assert rule.thresholds == pytest.approx([1.0] * 4)
+    assert rule.sensitivity() == pytest.approx(2.0)
+
+
+def test_preclip_perturbation_adds_gaussian_noise_to_each_example_before_clipping():
+    """E||g + k z||^2 = ||g||^2 + k^2 P (P parameters): checked on the engine's pre-clipping
+    norms (relative sd of the mean excess ~ sqrt(2 / (P n)) = 1.4% here, 10% asserted);
+    every clipped example then has norm <= C, so ||sum|| <= n C."""
+    k, clip = 0.05, 0.5
+    with pytest.warns(PreclipFallbackWarning):
+        model = _wide_model(_params(clip, preclip_noise=k))
+    assert model._clipped_dpsgd.engine.name == "vectorized"
+    x, y = _data(6, shape=(30,), k=3)
+    exact = exact_per_example_gradients(model, CCE, x, y)
+    clean_sq = np.array([sum(float(np.sum(t ** 2)) for t in g) for g in exact])
+    batch = model._clipped_dpsgd.clipped_batch(model, x, y)
+    noisy_sq = np.sum([n.numpy() for n in batch.squared_norms], axis=0)
+    nb_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert np.mean(noisy_sq - clean_sq) == pytest.approx(k * k * nb_params, rel=0.1)
+    total = math.sqrt(sum(float(tf.reduce_sum(tf.square(g))) for g in batch.gradient_sums))
+    assert total <= len(x) * clip * (1 + 1e-5)
+
+
+def test_empty_poisson_batch_gives_pure_noise():
+    model = _compiled(_mixed_layers, "flat", "ghost", CCE, sigma=1.0)
+    x, y = _data(0)
+    clean, noisy, _, losses, _ = model.private_gradients(x, y)
+    assert all(float(tf.reduce_max(tf.abs(c))) == 0.0 for c in clean)
+    assert losses.shape == (0,)
+
+
+def test_accounting_and_fit_in_clipped_mode():
+    """epsilon of a clipped run is the Poisson-subsampled Gaussian with multiplier sigma;
+    fit runs, records its steps, and projects the DP layers after every step."""
+    sigma = 1.3
+    tf.keras.utils.set_random_seed(3)
+    model = DP_Sequential(_dp_layers(), dp_parameters=_params(1.0, "per-layer", sigma=sigma),
+                          dataset_metadata=DatasetMetadata((8, 8, 2), 4, 64, 16, 16, 3.0,
+                                                           "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(5.0), optimizer=tf.keras.optimizers.SGD(0.5),
+                  metrics=["accuracy"])
+    assert model_step_noise_multiplier(model) == sigma
+    eps, delta = get_eps_delta(model, 3)
+    assert eps == compute_epsilon(sigma, 16 / 64, 3 * 4, 1e-5) and delta == 1e-5
+    x, y = _data(64)
+    before = [v.numpy() for v in model.trainable_variables]
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0)
+    assert model.dp_steps_taken == 4
+    assert np.isfinite(history.history["loss"][0])
+    assert any(not np.allclose(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
+    for layer in model.layers:
+        if isinstance(layer, DP_QuickSpectralDense):
+            assert np.linalg.svd(layer.kernel.numpy(), compute_uv=False)[0] <= 1 + 1e-3
+
+
+def test_parameters_validation_and_round_trip():
+    with pytest.raises(ValueError, match="Received an invalid value for `clipping`"):
+        _params(1.0, "adaptive")
+    with pytest.raises(ValueError, match="Received an invalid value for `engine`"):
+        _params(1.0, engine="hooks")
+    with pytest.raises(ValueError, match="Received an invalid value for `mode`"):
+        DPParameters(mode="clip")
+    for bad in (0.0, -1.0, float("inf"), "1", True):
+        with pytest.raises(ValueError, match="l2_norm_clip"):
+            _params(bad)
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        _params([1.0, 0.0], "per-layer")
+    with pytest.raises(ValueError, match="clipping='per-layer'"):
+        _params([1.0, 2.0], "flat")
+    with pytest.raises(ValueError, match="needs a clipping threshold"):
+        DPParameters(mode="clipped")
+    with pytest.raises(ValueError, match="noisify_strategy"):
+        DPParameters(1.0, 1e-5, "per-layer", mode="clipped", l2_norm_clip=1.0)
+    with pytest.raises(ValueError, match="only applies to mode='clipped'"):
+        DPParameters(l2_norm_clip=1.0)
+    with pytest.raises(ValueError, match="preclip_noise"):
+        _params(1.0, preclip_noise=-0.1)
+    params = _params([0.5, 1.0], "per-layer", "vectorized", sigma=2.0, preclip_noise=0.1)
+    assert params.l2_norm_clip == (0.5, 1.0)
+    assert DPParameters.from_config(params.get_config()) == params
+    old = {"noise_multiplier": 1.0, "delta": 1e-5, "noisify_strategy": "global"}
+    assert DPParameters.from_config(old) == DPParameters(1.0, 1e-5)
+
+
+def test_clipped_model_config_round_trip():
+    params = _params([0.5] * 10, "per-layer", "vectorized", sigma=2.0)
+    model = DP_Sequential(_mixed_layers(), dp_parameters=params,
+                          dataset_metadata=_metadata((8, 8, 2), 4))
+    clone = DP_Sequential.from_config(model.get_config())
+    assert clone.dp_parameters == params
+    assert clone.dataset_metadata == model.dataset_metadata
+    assert [type(a) for a in clone.layers] == [type(b) for b in model.layers]
+
+
+def test_wrong_number_of_per_layer_thresholds_is_refused_at_compile():
+    model = DP_Sequential(_mixed_layers(), dp_parameters=_params([1.0, 2.0], "per-layer"),
+                          dataset_metadata=_metadata((8, 8, 2), 4))
+    with pytest.raises(ValueError, match="one threshold per trainable variable \\(10"):
+        model.compile(loss=CCE)
+
+
+def test_batch_coupled_layers_and_bad_losses_are_refused():
+    layers = [L.Input((6,)), L.Dense(4), L.BatchNormalization(), L.Dense(3)]
+    model = DP_Sequential(layers, dp_parameters=_params(1.0), dataset_metadata=_metadata((6,), 3))
+    with pytest.raises(BatchCouplingError, match="batch_normalization"):
+        model.compile(loss=CCE)
+    model = DP_Sequential([L.Input((6,)), L.Dense(3)], dp_parameters=_params(1.0),
+                          dataset_metadata=_metadata((6,), 3))
+    with pytest.raises(TypeError, match="per-example"):
+        model.compile(loss=None)
+    model.compile(loss=lambda y, p: tf.reduce_mean(tf.square(y - p)))
+    with pytest.raises(ValueError, match="returned a scalar"):
+        model.private_gradients(*_data(4, shape=(6,), k=3))
