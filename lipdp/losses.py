@@ -21,6 +21,8 @@ import tensorflow as tf
 from deel.lip.losses import TauBinaryCrossentropy, TauCategoricalCrossentropy, multiclass_hinge
 from tensorflow.keras.losses import Reduction
 
+from lipdp.layers.base import check_positive
+
 
 class DP_Loss:
     """Mixin: a Keras loss with a Lipschitz constant w.r.t. the logits."""
@@ -40,13 +42,6 @@ def _to_one_hot(y_true, y_pred):
     return tf.one_hot(tf.argmax(y_true, axis=-1), tf.shape(y_pred)[-1], dtype=y_pred.dtype)
 
 
-def _check_positive(value, name):
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
-            or not math.isfinite(value):
-        raise ValueError(f"Received an invalid value for `{name}`, expected a finite positive "
-                         f"number. Received: {name}={value!r}")
-
-
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     """Softmax cross-entropy with temperature (deel-lip): ``CE(y, softmax(tau y_pred)) / tau``.
@@ -58,7 +53,7 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     """
 
     def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauCategoricalCrossentropy"):
-        _check_positive(tau, "tau")
+        check_positive(tau, "tau")
         super().__init__(tau=tau, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred, *args, **kwargs):
@@ -77,7 +72,7 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
     """
 
     def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauBCE"):
-        _check_positive(tau, "tau")
+        check_positive(tau, "tau")
         super().__init__(tau=tau, reduction=reduction, name=name)
 
     def lipschitz(self, nb_outputs):
@@ -95,7 +90,7 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
     """
 
     def __init__(self, min_margin=1.0, reduction=Reduction.AUTO, name="DP_MulticlassHinge"):
-        _check_positive(min_margin, "min_margin")
+        check_positive(min_margin, "min_margin")
         super().__init__(reduction=reduction, name=name)
         self.min_margin = float(min_margin)
 
@@ -167,8 +162,8 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
 
     def __init__(self, alpha=10.0, min_margin=1.0, reduction=Reduction.AUTO,
                  name="DP_MulticlassHKR"):
-        _check_positive(alpha, "alpha")
-        _check_positive(min_margin, "min_margin")
+        check_positive(alpha, "alpha")
+        check_positive(min_margin, "min_margin")
         super().__init__(reduction=reduction, name=name)
         self.alpha = float(alpha)
         self.min_margin = float(min_margin)
@@ -200,7 +195,7 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
     """
 
     def __init__(self, K=1.0, reduction=Reduction.AUTO, name="DP_KCosineSimilarity"):
-        _check_positive(K, "K")
+        check_positive(K, "K")
         super().__init__(reduction=reduction, name=name)
         self.K = float(K)
 

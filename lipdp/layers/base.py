@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 
 import tensorflow as tf
 
@@ -146,3 +147,12 @@ def chain_forward(layers, input_bound):
     for layer in layers:
         input_bound = layer.propagate_inputs(input_bound)
     return input_bound
+
+
+def check_positive(value, name) -> float:
+    """``float(value)`` for a finite positive number; a ValueError naming `name` otherwise."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"Received an invalid value for `{name}`, expected a finite positive "
+                         f"number. Received: {name}={value!r}")
+    return float(value)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer
+from lipdp.layers.base import DPLayer, check_positive
 
 
 def _clip_rows(cotangent, clip_value):
@@ -37,11 +35,7 @@ class DP_ClipGradient(tf.keras.layers.Layer, DPLayer):
 
     def __init__(self, clip_value, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(clip_value, (int, float)) or isinstance(clip_value, bool) \
-                or not math.isfinite(clip_value) or clip_value <= 0:
-            raise ValueError("Received an invalid value for `clip_value`, expected a finite "
-                             f"positive number. Received: clip_value={clip_value!r}")
-        self.clip_value = float(clip_value)
+        self.clip_value = check_positive(clip_value, "clip_value")
 
     def call(self, inputs):
         clip_value = self.clip_value

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer
+from lipdp.layers.base import DPLayer, check_positive
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -74,11 +74,7 @@ class DP_AddBias(tf.keras.layers.Layer, DPLayer):
 
     def __init__(self, norm_max=1.0, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(norm_max, (int, float)) or isinstance(norm_max, bool) \
-                or not math.isfinite(norm_max) or norm_max <= 0:
-            raise ValueError("Received an invalid value for `norm_max`, expected a finite positive "
-                             f"number. Received: norm_max={norm_max!r}")
-        self.norm_max = float(norm_max)
+        self.norm_max = check_positive(norm_max, "norm_max")
 
     def build(self, input_shape):
         input_shape = tf.TensorShape(input_shape)
