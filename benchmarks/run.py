@@ -5,12 +5,20 @@ private step is timed on a small CNN on 28x28x1 inputs (``--model mlp``: the
 Lipschitz MLP of ``examples/clipped_vs_clipless.py`` instead):
 
 * ``clipless``: Clipless DP-SGD (lipdp DP layers, analytic bounds, no per-example work);
-* ``ghost``: lipdp classic DP-SGD, flat clipping, ghost norms (Lee & Kifer), same DP layers;
+* ``ghost``: lipdp classic DP-SGD, flat clipping, ghost norms (Lee & Kifer) with Gram
+  identities only (no per-example gradient of a Dense/Conv2D layer is formed), same DP layers;
+* ``mixed-ghost``: the same, but a layer whose Gram matrices are larger than its per-example
+  gradient gets its norm from that gradient, formed chunk by chunk (Bu et al.'s mixed ghost
+  clipping; here the first convolution);
 * ``vectorized``: lipdp classic DP-SGD, flat clipping, exact vectorised per-example gradients,
   same DP layers;
-* ``tf-privacy``: tensorflow-privacy's ``DPKerasSGDOptimizer`` (vectorised Jacobian, then a
-  loop over ``num_microbatches = batch`` microbatches) on the same architecture built from plain
-  Keras layers (Conv2D, ReLU);
+* ``tf-privacy-optimizer``: tensorflow-privacy's ``DPKerasSGDOptimizer`` (vectorised Jacobian
+  of the loss vector, then a loop over ``num_microbatches = batch`` microbatches) on the same
+  architecture built from plain Keras layers (Conv2D, ReLU);
+* ``tf-privacy-model``: tensorflow-privacy's ``DPSequential`` (``num_microbatches=None``: one
+  example per microbatch, ``use_xla=False`` as lipdp) with its default fast-clipping layer
+  registry (Dense, Embedding): ghost norms on ``--model mlp``; on ``cnn`` Conv2D is not in the
+  registry, so it clips exact per-example gradients from ``tf.vectorized_map``;
 * ``non-private``: plain SGD step on the plain Keras model, for scale.
 
 Architectures: ``cnn``: input 28x28x1 -> Conv 3x3 16 filters stride 2 'same' -> GroupSort2
@@ -27,7 +35,7 @@ Method:
   stop early: after the first (tracing) step, further warm-up and timed steps only run while
   less than ``--budget`` seconds have passed (at least one timed step; the table gives the
   count). A configuration is not run at all when its measurement at the previous batch
-  size, extrapolated to the new one (quadratically for tf-privacy, whose per-example
+  size, extrapolated to the new one (quadratically for tf-privacy-optimizer, whose per-example
   Jacobian costs time and memory quadratic in the batch: measured 64 -> 128 -> 256;
   linearly for the others), predicts a step longer than ``--timeout`` or more memory than
   80% of the machine's available memory; the table says so.
@@ -55,7 +63,9 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("clipless", "ghost", "vectorized", "tf-privacy", "non-private")
+CONFIGS = ("clipless", "ghost", "mixed-ghost", "vectorized", "tf-privacy-optimizer",
+           "tf-privacy-model", "non-private")
+LIPDP_CONFIGS = ("clipless", "ghost", "mixed-ghost", "vectorized")
 INPUT_SHAPE = (28, 28, 1)
 NB_CLASSES = 10
 NB_SAMPLES = 60000
@@ -64,7 +74,7 @@ SIGMA = 1.0
 
 
 # How step time and memory grow with the batch size, used to skip hopeless runs.
-_SCALING_EXPONENT = {"tf-privacy": 2}
+_SCALING_EXPONENT = {"tf-privacy-optimizer": 2}
 
 
 def _available_mib() -> float:
@@ -125,6 +135,23 @@ def _keras_model(architecture):
     return tf.keras.Sequential([layers.Input(INPUT_SHAPE)] + body)
 
 
+def _tf_privacy_model_step(architecture):
+    import tensorflow as tf
+    import tensorflow_privacy
+    from tensorflow_privacy.privacy.fast_gradient_clipping.layer_registry import (
+        make_default_layer_registry)
+
+    plain = _keras_model(architecture)
+    model = tensorflow_privacy.DPSequential(
+        l2_norm_clip=CLIP, noise_multiplier=SIGMA, num_microbatches=None, use_xla=False,
+        layer_registry=make_default_layer_registry(), layers=plain.layers)
+    model.build((None,) + INPUT_SHAPE)
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1),
+                  loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True))
+    step = tf.function(model.train_step)
+    return lambda x, y: step((x, y))["loss"]
+
+
 def _tf_privacy_step(batch, architecture):
     import tensorflow as tf
     import tensorflow_privacy
@@ -174,10 +201,12 @@ def worker(config: str, batch: int, architecture: str, warmup: int, steps: int,
     rng = np.random.default_rng(0)
     x = tf.constant(rng.uniform(size=(batch,) + INPUT_SHAPE), tf.float32)
     y = tf.one_hot(rng.integers(0, NB_CLASSES, batch), NB_CLASSES)
-    if config in ("clipless", "ghost", "vectorized"):
+    if config in LIPDP_CONFIGS:
         step = _dp_model(config, batch, architecture)
-    elif config == "tf-privacy":
+    elif config == "tf-privacy-optimizer":
         step = _tf_privacy_step(batch, architecture)
+    elif config == "tf-privacy-model":
+        step = _tf_privacy_model_step(architecture)
     else:
         step = _non_private_step(architecture)
     baseline = _rss_mib()

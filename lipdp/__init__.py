@@ -2,13 +2,16 @@
 
 Clipless DP-SGD (Béthune et al.): the networks are Lipschitz by construction, so
 every per-example gradient has an analytic bound ("backpropagation for bounds"),
-and Gaussian noise is calibrated to it at every step of `model.fit`.
+and Gaussian noise is calibrated to it at every step of `model.fit`. The same
+`fit` also runs classic DP-SGD with per-example clipping (``DPParameters(
+mode="clipped", ...)``, `lipdp.clipping`) for comparison.
 """
 
-from lipdp import bounds, certify, data, layers, losses
+from lipdp import bounds, certify, clipping, data, layers, losses
 from lipdp.accounting import get_eps_delta, get_max_epochs
 from lipdp.callbacks import DP_Accountant
-from lipdp.metadata import DatasetMetadata, DPParameters, NoiseStrategy, Sampling
+from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
+                            NormEngine, Sampling)
 from lipdp.model import DP_Model, DP_Sequential
 
 from lipdp import zoo  # noqa: I001 (after lipdp.model, which it builds on)
@@ -16,15 +19,19 @@ from lipdp import zoo  # noqa: I001 (after lipdp.model, which it builds on)
 __version__ = "0.1.0"
 
 __all__ = [
+    "Clipping",
     "DP_Accountant",
     "DP_Model",
     "DP_Sequential",
+    "DPMode",
     "DPParameters",
     "DatasetMetadata",
     "NoiseStrategy",
+    "NormEngine",
     "Sampling",
     "bounds",
     "certify",
+    "clipping",
     "data",
     "get_eps_delta",
     "get_max_epochs",

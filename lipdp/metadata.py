@@ -82,12 +82,19 @@ class NormEngine(str, enum.Enum):
       (`lipdp.per_example`), then clipped and summed.
     - ``GHOST``: Lee & Kifer's Algorithm 1: per-example norms of Dense, Conv2D
       and Embedding layers from their inputs and output cotangents
-      (`lipdp.clipping.ghost_norms`), exact per-example gradients for the other
+      (`lipdp.clipping.ghost_norms`, Gram identities: no per-example gradient of
+      those layers is ever formed), exact per-example gradients for the other
       layers only, then a reweighted second backward pass.
+    - ``MIXED_GHOST``: as ``GHOST``, but a Dense/Conv2D layer whose Gram
+      matrices (``2 T^2`` numbers per example, T positions or patches) would be
+      larger than its per-example gradient (``m n``) gets its norm from that
+      gradient, formed transiently chunk by chunk ("mixed ghost clipping", Bu et
+      al. 2022). Cheaper on early convolutions; same clipped update.
     """
 
     VECTORIZED = "vectorized"
     GHOST = "ghost"
+    MIXED_GHOST = "mixed-ghost"
 
 
 def _parse_enum(enum_cls, value, argname):
@@ -200,12 +207,13 @@ class DPParameters:
             trainable variable in the order of `model.trainable_variables`
             (checked at compile), or one number C, split as ``C_v = C / sqrt(V)``
             over the V trainable variables (so that ``sqrt(sum_v C_v^2) = C``).
-        engine: a `NormEngine` or its value: ``"ghost"`` (default) or
-            ``"vectorized"``. Both give the same clipped gradient.
+        engine: a `NormEngine` or its value: ``"ghost"`` (default),
+            ``"mixed-ghost"`` or ``"vectorized"``. All give the same clipped
+            gradient; they differ in time and memory (``benchmarks/run.py``).
         preclip_noise: std k >= 0 of the Gaussian perturbation ``k * N(0, I)``
             added to each per-example gradient *before* clipping (Chen, Wu & Hong
             2020, Sec. 5) to reduce the clipping bias; 0 (default) disables it.
-            It needs per-example gradients: with ``engine="ghost"`` the step
+            It needs per-example gradients: with a ghost engine the step
             falls back to the vectorised engine (with a warning). It does not
             change the sensitivity (clipping comes after it).
 

@@ -134,21 +134,37 @@ class _DPModelMixin:
 
         ``Delta_v = bound(v) / D``: adding or removing one example changes the sum
         of per-example gradients by at most ``bound(v)``, and the sum is divided
-        by the public denominator D. Aligned with `trainable_variables`.
+        by the public denominator D. In clipless mode ``bound(v)`` is the
+        analytic gradient bound at the current weights (`lipdp.bounds`); in
+        clipped mode it is the clipping rule's (C for flat and global clipping,
+        ``C_v`` per layer). Aligned with `trainable_variables`.
         """
+        if self.dp_loss is None:
+            raise RuntimeError("Compile the model first: the sensitivities depend on the loss "
+                               "(clipless) or on the clipping rule (clipped).")
+        if self.dp_parameters.mode is DPMode.CLIPPED:
+            return self._clipped_dpsgd.variable_sensitivities()
         bounds = {v.ref(): b for v, b in backpropagate_bounds(dp_layers(self), self._loss_lipschitz)}
         denominator = float(self.dataset_metadata.batch_size)
         return [bounds[v.ref()] / denominator for v in self.trainable_variables]
 
     def _noise_stddevs(self, sensitivities):
         sigma = float(self.dp_parameters.noise_multiplier)
+        if self.dp_parameters.mode is DPMode.CLIPPED:
+            return [self._clipped_dpsgd.noise_stddev for _ in sensitivities]
         if self.dp_parameters.noisify_strategy == NoiseStrategy.GLOBAL:
             global_sensitivity = tf.sqrt(tf.add_n([tf.square(s) for s in sensitivities]))
             return [sigma * global_sensitivity for _ in sensitivities]
         return [sigma * s for s in sensitivities]
 
     def private_gradients(self, x, y):
-        """Gradient of the averaged loss, its noisy version, and the sensitivities.
+        """Averaged gradient of the batch, its noisy version, and the sensitivities.
+
+        The gradient is ``sum_i grad loss_i / D`` (clipless) or ``sum_i clip(grad
+        loss_i) / D`` (clipped), D the public denominator; the noise is Gaussian
+        with std ``sigma`` times the sensitivity (global or per variable, see
+        `DPParameters`). An empty batch (Poisson sampling) gives a zero gradient
+        plus the same noise, without running the model on it.
 
         Returns:
             ``(gradients, noisy_gradients, sensitivities, per_example_losses, y_pred)``,
@@ -156,10 +172,20 @@ class _DPModelMixin:
         """
         if self.dp_loss is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
-        if self.dp_parameters.mode is DPMode.CLIPPED:
-            # Classic DP-SGD: `gradients` are the clipped averaged gradients (before noise).
-            return self._clipped_dpsgd.private_gradients(self, x, y)
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        gradients, per_example, y_pred = tf.cond(
+            batch > 0, lambda: self._averaged_gradients(x, y), self._empty_batch_gradients)
+        sensitivities = self.sensitivities()
+        noisy = [g + tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
+                 for g, std in zip(gradients, self._noise_stddevs(sensitivities))]
+        return gradients, noisy, sensitivities, per_example, y_pred
+
+    def _averaged_gradients(self, x, y):
+        """``(gradients / D, per-example losses, y_pred)`` of a non-empty batch."""
         denominator = float(self.dataset_metadata.batch_size)
+        if self.dp_parameters.mode is DPMode.CLIPPED:
+            batch = self._clipped_dpsgd.clipped_batch(self, x, y)
+            return ([g / denominator for g in batch.gradient_sums], batch.losses, batch.y_pred)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             per_example = self.dp_loss.call(y, y_pred)
@@ -168,11 +194,18 @@ class _DPModelMixin:
                 "Non-finite loss in a private step (NaN/inf inputs or labels?)")
         # The gradient of the *sum* is taken, then divided by D: every cotangent in the
         # backward pass is then one example's own (what DP_ClipGradient clips).
-        gradients = [g / denominator for g in tape.gradient(loss_sum, self.trainable_variables)]
-        sensitivities = self.sensitivities()
-        noisy = [g + tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
-                 for g, std in zip(gradients, self._noise_stddevs(sensitivities))]
-        return gradients, noisy, sensitivities, per_example, y_pred
+        gradients = tape.gradient(loss_sum, self.trainable_variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [g / denominator for g in gradients], per_example, y_pred
+
+    def _empty_batch_gradients(self):
+        """What `_averaged_gradients` returns on an empty batch, without calling the model
+        (some TensorFlow builds mis-shape convolutions of empty batches)."""
+        gradients = [tf.zeros_like(v) for v in self.trainable_variables]
+        outputs = getattr(self, "outputs", None)
+        dtype = outputs[0].dtype if outputs else self.compute_dtype
+        y_pred = tf.zeros([0] + [int(d) for d in self.output_shape[1:]], dtype)
+        return gradients, tf.zeros([0], y_pred.dtype), y_pred
 
     def project(self):
         """Apply every layer's projection (after each step; idempotent up to numerics).
@@ -195,7 +228,7 @@ class _DPModelMixin:
                              "per-example gradients beyond their bounds.")
         if y is None:
             raise ValueError("DP models need labels: the dataset must yield (x, y) pairs.")
-        batch = tf.shape(x, out_type=tf.int64)[0]
+        batch = tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
         if self.dataset_metadata.sampling == Sampling.SHUFFLE:
             tf.debugging.assert_less_equal(
                 batch, tf.constant(self.dataset_metadata.batch_size, tf.int64),
@@ -204,7 +237,10 @@ class _DPModelMixin:
         _, noisy, _, _, y_pred = self.private_gradients(x, y)
         self.optimizer.apply_gradients(zip(noisy, self.trainable_variables))
         self.project()
-        self._dp_steps.assign_add(1)
+        # The ledger depends on the released gradients: in a compiled `fit` over a dataset of
+        # unknown length, the call that finds the iterator exhausted must not count a step.
+        with tf.control_dependencies(noisy):
+            self._dp_steps.assign_add(1)
         self._examples_seen.assign_add(batch)
         self.compiled_loss(y, y_pred, regularization_losses=self.losses)
         self.compiled_metrics.update_state(y, y_pred)

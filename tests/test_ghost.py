@@ -16,10 +16,12 @@ from hypothesis import given, settings, strategies as st
 
 from lipdp.clipping import GhostFallbackWarning, ghost_norms, ghost_plan
 from lipdp.clipping.ghost import GhostEngine
+from lipdp.clipping.rules import make_rule
 from lipdp.clipping.validation import per_example_loss
 from lipdp.clipping.vectorized import per_example_squared_norms
 from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
                           DP_QuickSpectralDense, DP_ScaledL2NormPooling2D)
+from lipdp.metadata import DPParameters
 
 L = tf.keras.layers
 RTOL = 1e-5
@@ -84,11 +86,48 @@ def test_ghost_norms_equal_exact_norms_on_a_mixed_cnn(method):
 
 def test_auto_method_picks_the_smaller_intermediate():
     """First conv of mixed_cnn: 64 patches of 18 inputs, 3 filters -> 2*64^2 > 18*3: direct."""
-    assert not ghost_norms.uses_gram(64, 18, 3)
+    assert not ghost_norms.uses_gram(64, 18, 3, "auto")
     assert ghost_norms.uses_gram(64, 18, 3, "gram")
+    assert ghost_norms.uses_gram(64, 18, 3)  # the default: engine "ghost"
+    assert GhostEngine(mixed_cnn()).norm_method == "gram"
     assert ghost_norms.uses_gram(4, 16, 8)  # 32 <= 128: Gram
     with pytest.raises(ValueError, match="method"):
         GhostEngine(mixed_cnn(), norm_method="fast")
+
+
+def _matmul_spy(monkeypatch):
+    """Record the shape of every ``tf.matmul`` result (the only batched product the ghost
+    rules use: Gram matrices ``(c, T, T)`` or direct per-example gradients ``(c, m, n)``)."""
+    shapes = []
+    matmul = tf.matmul
+
+    def spy(*args, **kwargs):
+        out = matmul(*args, **kwargs)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(tf, "matmul", spy)
+    return shapes
+
+
+@pytest.mark.parametrize("method,forms_gradients", [("gram", False), ("auto", True)])
+def test_ghost_engine_never_forms_a_per_example_layer_gradient(monkeypatch, method,
+                                                               forms_gradients):
+    """Engine "ghost" (method "gram") computes no ``(examples, m, n)`` tensor with a ghost
+    layer's kernel shape ``m x n`` (``kh kw C_in x C_out`` for Conv2D); the whole clipped step
+    runs eagerly so every product of the rules is seen. Engine "mixed-ghost" ("auto") forms
+    them for mixed_cnn's first convolution, which shows the spy can see them."""
+    model = mixed_cnn()
+    engine = _quiet_engine(model, method)
+    kernels = {(int(np.prod(layer.kernel.shape[:-1])), int(layer.kernel.shape[-1]))
+               for layer in ghost_plan(model).ghost}
+    shapes = _matmul_spy(monkeypatch)
+    x, y = _data(6)
+    engine.clipped_sum(model, per_example_loss(CCE), x, y, make_rule(
+        DPParameters(0.0, mode="clipped", l2_norm_clip=1.0), model.trainable_variables))
+    per_example_gradients = [s for s in shapes if len(s) == 3 and s[1:] in kernels]
+    assert shapes  # the Conv2D rules ran through the spy
+    assert bool(per_example_gradients) == forms_gradients, (per_example_gradients, kernels)
 
 
 @METHODS
@@ -154,13 +193,6 @@ def test_shared_layer_falls_back_at_trace_time():
         ghost = engine.per_example_squared_norms(model, fn, x, y)
     np.testing.assert_allclose([n.numpy() for n in ghost], exact_squared_norms(model, CCE, x, y),
                                rtol=RTOL)
-
-
-def test_empty_batch_gives_empty_norms():
-    model = mixed_cnn()
-    x, y = _data(0)
-    norms = _quiet_engine(model).per_example_squared_norms(model, per_example_loss(CCE), x, y)
-    assert all(n.shape == (0,) for n in norms)
 
 
 @settings(max_examples=12, deadline=None)

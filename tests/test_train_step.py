@@ -187,3 +187,37 @@ def test_epoch_with_fewer_examples_than_declared_is_refused():
     x, y = rng.normal(size=(60, 10)).astype("float32"), np.eye(3, dtype="float32")[rng.integers(0, 3, 60)]
     with pytest.raises(RuntimeError, match="trained on 60 examples"):
         model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), verbose=0)
+
+
+@pytest.mark.parametrize("strategy", ["global", "per-layer"])
+def test_empty_poisson_batch_is_pure_noise_and_fit_goes_on(strategy):
+    """An empty Poisson batch releases only noise, of the calibrated std, eagerly and compiled,
+    without running the model on it (some TensorFlow builds return mis-shaped convolutions
+    of empty batches); fit takes it as a step like any other."""
+    sigma = 2.0
+    model = _compiled(cnn(strategy=strategy, sigma=sigma, sampling="poisson"))
+    x, y = np.zeros((0, 8, 8, 2), np.float32), np.zeros((0, 4), np.float32)
+    deltas = np.array(list(gradient_bounds(model).values())) / 16.0
+    expected = (np.full_like(deltas, sigma * np.sqrt(np.sum(deltas ** 2)))
+                if strategy == "global" else sigma * deltas)
+    for private_gradients in (model.private_gradients, tf.function(model.private_gradients)):
+        clean, noisy, sens, losses, y_pred = private_gradients(x, y)
+        np.testing.assert_allclose([float(s) for s in sens], deltas, rtol=1e-5)
+        assert losses.shape == (0,) and tuple(y_pred.shape) == (0, 4)
+        stds = []
+        for c, n in zip(clean, noisy):
+            assert not np.any(c.numpy())
+            stds.append(n.numpy().std() if n.shape.num_elements() > 100 else None)
+        for std, want, v in zip(stds, expected, model.trainable_variables):
+            if std is not None:
+                assert std == pytest.approx(want, rel=0.2), v.name
+
+    rng = np.random.default_rng(5)
+    xs, ys = _data(rng, 5)
+    batches = [(x, y), (xs, ys), (x, y)]
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(batches), output_signature=(tf.TensorSpec((None, 8, 8, 2), tf.float32),
+                                                 tf.TensorSpec((None, 4), tf.float32)))
+    model.fit(dataset, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 3
+    assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)

@@ -13,8 +13,9 @@ layers (anything without batch statistics), DP layers too.
   layer inputs and output cotangents (Dense, Conv2D, Embedding), a reweighted
   second backward pass; other layers fall back to exact gradients, visibly
   (`ghost_plan`).
-* `mechanism`: `ClippedDPSGD`, the step the model's ``private_gradients`` calls:
-  sum of clipped gradients / D plus isotropic noise ``sigma * C / D``.
+* `mechanism`: `ClippedDPSGD`, what the model's ``private_gradients`` uses in
+  clipped mode: the sum of clipped gradients (divided by D there) and the
+  isotropic noise std ``sigma * C / D``.
 * `validation`: per-example losses and the refusal of batch-coupled layers.
 """
 

@@ -216,15 +216,17 @@ class GhostEngine:
     Args:
         model: the Keras model; its plan is computed here.
         warn: emit a `GhostFallbackWarning` naming the layers that fall back.
-        norm_method: ``"auto"`` (default) or ``"gram"``, how Conv2D and rank > 2
-            Dense norms are computed (`lipdp.clipping.ghost_norms`).
+        norm_method: how Conv2D and rank > 2 Dense norms are computed
+            (`lipdp.clipping.ghost_norms`): ``"gram"`` (default, engine
+            ``"ghost"``: Gram identities only, no per-example gradient of a ghost
+            layer is formed) or ``"auto"`` (engine ``"mixed-ghost"``: per layer,
+            the smaller of the Gram matrices and the transient per-example gradient).
     """
 
-    name = "ghost"
-
-    def __init__(self, model: tf.keras.Model, warn: bool = True, norm_method: str = "auto"):
+    def __init__(self, model: tf.keras.Model, warn: bool = True, norm_method: str = "gram"):
         uses_gram(1, 1, 1, norm_method)  # validates the value
         self.norm_method = norm_method
+        self.name = "ghost" if norm_method == "gram" else "mixed-ghost"
         self.plan = ghost_plan(model)
         _LOGGER.info("Ghost clipping plan:\n%s", self.plan.describe())
         if warn and self.plan.fallback:

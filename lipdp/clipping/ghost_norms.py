@@ -18,15 +18,17 @@ the "Gram" form of Li et al. 2022 for positions/patches):
   `DP_QuickSpectralConv2D`); bias ``||sum_p g_ip||^2``.
 * Embedding with ids ``(batch, T...)``: ``sum_{t,s} 1{id_it = id_is} <g_it, g_is>``.
 
-Gram matrices cost ``2 T^2`` numbers per example. When that is more than the
-``m n`` entries of the layer's per-example gradient (an early convolution: many
-patches, few channels), method ``"auto"`` (the default) takes the squared norm of
-``sum_t a_it g_it^T`` instead, as Lee & Kifer (Sec. 5.2, Algorithm 2) and the
-"mixed ghost clipping" of Bu et al. (2022) do: that layer's per-example gradient
-exists transiently, chunk by chunk, and only its norm is kept (it never enters
-the update, which comes from the reweighted backward pass). Method ``"gram"``
-always uses the Gram identity. Both are computed over chunks of the batch so
-that at most ``_CHUNK_ELEMENTS`` intermediate numbers live at once.
+Method ``"gram"`` (engine ``"ghost"``) always uses these identities: no
+per-example gradient of the layer is ever formed. Gram matrices cost ``2 T^2``
+numbers per example; when that is more than the ``m n`` entries of the layer's
+per-example gradient (an early convolution: many patches, few channels), method
+``"auto"`` (engine ``"mixed-ghost"``) takes the squared norm of
+``sum_t a_it g_it^T`` instead, as Lee & Kifer's Algorithms 2-3 (bmm on im2col
+patches) and the "mixed ghost clipping" of Bu et al. (2022) do: that layer's
+per-example gradient exists transiently, chunk by chunk, and only its norm is
+kept (it never enters the update, which comes from the reweighted backward
+pass). Both are computed over chunks of the batch so that at most
+``_CHUNK_ELEMENTS`` intermediate numbers live at once.
 
 Rules are registered per *exact* layer class (`register_ghost_rule`): a
 subclass may change ``call``, so it falls back to the exact engine until it is
@@ -56,7 +58,7 @@ class GhostRule:
         squared_norms: ``(layer, inputs, cotangent, method) -> [(batch,), ...]``
             aligned with ``variables(layer)``, where ``inputs`` is what ``call``
             received, ``cotangent`` the per-example gradient w.r.t. the
-            pre-activation and ``method`` ``"auto"`` or ``"gram"``.
+            pre-activation and ``method`` ``"gram"`` or ``"auto"``.
         variables: the layer's trainable variables the rule covers.
         unsupported: ``layer -> reason or None``; a reason sends the layer to
             the exact engine.
@@ -121,7 +123,7 @@ def _map_chunks(function, tensors, elements_per_example: int, dtype) -> tf.Tenso
     return tf.reshape(out, [-1])[:batch]
 
 
-def uses_gram(positions, in_features, out_features, method="auto") -> bool:
+def uses_gram(positions, in_features, out_features, method="gram") -> bool:
     """Whether the Gram identity is used: always for ``"gram"``; for ``"auto"``
     when its ``2 T^2`` numbers per example are at most the ``m n`` of the gradient."""
     if method not in ("auto", "gram"):
@@ -132,7 +134,7 @@ def uses_gram(positions, in_features, out_features, method="auto") -> bool:
     return 2 * positions * positions <= in_features * out_features
 
 
-def _bilinear_squared_norms(inputs, g, in_features, method="auto",
+def _bilinear_squared_norms(inputs, g, in_features, method="gram",
                             features=lambda t: t) -> tf.Tensor:
     """``||sum_t a_t g_t^T||_F^2`` per example, ``a = features(inputs)`` of shape
     ``(B, T, in_features)``, ``g (B, T, n)``.
@@ -172,7 +174,7 @@ def _positions(t, channels) -> tf.Tensor:
 
 # --------------------------------------------------------------------------- Dense
 @register_ghost_rule(tf.keras.layers.Dense, DP_QuickSpectralDense)
-def dense_squared_norms(layer, inputs, cotangent, method="auto"):
+def dense_squared_norms(layer, inputs, cotangent, method="gram"):
     """Kernel: ``||a||^2 ||g||^2`` (2D inputs) or the Gram identity; bias ``||sum_t g_t||^2``."""
     a = tf.cast(inputs, cotangent.dtype)
     if a.shape.rank == 2:
@@ -221,13 +223,13 @@ def _conv_squared_norms(layer, inputs, cotangent, scale, method):
 
 
 @register_ghost_rule(tf.keras.layers.Conv2D, unsupported=_conv_unsupported)
-def conv2d_squared_norms(layer, inputs, cotangent, method="auto"):
+def conv2d_squared_norms(layer, inputs, cotangent, method="gram"):
     """Bilinear norm on the layer's patches (``z_p = <patch_p, W> + b``)."""
     return _conv_squared_norms(layer, inputs, cotangent, 1.0, method)
 
 
 @register_ghost_rule(DP_QuickSpectralConv2D, unsupported=_conv_unsupported)
-def dp_conv2d_squared_norms(layer, inputs, cotangent, method="auto"):
+def dp_conv2d_squared_norms(layer, inputs, cotangent, method="gram"):
     """As Conv2D, times ``coef^2``: the layer convolves with ``coef * kernel``."""
     return _conv_squared_norms(layer, inputs, cotangent, float(layer.coef), method)
 
@@ -239,7 +241,7 @@ def _embedding_unsupported(layer) -> Optional[str]:
 
 @register_ghost_rule(tf.keras.layers.Embedding, variables=lambda layer: [
     v for v in [layer.embeddings] if v.trainable], unsupported=_embedding_unsupported)
-def embedding_squared_norms(layer, inputs, cotangent, method="auto"):
+def embedding_squared_norms(layer, inputs, cotangent, method="gram"):
     """``sum_{t,s} 1{id_t = id_s} <g_t, g_s>``: rows hit by the same id add up (always
     this Gram form: the direct one would need a vocabulary-sized gradient)."""
     del method

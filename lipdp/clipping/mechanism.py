@@ -7,13 +7,14 @@ the bound of the clipping rule on every clipped per-example gradient
 (C for flat and global clipping, ``sqrt(sum_v C_v^2)`` per layer). Adding or
 removing one example changes the averaged gradient by at most Delta, so each
 step is a Poisson-subsampled Gaussian mechanism with noise multiplier sigma
-(`lipdp.accounting.model_step_noise_multiplier`).
+(`lipdp.accounting.model_step_noise_multiplier`). `ClippedDPSGD` gives the model's
+``private_gradients`` the clipped sums and the noise std ``sigma Delta``.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import List, Tuple
+from typing import List
 
 import tensorflow as tf
 
@@ -60,13 +61,16 @@ class ClippedDPSGD:
         self.noise_multiplier = float(dp_parameters.noise_multiplier)
         self.denominator = float(dataset_metadata.batch_size)
         engine = dp_parameters.engine
-        if engine is NormEngine.GHOST and dp_parameters.preclip_noise > 0:
+        if engine is not NormEngine.VECTORIZED and dp_parameters.preclip_noise > 0:
             warnings.warn("preclip_noise > 0 needs every per-example gradient (the noise is "
                           "added to it before clipping): using engine='vectorized' instead of "
-                          "'ghost'.", PreclipFallbackWarning, stacklevel=3)
+                          f"{engine.value!r}.", PreclipFallbackWarning, stacklevel=3)
             engine = NormEngine.VECTORIZED
-        self.engine = (GhostEngine(model) if engine is NormEngine.GHOST
-                       else VectorizedEngine(dp_parameters.preclip_noise))
+        if engine is NormEngine.VECTORIZED:
+            self.engine = VectorizedEngine(dp_parameters.preclip_noise)
+        else:
+            self.engine = GhostEngine(
+                model, norm_method="auto" if engine is NormEngine.MIXED_GHOST else "gram")
 
     @property
     def sensitivity(self) -> float:
@@ -82,20 +86,8 @@ class ClippedDPSGD:
         """The engine's output on one batch (sums of clipped gradients, norms, losses)."""
         return self.engine.clipped_sum(model, self.loss_fn, x, y, self.rule)
 
-    def private_gradients(self, model, x, y) -> Tuple[List[tf.Tensor], List[tf.Tensor],
-                                                      List[tf.Tensor], tf.Tensor, tf.Tensor]:
-        """``(clipped, noisy, sensitivities, per_example_losses, y_pred)``.
-
-        ``clipped[v] = sum_i clip(g_i)_v / D``; ``noisy[v] = clipped[v] + N(0, (sigma
-        Delta)^2)`` on every coordinate, one draw per step; ``sensitivities[v]`` is
-        the bound on variable v's block alone, ``C_v / D`` per layer and ``C / D``
-        for flat and global clipping (one example may put its whole clipped norm on
-        any single variable). Aligned with `model.trainable_variables`.
-        """
-        batch = self.clipped_batch(model, x, y)
-        clipped = [g / self.denominator for g in batch.gradient_sums]
-        stddev = self.noise_stddev
-        noisy = [g + tf.random.normal(tf.shape(g), stddev=stddev, dtype=g.dtype) for g in clipped]
-        sensitivities = [tf.constant(s / self.denominator, tf.float32)
-                         for s in self.rule.variable_sensitivities()]
-        return clipped, noisy, sensitivities, batch.losses, batch.y_pred
+    def variable_sensitivities(self) -> List[tf.Tensor]:
+        """``C_v / D`` per layer, ``C / D`` for every variable with flat and global
+        clipping (one example may put its whole clipped norm on a single variable)."""
+        return [tf.constant(s / self.denominator, tf.float32)
+                for s in self.rule.variable_sensitivities()]
