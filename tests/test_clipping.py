@@ -239,6 +239,8 @@ def test_noise_std_is_sigma_times_sensitivity_over_denominator(clipping, clip, e
     assert abs(diffs.mean()) < 5 * std / math.sqrt(diffs.size)
     per_variable = clip if clipping == "per-layer" else [clip] * 4
     np.testing.assert_allclose([float(s) for s in sens], np.array(per_variable) / D, rtol=1e-6)
+    np.testing.assert_allclose([float(s) for s in model.sensitivities()],
+                               np.array(per_variable) / D, rtol=1e-6)
     assert model._clipped_dpsgd.noise_stddev == pytest.approx(std)
 
 
