@@ -12,6 +12,8 @@ Lipschitz MLP of ``examples/clipped_vs_clipless.py`` instead):
   clipping; here the first convolution);
 * ``vectorized``: lipdp classic DP-SGD, flat clipping, exact vectorised per-example gradients,
   same DP layers;
+* ``ghost-keras``, ``vectorized-keras``: the same lipdp engines on the plain Keras model that
+  tensorflow-privacy trains (no projection, no DP layer): the like-for-like comparison;
 * ``tf-privacy-optimizer``: tensorflow-privacy's ``DPKerasSGDOptimizer`` (vectorised Jacobian
   of the loss vector, then a loop over ``num_microbatches = batch`` microbatches) on the same
   architecture built from plain Keras layers (Conv2D, ReLU);
@@ -63,9 +65,10 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("clipless", "ghost", "mixed-ghost", "vectorized", "tf-privacy-optimizer",
-           "tf-privacy-model", "non-private")
-LIPDP_CONFIGS = ("clipless", "ghost", "mixed-ghost", "vectorized")
+CONFIGS = ("clipless", "ghost", "mixed-ghost", "vectorized", "ghost-keras", "vectorized-keras",
+           "tf-privacy-optimizer", "tf-privacy-model", "non-private")
+LIPDP_CONFIGS = ("clipless", "ghost", "mixed-ghost", "vectorized", "ghost-keras",
+                 "vectorized-keras")
 INPUT_SHAPE = (28, 28, 1)
 NB_CLASSES = 10
 NB_SAMPLES = 60000
@@ -101,12 +104,21 @@ def _dp_model(config, batch, architecture):
     from lipdp.metadata import DatasetMetadata, DPParameters
     from lipdp.model import DP_Sequential
 
+    plain_keras = config.endswith("-keras")
     if config == "clipless":
         params = DPParameters(SIGMA, 1e-5)
     else:
         params = DPParameters(SIGMA, 1e-5, mode="clipped", clipping="flat", l2_norm_clip=CLIP,
-                              engine=config)
+                              engine=config[:-len("-keras")] if plain_keras else config)
     metadata = DatasetMetadata(INPUT_SHAPE, NB_CLASSES, NB_SAMPLES, 10000, batch, 10.0, "shuffle")
+    if plain_keras:
+        model = DP_Sequential(_keras_model(architecture).layers, dp_parameters=params,
+                              dataset_metadata=metadata)
+        model.build((None,) + INPUT_SHAPE)
+        model.compile(loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+                      optimizer=tf.keras.optimizers.SGD(0.1))
+        step = tf.function(model.train_step)
+        return lambda x, y: step((x, y))["loss"]
     if architecture == "cnn":
         layers = [DP_QuickSpectralConv2D(16, 3, strides=2), DP_GroupSort(2),
                   DP_QuickSpectralConv2D(32, 3, strides=2), DP_GroupSort(2),
@@ -121,18 +133,22 @@ def _dp_model(config, batch, architecture):
     return lambda x, y: step((x, y))["loss"]
 
 
-def _keras_model(architecture):
+def _keras_layers(architecture):
     import tensorflow as tf
 
     layers = tf.keras.layers
     if architecture == "cnn":
-        body = [layers.Conv2D(16, 3, strides=2, padding="same"), layers.ReLU(),
+        return [layers.Conv2D(16, 3, strides=2, padding="same"), layers.ReLU(),
                 layers.Conv2D(32, 3, strides=2, padding="same"), layers.ReLU(),
                 layers.Flatten(), layers.Dense(NB_CLASSES)]
-    else:
-        body = [layers.Flatten(), layers.Dense(1024, use_bias=False), layers.ReLU(),
-                layers.Dense(NB_CLASSES, use_bias=False)]
-    return tf.keras.Sequential([layers.Input(INPUT_SHAPE)] + body)
+    return [layers.Flatten(), layers.Dense(1024, use_bias=False), layers.ReLU(),
+            layers.Dense(NB_CLASSES, use_bias=False)]
+
+
+def _keras_model(architecture):
+    import tensorflow as tf
+
+    return tf.keras.Sequential([tf.keras.layers.Input(INPUT_SHAPE)] + _keras_layers(architecture))
 
 
 def _tf_privacy_model_step(architecture):
@@ -141,11 +157,13 @@ def _tf_privacy_model_step(architecture):
     from tensorflow_privacy.privacy.fast_gradient_clipping.layer_registry import (
         make_default_layer_registry)
 
-    plain = _keras_model(architecture)
+    # Built from an InputLayer: tf-privacy decides on fast clipping in the constructor.
     model = tensorflow_privacy.DPSequential(
         l2_norm_clip=CLIP, noise_multiplier=SIGMA, num_microbatches=None, use_xla=False,
-        layer_registry=make_default_layer_registry(), layers=plain.layers)
-    model.build((None,) + INPUT_SHAPE)
+        layer_registry=make_default_layer_registry(),
+        layers=[tf.keras.layers.InputLayer(INPUT_SHAPE)] + _keras_layers(architecture))
+    fast = model._enable_fast_peg_computation  # pylint: disable=protected-access
+    assert fast == (architecture == "mlp"), f"tf-privacy fast clipping: {fast}"
     model.compile(optimizer=tf.keras.optimizers.SGD(0.1),
                   loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True))
     step = tf.function(model.train_step)
