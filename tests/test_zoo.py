@@ -18,6 +18,9 @@ SMALL = {  # small knobs keep the test fast; defaults are exercised by test_defa
     "resnet": dict(width=4, stages=2, blocks_per_stage=1, use_bias=True),
     "mlp_mixer": dict(patch_size=7, hidden_dim=8, depth=1, centering=True, use_bias=True),
 }
+# Trained and round-tripped: every builder, plus the other head of ResNet and MLP-Mixer.
+CASES = dict(SMALL, **{f"{name}-global-l2": dict(SMALL[name], head="global-l2")
+                       for name in ("resnet", "mlp_mixer")})
 
 
 def _data(seed=0):
@@ -39,11 +42,11 @@ def _architecture(model):
     return strip(model.get_config())
 
 
-@pytest.mark.parametrize("name", sorted(SMALL))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_zoo_model_trains_one_private_epoch_and_round_trips(name, tmp_path):
     metadata = lipdp.DatasetMetadata(SHAPE, CLASSES, N, 16, BATCH, 10.0, "poisson")
-    model = getattr(lipdp.zoo, name)(input_shape=SHAPE, nb_classes=CLASSES,
-                                     dataset_metadata=metadata, **SMALL[name])
+    model = getattr(lipdp.zoo, name.split("-")[0])(input_shape=SHAPE, nb_classes=CLASSES,
+                                                   dataset_metadata=metadata, **CASES[name])
     assert isinstance(model, lipdp.DP_Sequential)
     assert model.layers[0].upper_bound == 10.0  # the metadata's max_norm
     loss = DP_TauCategoricalCrossentropy(10.0)
@@ -90,6 +93,10 @@ def test_knobs_are_validated():
         lipdp.zoo.vgg(SHAPE, CLASSES, activation="swish")
     with pytest.raises(ValueError, match="merge_policy"):
         lipdp.zoo.resnet(SHAPE, CLASSES, merge_policy="concat")
+    with pytest.raises(ValueError, match="head"):
+        lipdp.zoo.resnet(SHAPE, CLASSES, head="avg")
+    with pytest.raises(ValueError, match="head"):
+        lipdp.zoo.mlp_mixer(SHAPE, CLASSES, head="avg")
     with pytest.raises(ValueError, match="patch_size"):
         lipdp.zoo.mlp_mixer(SHAPE, CLASSES, patch_size=5)
     metadata = lipdp.DatasetMetadata((32, 32, 3), CLASSES, N, 16, BATCH, 1.0)
