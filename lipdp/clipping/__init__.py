@@ -12,7 +12,9 @@ layers (anything without batch statistics), DP layers too.
 * `ghost` / `ghost_norms`: Lee & Kifer's fast clipping -- per-example norms from
   layer inputs and output cotangents (Dense, Conv2D, Embedding), a reweighted
   second backward pass; other layers fall back to exact gradients, visibly
-  (`ghost_plan`).
+  (`ghost_plan`). Engine ``"ghost"`` uses Gram identities only; ``"mixed-ghost"``
+  forms a layer's per-example gradient (transiently, for its norm) when that is
+  smaller than its Gram matrices.
 * `mechanism`: `ClippedDPSGD`, what the model's ``private_gradients`` uses in
   clipped mode: the sum of clipped gradients (divided by D there) and the
   isotropic noise std ``sigma * C / D``.
