@@ -8,7 +8,8 @@ import tensorflow as tf
 import lipdp
 from lipdp.bounds import gradient_bounds, lipschitz_bound
 from lipdp.losses import DP_TauCategoricalCrossentropy
-from tests._grad_utils import assert_within_bounds, per_example_gradient_norms
+from tests._grad_utils import (assert_within_bounds, maximize_gradient_norm,
+                               per_example_gradient_norms)
 
 SHAPE, CLASSES, N, BATCH = (28, 28, 1), 10, 64, 32
 
@@ -69,6 +70,45 @@ def test_zoo_model_trains_one_private_epoch_and_round_trips(name, tmp_path):
     assert gradient_bounds(loaded) == gradient_bounds(model)
     assert float(lipschitz_bound(loaded)) == float(lipschitz_bound(model))
     assert loaded.dp_steps_taken == model.dp_steps_taken
+
+
+def _adversarial_inputs(rng, bound, n=6):
+    """Random inputs inside, on and far beyond the bound, +-constant images on the bound,
+    one hot pixel on the bound."""
+    x = rng.normal(size=(n,) + SHAPE)
+    scale = np.array([0.5, 1.0, 50.0] * (n // 3)) * bound / np.linalg.norm(x.reshape(n, -1), axis=1)
+    x = x * scale.reshape((n,) + (1,) * len(SHAPE))
+    constant = np.ones((2,) + SHAPE) * np.array([bound, -bound]).reshape(
+        (2,) + (1,) * len(SHAPE)) / np.sqrt(np.prod(SHAPE))
+    pixel = np.zeros((1,) + SHAPE)
+    pixel[(0,) * (len(SHAPE) + 1)] = bound
+    return np.concatenate([x, constant, pixel]).astype("float32")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_zoo_bounds_hold_on_adversarial_inputs(name):
+    """Exact per-example gradients (one tape per example) stay within gradient_bounds on
+    adversarial inputs and on inputs optimised to maximise the first and last kernels'
+    gradients, with projected weights and with weights moved off their constraint set."""
+    rng = np.random.default_rng(3)
+    bound = 10.0
+    metadata = lipdp.DatasetMetadata(SHAPE, CLASSES, N, 16, BATCH, bound, "poisson")
+    model = getattr(lipdp.zoo, name.split("-")[0])(input_shape=SHAPE, nb_classes=CLASSES,
+                                                   dataset_metadata=metadata, **CASES[name])
+    loss = DP_TauCategoricalCrossentropy(10.0)
+    x = _adversarial_inputs(rng, bound)
+    y = np.eye(CLASSES, dtype="float32")[rng.integers(0, CLASSES, len(x))]
+    for weights in ("projected", "perturbed"):
+        if weights == "perturbed":  # as a noisy step leaves them, before projection
+            for v in model.trainable_variables:
+                v.assign(v + tf.constant(rng.normal(scale=0.1, size=v.shape), tf.float32))
+        bounds = gradient_bounds(model, loss)
+        assert_within_bounds(per_example_gradient_norms(model, loss, x, y), bounds,
+                             f"{name} / {weights}")
+        for variable in (model.trainable_variables[0], model.trainable_variables[-1]):
+            x_adv = maximize_gradient_norm(model, loss, x[:2], y[:2], variable, bound, steps=15)
+            assert_within_bounds(per_example_gradient_norms(model, loss, x_adv, y[:2]), bounds,
+                                 f"{name} / {weights} / ascent on {variable.name}")
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
