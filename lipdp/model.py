@@ -30,6 +30,11 @@ from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 
 
+def _batch_size(x) -> tf.Tensor:
+    """Number of examples in a batch of inputs (a tensor or a structure of them), int64."""
+    return tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
+
+
 class _DPModelMixin:
     """Private training shared by `DP_Sequential` and `DP_Model`."""
 
@@ -149,9 +154,9 @@ class _DPModelMixin:
         return [bounds[v.ref()] / denominator for v in self.trainable_variables]
 
     def _noise_stddevs(self, sensitivities):
-        sigma = float(self.dp_parameters.noise_multiplier)
         if self.dp_parameters.mode is DPMode.CLIPPED:
             return [self._clipped_dpsgd.noise_stddev for _ in sensitivities]
+        sigma = float(self.dp_parameters.noise_multiplier)
         if self.dp_parameters.noisify_strategy == NoiseStrategy.GLOBAL:
             global_sensitivity = tf.sqrt(tf.add_n([tf.square(s) for s in sensitivities]))
             return [sigma * global_sensitivity for _ in sensitivities]
@@ -172,9 +177,9 @@ class _DPModelMixin:
         """
         if self.dp_loss is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
-        batch = tf.shape(tf.nest.flatten(x)[0])[0]
         gradients, per_example, y_pred = tf.cond(
-            batch > 0, lambda: self._averaged_gradients(x, y), self._empty_batch_gradients)
+            _batch_size(x) > 0, lambda: self._averaged_gradients(x, y),
+            self._empty_batch_gradients)
         sensitivities = self.sensitivities()
         noisy = [g + tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
                  for g, std in zip(gradients, self._noise_stddevs(sensitivities))]
@@ -228,7 +233,7 @@ class _DPModelMixin:
                              "per-example gradients beyond their bounds.")
         if y is None:
             raise ValueError("DP models need labels: the dataset must yield (x, y) pairs.")
-        batch = tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
+        batch = _batch_size(x)
         if self.dataset_metadata.sampling == Sampling.SHUFFLE:
             tf.debugging.assert_less_equal(
                 batch, tf.constant(self.dataset_metadata.batch_size, tf.int64),
