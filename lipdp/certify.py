@@ -1,41 +1,58 @@
 """Certified robustness of Lipschitz classifiers: radii and certified accuracy.
 
-A model ``f: R^d -> R^K`` built from DP layers is ``Lip``-Lipschitz w.r.t. the
-L2 norm, where ``Lip = lipdp.bounds.lipschitz_bound(model)`` is a *certified*
-upper bound (product of proven per-layer bounds, recomputed from the current
-weights; never a power-iteration estimate). For an input ``x`` with predicted
-class ``k = argmax_j f_j(x)``:
+Let F be the exact-arithmetic network on the stored float32 weights: it is
+``Lip``-Lipschitz w.r.t. the L2 norm, where ``Lip = lipdp.bounds.lipschitz_bound(model)``
+is a *certified* upper bound (product of proven per-layer bounds, recomputed from
+the current weights; never a power-iteration estimate). The model answers with
+F^, the float32 evaluation of F, and
 
-**Theorem.** If ``||delta||_2 < r(x) := (f_k(x) - max_{j != k} f_j(x)) / (sqrt(2) Lip)``
-then ``argmax_j f_j(x + delta) = k`` (and it is the unique maximiser).
+    E = float_error_bound(model) >= sup_z ||F^(z) - F(z)||_2   (raw inputs ||z|| <= 2^62)
 
-*Proof.* Lipschitz continuity in the L2 norm of the logit vector gives
-``||f(x + delta) - f(x)||_2 <= Lip ||delta||_2``. For any ``j != k``, the
-difference of two logits is the inner product with ``e_k - e_j``, whose norm
-is ``sqrt(2)``, so by Cauchy-Schwarz
+bounds the rounding (`lipdp.rounding`: its arithmetic model, and how the layers'
+own errors compose). Write ``m(x) = F^_k(x) - max_{j != k} F^_j(x)`` for the
+margin of the float32 logits at x, ``k = argmax_j F^_j(x)`` the predicted class.
 
-    (f_k - f_j)(x + delta) >= (f_k - f_j)(x) - sqrt(2) ||f(x + delta) - f(x)||_2
-                           >= margin(x) - sqrt(2) Lip ||delta||_2 > 0,
+**Theorem.** If ``||delta||_2 < r(x) := (m(x) - 2 sqrt(2) E) / (sqrt(2) Lip)`` (and
+x, x + delta have norm <= 2^62) then ``argmax_j F^_j(x + delta) = k``, the unique maximiser.
 
-where ``margin(x) = f_k(x) - max_{j != k} f_j(x) <= (f_k - f_j)(x)``. Hence
-``f_k`` stays strictly larger than every other logit. (For a 1-Lipschitz network
-this is the classic ``margin / sqrt(2)``.)
+*Proof.* For ``j != k`` the difference of two logits is the inner product with
+``e_k - e_j``, of norm ``sqrt(2)``. By Cauchy-Schwarz, at any z,
+``|(F^_k - F^_j)(z) - (F_k - F_j)(z)| <= sqrt(2) E``, and Lipschitz continuity gives
+``(F_k - F_j)(x + delta) >= (F_k - F_j)(x) - sqrt(2) Lip ||delta||``. Chaining the
+three (at x + delta, from x + delta to x, at x):
 
-For a single-output (binary) model the decision is ``f(x) > 0`` and the radius
-is ``|f(x)| / Lip`` (``|f(x + delta) - f(x)| <= Lip ||delta||``).
+    (F^_k - F^_j)(x + delta) >= (F^_k - F^_j)(x) - 2 sqrt(2) E - sqrt(2) Lip ||delta||
+                              >= m(x) - 2 sqrt(2) E - sqrt(2) Lip ||delta|| > 0.
+
+Hence ``F^_k`` stays strictly larger than every other float32 logit. (Without
+rounding, E = 0, this is the classic ``margin / (sqrt(2) Lip)``.)
+
+For a single-output (binary) model the decision is ``F^(x) > 0`` and the radius
+is ``(|F^(x)| - 2 E) / Lip`` (same chain with ``|F^ - F| <= E`` and
+``|F(x + delta) - F(x)| <= Lip ||delta||``).
+
+**Why E matters.** Logits near 1e7 (reached, e.g., by a VGG with biases after
+noisy training at a large learning rate) are rounded to whole units: a
+perturbation of norm 0.0035 flipped a prediction with ``margin / (sqrt(2) Lip)``
+of 0.707. On ordinary models E is small: for Fashion-MNIST's main job
+(784-1024-10 MLP, X0 = 10) radii shrink by about 3e-3 (``2 E / Lip``).
 
 **Input clipping.** `DP_BoundedInput` projects every input onto the L2 ball of
 radius X0 in the forward pass. The projection onto a convex set is
 1-Lipschitz, so the model *as deployed* (clipping included) is still
 ``Lip``-Lipschitz on the whole input space, and the certificate holds for
-perturbations of the raw input, even ones that leave the ball.
+perturbations of the raw input, even ones that leave the ball (up to the norm
+2^62, beyond which float32 squares overflow).
 
 Radii are expressed in the model's input space: for the image datasets of
 `lipdp.data`, pixels scaled to [0, 1].
 
-**Floating point.** Logits are computed in float32 and the margin in float64;
-a rounding error of the forward pass (relative ~1e-6 of the logits) can only
-matter for perturbations within ~1e-6 of the radius.
+**Floating point of the radius itself.** Margins are differences of float32
+logits taken in float64, then r is computed in float64: the margin is shrunk and
+``E`` and the denominator are grown by a relative 2^-50, which dominates the few
+float64 roundings (2^-53 each) of that arithmetic, so the value returned never
+exceeds the real-valued r. ``Lip`` and the norm bounds E is built from are
+lipdp's certified bounds, taken as they are (`lipdp.bounds`).
 """
 
 from __future__ import annotations
@@ -46,9 +63,38 @@ from typing import Dict, Iterable, Tuple
 import numpy as np
 import tensorflow as tf
 
-from lipdp.bounds import lipschitz_bound
+from lipdp.bounds import dp_layers, lipschitz_bound
+from lipdp.layers.base import chain_rounding_error, operator_norm_cache
 
-__all__ = ["certified_radii", "certified_accuracy", "margins"]
+__all__ = ["certified_radii", "certified_accuracy", "float_error_bound", "margins"]
+
+# Relative slack on the float64 radius arithmetic (see the module docstring).
+_FLOAT64_SLACK = 2.0 ** -50
+# Relative slack on E for the float64 arithmetic of the bound (lipdp.rounding).
+_BOUND_SLACK = 2.0 ** -20
+
+
+def float_error_bound(model) -> float:
+    """Bound E of the float32 rounding error of the model's outputs.
+
+    Formal guarantee: for every raw input z with ``||z||_2 <= 2^62``,
+    ``||F^(z) - F(z)||_2 <= E``, where F^ is the model evaluated in float32 under
+    the arithmetic model of `lipdp.rounding` (IEEE float32, one summation order per
+    matrix product, stated accuracy of tanh / sigmoid / softplus) and F the same
+    network in exact arithmetic on the stored float32 weights, the map whose
+    Lipschitz constant `lipdp.bounds.lipschitz_bound` certifies. Computed from the
+    current weights, layer by layer (`DPLayer.propagate_error`): inputs are clipped
+    to norm X0 by the first layer, so every activation norm is bounded.
+
+    Returns:
+        E as a python float; ``inf`` when no bound is available (a layer without
+        a rounding bound, or activation norms too large to exclude overflow).
+    """
+    layers = dp_layers(model)
+    with operator_norm_cache():
+        error = chain_rounding_error(layers, tf.constant(float("inf")), 0.0)
+    error = float(error)
+    return error * (1.0 + _BOUND_SLACK) if math.isfinite(error) else math.inf
 
 
 def _lipschitz_constant(model) -> float:
@@ -83,11 +129,18 @@ def margins(logits: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def _radii_from_margins(margin: np.ndarray, nb_outputs: int, lip: float) -> np.ndarray:
-    scale = lip if nb_outputs == 1 else math.sqrt(2.0) * lip
-    if scale == 0.0:  # a constant model: no perturbation changes its decision
+def _radii_from_margins(margin: np.ndarray, nb_outputs: int, lip: float,
+                        error: float) -> np.ndarray:
+    """``max(0, m - c E) / scale`` with ``(c, scale) = (2, Lip)`` for one output and
+    ``(2 sqrt(2), sqrt(2) Lip)`` otherwise, rounded towards 0 (module docstring)."""
+    if nb_outputs == 1:
+        rounding, scale = 2.0 * error, lip
+    else:
+        rounding, scale = 2.0 * math.sqrt(2.0) * error, math.sqrt(2.0) * lip
+    margin = margin * (1.0 - _FLOAT64_SLACK) - rounding * (1.0 + _FLOAT64_SLACK)
+    if scale == 0.0:  # F is constant: only rounding can change the decision
         return np.where(margin > 0, np.inf, 0.0)
-    return margin / scale
+    return np.maximum(margin, 0.0) / (scale * (1.0 + _FLOAT64_SLACK))
 
 
 def _check_batch_size(batch_size):
@@ -100,13 +153,15 @@ def _check_batch_size(batch_size):
 def certified_radii(model, x, batch_size: int = 1024) -> np.ndarray:
     """Certified L2 radius of the prediction on each input.
 
-    ``r(x) = (top-1 logit - top-2 logit) / (sqrt(2) * Lip)`` with
-    ``Lip = float(lipdp.bounds.lipschitz_bound(model))`` (``|logit| / Lip`` for a
-    single-output model). See the module docstring for the proof.
+    ``r(x) = max(0, top-1 logit - top-2 logit - 2 sqrt(2) E) / (sqrt(2) * Lip)`` with
+    ``Lip = float(lipdp.bounds.lipschitz_bound(model))`` and ``E =
+    float_error_bound(model)`` (``max(0, |logit| - 2 E) / Lip`` for a single-output
+    model), rounded towards 0. See the module docstring for the proof.
 
-    Formal guarantee: for every ``delta`` with ``||delta||_2 < r(x)``, the model
-    (input clipping included) predicts the same class on ``x + delta`` as on
-    ``x``, as the unique arg-max.
+    Formal guarantee: for every ``delta`` with ``||delta||_2 < r(x)`` (x and
+    ``x + delta`` of norm <= 2^62), the model evaluated in float32 (input clipping
+    included; arithmetic model of `lipdp.rounding`) predicts the same class on
+    ``x + delta`` as on ``x``, as the unique arg-max.
 
     Args:
         model: a DP model (its first layer `DP_BoundedInput`).
@@ -114,12 +169,14 @@ def certified_radii(model, x, batch_size: int = 1024) -> np.ndarray:
         batch_size: inference batch size.
 
     Returns:
-        float64 array of shape ``(n,)``; 0 where the top two logits tie.
+        float64 array of shape ``(n,)``; 0 where the margin is at most the
+        rounding allowance ``2 sqrt(2) E`` (ties included).
     """
     _check_batch_size(batch_size)
     lip = _lipschitz_constant(model)
+    error = float_error_bound(model)
     logits = _logits(model, x, batch_size)
-    return _radii_from_margins(margins(logits), logits.shape[1], lip)
+    return _radii_from_margins(margins(logits), logits.shape[1], lip, error)
 
 
 def _check_radii(radii) -> Tuple[float, ...]:
@@ -188,12 +245,13 @@ def certified_accuracy(model, dataset_or_xy, radii, batch_size: int = 1024) -> D
     _check_batch_size(batch_size)
     radii = _check_radii(radii)
     lip = _lipschitz_constant(model)
+    error = float_error_bound(model)
     counts = np.zeros(len(radii), np.int64)
     total = 0
     for x, y in _batches(dataset_or_xy, batch_size):
         logits = _logits(model, x, batch_size)
         correct = _correct(logits, y)
-        radius = _radii_from_margins(margins(logits), logits.shape[1], lip)
+        radius = _radii_from_margins(margins(logits), logits.shape[1], lip, error)
         for i, r in enumerate(radii):
             certified = correct if r == 0 else correct & (radius > r)
             counts[i] += int(np.sum(certified))

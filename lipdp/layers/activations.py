@@ -4,7 +4,9 @@ For an element-wise ``phi`` with ``|phi'| <= c`` everywhere, the computed
 cotangent is ``phi'(x) * g``, so ``G_in = c G``. The output bound uses
 ``|phi(t)| <= a + b |t|`` (then ``||phi(x)|| <= a sqrt(n) + b ||x||`` by the
 triangle inequality, n the number of units per example) and, for bounded
-activations, ``|phi(t)| <= M`` (``||phi(x)|| <= M sqrt(n)``).
+activations, ``|phi(t)| <= M`` (``||phi(x)|| <= M sqrt(n)``). Float32 rounding:
+``K u ||phi(x)||`` (Lemma 3 of `lipdp.rounding`, assumption A3) for tanh, sigmoid
+and softplus; ReLU only compares (Lemma 4).
 
 GroupSort (`DP_GroupSort`), the activation recommended for Lipschitz networks,
 is in `lipdp.layers.basic`.
@@ -17,6 +19,7 @@ import math
 import tensorflow as tf
 
 from lipdp.layers.base import DPLayer
+from lipdp.rounding import comparison_error, elementwise_error
 
 
 class _ElementwiseActivation(tf.keras.layers.Layer, DPLayer):
@@ -52,6 +55,9 @@ class _ElementwiseActivation(tf.keras.layers.Layer, DPLayer):
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return self.DERIVATIVE * gradient_bound
 
+    def rounding_error(self, input_bound):
+        return elementwise_error(float(self.propagate_inputs(input_bound)))
+
 
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_ReLU(_ElementwiseActivation):
@@ -59,6 +65,9 @@ class DP_ReLU(_ElementwiseActivation):
 
     def call(self, inputs):
         return tf.nn.relu(inputs)
+
+    def rounding_error(self, input_bound):
+        return comparison_error()
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")

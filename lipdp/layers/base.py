@@ -14,6 +14,14 @@ they run inside the compiled train step):
     an upper bound of ``||d<g, f(x)>/dx||_2`` (the cotangent at the input),
     i.e. ``G`` times the Lipschitz constant of the layer w.r.t. its input.
 
+A fourth one, used by certification only (python floats, at the current weights):
+
+``rounding_error(X) -> e``
+    an upper bound of the layer's own float32 rounding error,
+    ``||f^(x) - f(x)||_2`` over the inputs of norm <= X it receives, where f^ is
+    ``call`` under the arithmetic model of `lipdp.rounding` (which states the
+    assumptions and the lemmas) and f the exact map the other methods bound.
+
 Bounds are with respect to the variable *itself*: when ``call`` multiplies a
 variable by a constant, the bound carries that constant.
 
@@ -29,6 +37,8 @@ import contextlib
 import math
 
 import tensorflow as tf
+
+from lipdp.rounding import ACTIVATION_RANGE
 
 # Certified operator norms computed during one pass of backpropagation for bounds,
 # by layer: each is needed forward (propagate_inputs) and backward
@@ -90,6 +100,28 @@ class DPLayer(abc.ABC):
         """
         return self.backpropagate_inputs(input_bound, gradient_bound)
 
+    def rounding_error(self, input_bound):
+        """Upper bound of the layer's own float32 rounding error (`lipdp.rounding`).
+
+        ``sup ||f^(x) - f(x)||_2`` over the inputs x of norm ``<= input_bound`` (a
+        python float; a pair of them inside residual sections) that the layer
+        receives in float32, where f^ is `call` under the arithmetic model of
+        `lipdp.rounding` and f the exact map the bound methods describe. The default,
+        ``inf``, claims nothing: a model with such a layer certifies no radius.
+        """
+        del input_bound
+        return math.inf
+
+    def propagate_error(self, input_bound, input_error):
+        """Upper bound of ``||f^(x^) - f(x)||_2`` over ``||x|| <= input_bound`` and
+        ``||x^ - x|| <= input_error`` (x exact, x^ its float32 value).
+
+        ``Lip * input_error + rounding_error(input_bound + input_error)``: f moves by at
+        most ``Lip ||x^ - x||`` from x to x^, and ``||x^|| <= input_bound + input_error``.
+        """
+        moved = float(self.lipschitz_bound()) * input_error if input_error else 0.0
+        return moved + self.rounding_error(float(input_bound) + input_error)
+
     def project(self):
         """Enforce the layer's weight constraints in place (no-op by default)."""
         return None
@@ -133,6 +165,24 @@ def chain_lipschitz(layers, input_bound, gradient_bound):
     for layer, x_in in zip(reversed(layers), reversed(_input_bounds(layers, input_bound))):
         gradient_bound = layer.backpropagate_lipschitz(x_in, gradient_bound)
     return gradient_bound
+
+
+def chain_rounding_error(layers, input_bound, input_error):
+    """Float32 error bound at the output of a chain of DP layers (python floats).
+
+    `input_bound` bounds the norm of the chain's exact input and `input_error` the
+    distance of its float32 value to it; each layer's `DPLayer.propagate_error`
+    maps them to its output. Returns inf once a norm bound plus its error exceeds
+    `lipdp.rounding.ACTIVATION_RANGE`, where overflow is no longer excluded.
+    """
+    for layer in layers:
+        input_error = layer.propagate_error(input_bound, input_error)
+        input_bound = layer.propagate_inputs(input_bound)
+        bounds = input_bound if isinstance(input_bound, tuple) else (input_bound,)
+        errors = input_error if isinstance(input_error, tuple) else (input_error,)
+        if not all(float(x) + e <= ACTIVATION_RANGE for x, e in zip(bounds, errors)):
+            return math.inf
+    return input_error
 
 
 def _input_bounds(layers, input_bound):

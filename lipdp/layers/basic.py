@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tensorflow as tf
 from deel.lip.layers import GroupSort, ScaledL2NormPooling2D
 
 from lipdp.layers.base import DPLayer
+from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error, gamma
 
 # Inputs are clipped to (1 - _CLIP_SLACK) * bound so that float32 rounding in the
 # rescaling can never push a norm above the declared bound.
@@ -40,6 +43,11 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
             )
         self.upper_bound = float(upper_bound)
 
+    def build(self, input_shape):
+        shape = tf.TensorShape(input_shape)[1:]
+        self._size = math.prod(shape.as_list()) if shape.is_fully_defined() else None
+        super().build(input_shape)
+
     def call(self, inputs):
         axes = list(range(1, inputs.shape.rank))
         norms = tf.sqrt(tf.reduce_sum(tf.square(inputs), axis=axes, keepdims=True))
@@ -53,19 +61,60 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return gradient_bound
 
+    def rounding_error(self, input_bound):
+        """``(eps + u (1 + eps)) t + 3 UNDERFLOW`` for every raw input of norm <= 2^62.
+
+        f is the projection onto the ball of radius t, the float32 value of
+        ``X0 (1 - slack)`` that `call` uses (so ``X_out <= X0`` and Lip 1 hold for it);
+        n is the number of coordinates, ``eps`` the relative error of the computed
+        ratio ``t / ||z||`` below. `input_bound` is not needed: the bound holds for
+        all inputs of norm <= 2^62 (`lipdp.rounding`, A4), raw inputs included.
+
+        Proof (`lipdp.rounding`, A1). The sum of squares is ``s^ = s (1 + t1) + h``
+        with ``s = ||z||^2``, ``|t1| <= gamma_n``, ``|h| <= 4 n mu`` (Lemma 5's argument).
+        (i) If ``s >= 4 n mu / u``, then ``|h| <= u s``, ``s^ = s (1 + t1')`` with
+        ``|t1'| <= gamma_{n+1}``, the computed norm (correctly rounded square root,
+        above the 1e-30 floor) is ``||z|| sqrt(1 + t1') (1 + d2)`` and the ratio
+        ``q^ = t / ||z|| * (1 + d3) / (sqrt(1 + t1') (1 + d2))`` is within a relative
+        ``eps = max((1 + u) / (sqrt(1 - gamma_{n+1}) (1 - u)) - 1,
+        1 - (1 - u) / (sqrt(1 + gamma_{n+1}) (1 + u)))`` of ``q = t / ||z||`` (an
+        overflow to inf only happens when q > 1 too). For ``eps < 1``,
+        ``|min(1, q^) - min(1, q)| <= eps min(1, q)``; with ``c = min(1, q^)`` and the
+        exact scale ``c* = min(1, q)``: ``||fl(z c) - z c*|| <= ||z|| |c - c*| + u ||z c||
+        + (flushed z_i, flushed products) <= eps t + u (1 + eps) t + 3 UNDERFLOW``, since
+        ``||z|| c* = min(||z||, t) <= t``.
+        (ii) Otherwise ``||z|| < sqrt(n) 2^-50 <= t`` (c* = 1, as ``t >= sqrt(n) 2^-48``
+        is required) and the computed norm is below ``sqrt(n) 2^-49``, so
+        ``q^ >= 2 (1 - u) > 1``: c = 1, and only flushing moves the output (``<= mu``
+        per coordinate). QED
+        """
+        del input_bound
+        n = self._size
+        target = float(np.float32(self.upper_bound * (1.0 - _CLIP_SLACK)))
+        g = gamma(n + 1) if n is not None else math.inf
+        if g >= 1.0 or target < math.sqrt(n) * 2.0 ** -48:
+            return math.inf
+        u = UNIT_ROUNDOFF
+        eps = max((1.0 + u) / (math.sqrt(1.0 - g) * (1.0 - u)) - 1.0,
+                  1.0 - (1.0 - u) / (math.sqrt(1.0 + g) * (1.0 + u)))
+        return (eps + u * (1.0 + eps)) * target + 3.0 * UNDERFLOW
+
     def get_config(self):
         return {**super().get_config(), "upper_bound": self.upper_bound}
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_Flatten(tf.keras.layers.Flatten, DPLayer):
-    """Flatten: a reshape, so norms and cotangent norms are unchanged."""
+    """Flatten: a reshape, so norms and cotangent norms are unchanged (and no rounding)."""
 
     def propagate_inputs(self, input_bound):
         return input_bound
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return gradient_bound
+
+    def rounding_error(self, input_bound):
+        return 0.0
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -114,6 +163,10 @@ class DP_GroupSort(GroupSort, DPLayer):
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return gradient_bound
 
+    def rounding_error(self, input_bound):
+        """Comparisons and selections only: `lipdp.rounding.comparison_error`."""
+        return comparison_error()
+
 
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
@@ -135,3 +188,11 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return self._coef() * gradient_bound
+
+    def rounding_error(self, input_bound):
+        """`lipdp.rounding.block_norm_error` on windows of ``a = ph pw`` pixels: the
+        average pooling of the squares divides by a, and ``call`` multiplies by
+        ``k sqrt(a)``."""
+        area = math.prod(self.pool_size)
+        k = float(self.k_coef_lip)
+        return block_norm_error(area, area, k, k * input_bound)

@@ -11,7 +11,8 @@ from deel.lip.layers.convolutional import _compute_conv_lip_factor
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
 from lipdp.layers.base import DPLayer, cached_operator_norm, check_no_activation
-from lipdp.operator_norms import conv_operator_norm_upper
+from lipdp.operator_norms import conv_operator_norm_upper, dense_spectral_norm_upper
+from lipdp.rounding import SMALLEST_NORMAL, addition_error, product_error
 
 
 def patch_multiplicity(kernel_size, strides):
@@ -44,6 +45,14 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
       holds whatever the projection did.
     - bias (broadcast to every output pixel): ``||sum_p g_p|| <= sqrt(P) G``.
     - ``propagate_inputs(X) = S X + sqrt(P) ||b||``; ``backpropagate_inputs = S G``.
+    - ``rounding_error(X)``: Lemma 1 of `lipdp.rounding` on the im2col rows
+      (``kh kw C`` products per output; with ``K`` the ``(kh kw C) x F`` reshaping
+      of ``N Psi``, ``sqrt(m) ||K||_2`` for every subset of the products, a certified
+      norm, and ``sqrt(m) ||K||_F``), then Lemma 2 for the bias add. The exact map
+      convolves with the float32 tensor ``N * Psi`` itself (the one the operator
+      norm is certified on), so rounding that product is not an error; ``call``
+      recomputes it, identically but for flushing (``|dK| <= mu`` entry-wise), hence
+      the extra ``sqrt(m) sqrt(#K) mu X``.
 
     Padding 'same' and 'valid' and any strides are supported; dilation, groups
     and channels_first are rejected.
@@ -134,6 +143,21 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return self._operator_bound() * gradient_bound
+
+    def rounding_error(self, input_bound):
+        effective = self.effective_kernel()
+        kernel = np.asarray(effective, np.float64)
+        root_m = math.sqrt(self._multiplicity)
+        error = product_error(math.prod(kernel.shape[:3]),
+                              root_m * float(dense_spectral_norm_upper(effective)),
+                              root_m * np.linalg.norm(kernel), input_bound,
+                              np.max(np.abs(kernel)))
+        error += root_m * math.sqrt(kernel.size) * SMALLEST_NORMAL * input_bound
+        if not self.use_bias:
+            return error
+        bias_norm = np.linalg.norm(np.asarray(self.bias, np.float64))
+        return addition_error(error, float(self._operator_bound()) * input_bound
+                              + math.sqrt(self._output_pixels) * bias_norm)
 
     def get_config(self):
         return self._projected_config(super().get_config(),

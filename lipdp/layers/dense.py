@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
 from lipdp.layers.base import DPLayer, cached_operator_norm, check_no_activation
 from lipdp.operator_norms import dense_spectral_norm_upper
+from lipdp.rounding import addition_error, product_error
 
 _FORBIDDEN = ("kernel_constraint", "kernel_regularizer", "bias_regularizer", "activity_regularizer")
 
@@ -29,6 +31,9 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
       (Cauchy-Schwarz, the token/channel-mixing argument of appendix C.2.4)
     - bias: ``||sum_t g_t|| <= sqrt(T) G``
     - ``backpropagate_inputs(X, G) = S G``
+    - ``rounding_error(X)``: Lemma 1 of `lipdp.rounding` for ``x W`` (n = input
+      width products per output, ``||W_S|| <= S`` for every row subset, ``||W||_F``),
+      then Lemma 2 for the bias add on outputs of norm ``<= S X + sqrt(T) ||b||``.
     """
 
     def __init__(self, units, use_bias=True, kernel_initializer="orthogonal", activation=None,
@@ -76,6 +81,17 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return self._spectral_bound() * gradient_bound
+
+    def rounding_error(self, input_bound):
+        kernel = np.asarray(self.bounded_kernel(), np.float64)
+        spectral = float(self._spectral_bound())
+        error = product_error(kernel.shape[0], spectral, np.linalg.norm(kernel), input_bound,
+                              np.max(np.abs(kernel)))
+        if not self.use_bias:
+            return error
+        bias_norm = np.linalg.norm(np.asarray(self.bias, np.float64))
+        return addition_error(error, spectral * input_bound
+                              + math.sqrt(self._positions) * bias_norm)
 
     def get_config(self):
         config = super().get_config()

@@ -58,5 +58,8 @@ class DP_ClipGradient(tf.keras.layers.Layer, DPLayer):
     def backpropagate_lipschitz(self, input_bound, gradient_bound):
         return gradient_bound  # the forward map is the identity
 
+    def rounding_error(self, input_bound):
+        return 0.0  # the forward map is the identity
+
     def get_config(self):
         return {**super().get_config(), "clip_value": self.clip_value}

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.layers.base import DPLayer, check_positive
+from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, addition_error, gamma
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -18,6 +19,16 @@ class DP_LayerCentering(tf.keras.layers.Layer, DPLayer):
     f is the orthogonal projection onto the vectors of zero mean along `axis`
     (singular values 0 and 1), so ``X_out = X_in`` and ``G_in = G``. No
     parameters, no statistics shared across examples.
+
+    Float32 rounding (`lipdp.rounding`, A1), with n the number of coordinates
+    averaged by one mean: ``rounding_error(X) = (gamma_{n+1} (1 + u) + u) X + 6 UNDERFLOW``.
+    Proof: the mean of a group g is a sum (any order: error ``<= gamma_{n-1} sum |x_i|``)
+    divided by n (or multiplied by a rounded 1/n), so ``|m^ - m| <= gamma_{n+1}
+    sum |x_i| / n <= gamma_{n+1} ||x_g|| / sqrt(n)``. Then ``fl(x_i - m^) = (x_i - m^)(1 + d_i)``
+    errs from ``x_i - m`` by ``(m - m^) + d_i (x_i - m^)``: over the group, at most
+    ``sqrt(n) |m - m^| + u (||x_g - m|| + sqrt(n) |m - m^|) <= (gamma_{n+1} (1 + u) + u) ||x_g||``
+    (``||x_g - m|| <= ||x_g||``); summed in quadrature over the groups. Flushed operands
+    and results move a coordinate by at most 6 mu. QED
 
     Args:
         axis: the axis, or tuple of non-batch axes, to centre along (default -1,
@@ -33,10 +44,13 @@ class DP_LayerCentering(tf.keras.layers.Layer, DPLayer):
         self.axis = tuple(int(a) for a in axes)
 
     def build(self, input_shape):
-        rank = tf.TensorShape(input_shape).rank
+        shape = tf.TensorShape(input_shape)
+        rank = shape.rank
         if any(not -rank < a < rank or a % rank == 0 for a in self.axis):
             raise ValueError(f"DP_LayerCentering axis {self.axis} must name non-batch axes of "
                              f"inputs of rank {rank}: a mean over the batch would mix examples.")
+        sizes = [shape[a] for a in self.axis]
+        self._group_size = math.prod(sizes) if None not in sizes else None
         super().build(input_shape)
 
     def call(self, inputs):
@@ -50,6 +64,12 @@ class DP_LayerCentering(tf.keras.layers.Layer, DPLayer):
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return gradient_bound
+
+    def rounding_error(self, input_bound):
+        if self._group_size is None:
+            return math.inf
+        u = UNIT_ROUNDOFF
+        return (gamma(self._group_size + 1) * (1.0 + u) + u) * input_bound + 6.0 * UNDERFLOW
 
     def get_config(self):
         return {**super().get_config(), "axis": list(self.axis)}
@@ -66,7 +86,9 @@ class DP_AddBias(tf.keras.layers.Layer, DPLayer):
 
     - ``propagate_inputs(X) = X + sqrt(P) ||b||``;
     - bias: ``sqrt(P) G``;
-    - ``backpropagate_inputs(X, G) = G``.
+    - ``backpropagate_inputs(X, G) = G``;
+    - ``rounding_error(X)``: Lemma 2 of `lipdp.rounding` on outputs of norm
+      ``<= X + sqrt(P) ||b||``.
 
     Args:
         norm_max: radius of the ball the bias is projected onto after each step.
@@ -104,6 +126,10 @@ class DP_AddBias(tf.keras.layers.Layer, DPLayer):
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return gradient_bound
+
+    def rounding_error(self, input_bound):
+        bias_norm = np.linalg.norm(np.asarray(self.bias, np.float64))
+        return addition_error(0.0, input_bound + math.sqrt(self._positions) * bias_norm)
 
     def get_config(self):
         return {**super().get_config(), "norm_max": self.norm_max}

@@ -11,6 +11,7 @@ import tensorflow as tf
 from deel.lip.layers import ScaledGlobalL2NormPooling2D
 
 from lipdp.layers.base import DPLayer
+from lipdp.rounding import block_norm_error, comparison_error
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -20,7 +21,8 @@ class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
     The channels are disjoint blocks of coordinates, so ``||f(x)|| = k ||x||``,
     and the Jacobian of each block is ``k x_c^T / ||x_c||`` (norm k). deel-lip's
     square root backpropagates ``dy / (2 (sqrt(u) + eps))``, which only shrinks
-    the true derivative: ``X_out = k X_in``, ``G_in = k G``.
+    the true derivative: ``X_out = k X_in``, ``G_in = k G``. Float32 rounding:
+    `lipdp.rounding.block_norm_error` on blocks of ``H W`` coordinates (no division).
     """
 
     def __init__(self, k_coef_lip=1.0, eps_grad_sqrt=1e-6, data_format="channels_last", **kwargs):
@@ -35,11 +37,22 @@ class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
         super().__init__(data_format="channels_last", k_coef_lip=k_coef_lip,
                          eps_grad_sqrt=eps_grad_sqrt, **kwargs)
 
+    def build(self, input_shape):
+        height, width = tf.TensorShape(input_shape)[1:3].as_list()
+        self._block_size = height * width if height and width else None
+        super().build(input_shape)
+
     def propagate_inputs(self, input_bound):
         return float(self.k_coef_lip) * input_bound
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return float(self.k_coef_lip) * gradient_bound
+
+    def rounding_error(self, input_bound):
+        if self._block_size is None:
+            return math.inf
+        k = float(self.k_coef_lip)
+        return block_norm_error(self._block_size, 1, k, k * input_bound)
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -52,7 +65,7 @@ class DP_MaxPool2D(tf.keras.layers.MaxPooling2D, DPLayer):
     ||x_window||^2 <= m ||x||^2``. Backward, each output cotangent goes to one
     input pixel (TensorFlow routes ties to a single arg-max), and a pixel gathers
     at most m of them: ``||g_in||^2 <= m ||g||^2`` (Cauchy-Schwarz).
-    ``X_out = sqrt(m) X_in``, ``G_in = sqrt(m) G``.
+    ``X_out = sqrt(m) X_in``, ``G_in = sqrt(m) G``. Float32: comparisons only.
     """
 
     def __init__(self, pool_size=(2, 2), strides=None, padding="valid",
@@ -70,3 +83,6 @@ class DP_MaxPool2D(tf.keras.layers.MaxPooling2D, DPLayer):
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return math.sqrt(self._multiplicity) * gradient_bound
+
+    def rounding_error(self, input_bound):
+        return comparison_error()

@@ -14,6 +14,12 @@ model stays a chain of single-tensor layers (Sequential, `.keras` saving):
   or ``c = 1`` ("add"). Bounds: ``(X_s, X_b) -> c (X_s + X_b)``; backward
   ``G -> (c G, c G)``.
 
+Float32 rounding errors travel as pairs too (`DPLayer.propagate_error`):
+``E -> (E, E)`` at the split (a copy, exact); the wrapped branch propagates its
+entry through its chain (`chain_rounding_error`); the merge gives
+``c (E_s + E_b)`` plus its own rounding, Lemma 2 of `lipdp.rounding` for the sum
+(the factor 1/2 is exact but for underflow).
+
 `make_residuals(layers)` returns ``[DP_SplitResidual(), DP_WrappedResidual(l)
 for l in layers..., DP_MergeResidual()]``. Each wrapped layer (or wrapped list)
 must give back the shape of its input (both paths are stacked), and residual
@@ -24,7 +30,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer, chain_backward, chain_forward, chain_lipschitz
+from lipdp.layers.base import (DPLayer, chain_backward, chain_forward, chain_lipschitz,
+                               chain_rounding_error)
+from lipdp.rounding import UNDERFLOW, addition_error
 
 MERGE_POLICIES = {"1-lip-add": 0.5, "add": 1.0}
 
@@ -46,6 +54,12 @@ class DP_SplitResidual(tf.keras.layers.Layer, DPLayer):
     def backpropagate_inputs(self, input_bound, gradient_bound):
         skip, branch = gradient_bound
         return skip + branch
+
+    def rounding_error(self, input_bound):
+        return (0.0, 0.0)
+
+    def propagate_error(self, input_bound, input_error):
+        return (input_error, input_error)
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -118,6 +132,13 @@ class DP_WrappedResidual(tf.keras.layers.Layer, DPLayer):
         skip, branch = gradient_bound
         return (skip, chain_lipschitz(self.branch, input_bound[1], branch))
 
+    def rounding_error(self, input_bound):
+        return self.propagate_error(input_bound, (0.0, 0.0))
+
+    def propagate_error(self, input_bound, input_error):
+        skip, branch = input_error
+        return (skip, chain_rounding_error(self.branch, input_bound[1], branch))
+
     def project(self):
         for inner in self.branch:
             inner.project()
@@ -173,6 +194,15 @@ class DP_MergeResidual(tf.keras.layers.Layer, DPLayer):
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return (self._coef * gradient_bound, self._coef * gradient_bound)
+
+    def rounding_error(self, input_bound):
+        skip, branch = input_bound
+        return self._coef * addition_error(0.0, float(skip) + float(branch)) + UNDERFLOW
+
+    def propagate_error(self, input_bound, input_error):
+        (skip, branch), (skip_error, branch_error) = input_bound, input_error
+        return (self._coef * (skip_error + branch_error)
+                + self.rounding_error((float(skip) + skip_error, float(branch) + branch_error)))
 
     def get_config(self):
         return {**super().get_config(), "merge_policy": self.merge_policy}
