@@ -5,8 +5,14 @@ library). Tolerance: rtol 1e-5 on squared norms. Both sides are float32 sums of
 a few hundred to a few thousand products; measured disagreement is <= 1e-6
 relative, a wrong stride/padding/patch alignment or a missing constant is off by
 far more than 1e-5.
+
+Randomness inside layers (the last tests): the vector clipped for an example is
+the one whose norm was measured, whatever a replayed layer draws; fallback
+layers with declared randomness are refused; the vectorized engine takes each
+example's gradient from the draw that gave its loss.
 """
 
+import math
 import warnings
 
 import numpy as np
@@ -14,14 +20,16 @@ import pytest
 import tensorflow as tf
 from hypothesis import example, given, settings, strategies as st
 
-from lipdp.clipping import GhostFallbackWarning, ghost_norms, ghost_plan
+from lipdp.clipping import GhostFallbackWarning, GhostRandomnessError, ghost_norms, ghost_plan
 from lipdp.clipping.ghost import GhostEngine
 from lipdp.clipping.rules import make_rule
 from lipdp.clipping.validation import per_example_loss
-from lipdp.clipping.vectorized import per_example_squared_norms
+from lipdp.clipping.vectorized import VectorizedEngine, per_example_squared_norms
 from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
                           DP_QuickSpectralDense, DP_ScaledL2NormPooling2D)
-from lipdp.metadata import DPParameters
+from lipdp.metadata import DatasetMetadata, DPParameters
+from lipdp.model import DP_Sequential
+from tests._soundness import per_example_gradients
 
 L = tf.keras.layers
 RTOL = 1e-5
@@ -29,15 +37,9 @@ CCE = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
 
 
 def exact_squared_norms(model, loss, x, y):
-    """``(variables, n)`` array of ||grad_v loss_i||^2, one tape per example."""
-    rows = []
-    for i in range(len(x)):
-        with tf.GradientTape() as tape:
-            value = tf.reduce_sum(loss.call(y[i:i + 1], model(x[i:i + 1], training=True)))
-        grads = tape.gradient(value, model.trainable_variables)
-        rows.append([0.0 if g is None else float(tf.reduce_sum(tf.square(tf.convert_to_tensor(g))))
-                     for g in grads])
-    return np.array(rows).T
+    """``(variables, n)`` array of ||grad_v loss_i||^2 (exact, one tape per example)."""
+    return np.array([[np.sum(np.square(g)) for g in grads]
+                     for grads in per_example_gradients(model, loss, x, y)]).T
 
 
 def _quiet_engine(model, method="auto"):
@@ -211,3 +213,219 @@ def test_conv2d_ghost_norm_for_drawn_shapes(size, kernel, stride, padding, chann
                                  L.Flatten(), L.Dense(3)])
     x, y = _data(3, shape=(size, size + 1, channels), k=3, seed=size)
     _assert_norms(model, CCE, x, y, method=method)
+
+
+class BernoulliScale(L.Layer):
+    """``w * x`` times a fresh Bernoulli(1/2) mask (kept entries doubled) in training mode:
+    trainable, no ghost rule, and randomness no refusal list can see (a bare `tf.random`).
+    w starts at 0.1, which shrinks the other layers' gradients, so that w's gradient (whose
+    norm the replay measures under another mask) carries much of the total norm."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(name="w", shape=input_shape[-1:],
+                                 initializer=tf.keras.initializers.Constant(0.1))
+
+    def call(self, inputs, training=None):
+        outputs = inputs * self.w
+        if training:
+            keep = tf.random.uniform(tf.shape(outputs)) < 0.5
+            outputs = tf.where(keep, 2.0 * outputs, tf.zeros_like(outputs))
+        return outputs
+
+
+def _bernoulli_model():
+    tf.keras.utils.set_random_seed(8)
+    return tf.keras.Sequential([L.Input((6,)), L.Dense(8), BernoulliScale(name="bernoulli"),
+                                L.Dense(3)])
+
+
+# Thresholds for the 5 trainable variables of the models below; flat and global thresholds
+# sit below most (flat) or around the middle (global) of their per-example gradient norms.
+CLIPS = [("flat", 0.05), ("global", 1.5), ("per-layer", [0.02, 0.01, 0.03, 0.02, 0.01])]
+
+
+def _clipping_ratios(engine, model, clipping, clip, shape, draws):
+    """Over `draws` seeded single-example batches: the largest ratio of the clipped sum's norm
+    to its bound (per variable for per-layer clipping), and the fraction of draws whose
+    unclipped norm, as the engine measured it, exceeded the bound.
+
+    With one example the clipped sum *is* that example's clipped gradient, so the rule bounds
+    its norm whatever the engine measured. The layers' random draws happen inside the compiled
+    step, from the seed set before it is traced."""
+    tf.keras.utils.set_random_seed(9)
+    rule = make_rule(DPParameters(0.0, mode="clipped", clipping=clipping, l2_norm_clip=clip),
+                     model.trainable_variables)
+    fn = per_example_loss(CCE)
+    step = tf.function(lambda x, y: engine.clipped_sum(model, fn, x, y, rule))
+    bounds = np.array(rule.thresholds if clipping == "per-layer" else [rule.sensitivity()])
+    worst, exceeded = 0.0, 0
+    for draw in range(draws):
+        x, y = _data(1, shape=shape, k=3, seed=draw)
+        batch = step(x, y)
+        sums = [g.numpy().astype(np.float64) for g in batch.gradient_sums]
+        squared = np.array([float(n[0]) for n in batch.squared_norms])
+        if clipping == "per-layer":
+            norms, measured = np.array([np.linalg.norm(g) for g in sums]), np.sqrt(squared)
+        else:
+            norms = np.array([math.sqrt(sum(float(np.sum(g ** 2)) for g in sums))])
+            measured = np.array([math.sqrt(squared.sum())])
+        worst = max(worst, float(np.max(norms / bounds)))
+        exceeded += bool(np.any(measured > bounds))
+    return worst, exceeded / draws
+
+
+@pytest.mark.parametrize("clipping,clip", CLIPS)
+def test_hidden_randomness_in_a_fallback_layer_cannot_break_the_clipping_bound(clipping, clip):
+    """The ghost engine replays `BernoulliScale` (new masks) for its per-example gradients:
+    the clipped vectors must still be the ones whose norms were measured. 60 draws per rule.
+    Tolerance 1e-5 relative: float32 rounding of the norms."""
+    model = _bernoulli_model()
+    assert [name for name, _ in ghost_plan(model).fallback] == ["bernoulli"]
+    worst, exceeded = _clipping_ratios(_quiet_engine(model, "gram"), model, clipping, clip,
+                                       (6,), draws=60)
+    assert worst <= 1 + 1e-5, worst
+    assert 0 < exceeded < 1 if clipping == "global" else exceeded > 0, exceeded
+
+
+class NoisyDense(L.Layer):
+    """A Dense layer behind a Keras random layer, both inside one custom layer: a ghost
+    fallback (no rule for the custom type), called a second time by the ghost engine."""
+
+    def __init__(self, units, noise, **kwargs):
+        super().__init__(**kwargs)
+        self.noise = noise
+        self.dense = L.Dense(units)
+
+    def call(self, inputs, training=None):
+        return self.dense(self.noise(inputs, training=training))
+
+
+def _sequential(*layers):
+    tf.keras.utils.set_random_seed(10)
+    return tf.keras.Sequential(list(layers))
+
+
+def _attention(dropout):
+    tf.keras.utils.set_random_seed(10)
+    inputs = L.Input((5, 4))
+    h = L.MultiHeadAttention(2, 3, dropout=dropout, name="attention")(inputs, inputs)
+    return tf.keras.Model(inputs, L.Dense(3)(L.Flatten()(h)))
+
+
+RANDOM_FALLBACKS = {
+    "lstm": (lambda: _sequential(L.Input((5, 3)), L.LSTM(4, dropout=0.5, name="lstm"),
+                                 L.Dense(3)),
+             r"layer 'lstm' \(LSTM\).*'lstm' \(LSTM\): dropout=0.5"),
+    "gru": (lambda: _sequential(L.Input((5, 3)), L.GRU(4, recurrent_dropout=0.3, name="gru"),
+                                L.Dense(3)),
+            r"layer 'gru' \(GRU\).*recurrent_dropout=0.3"),
+    "simple_rnn": (lambda: _sequential(L.Input((5, 3)),
+                                       L.SimpleRNN(4, dropout=0.2, name="rnn"), L.Dense(3)),
+                   r"layer 'rnn' \(SimpleRNN\).*\(SimpleRNNCell\): dropout=0.2"),
+    "attention": (lambda: _attention(0.1),
+                  r"layer 'attention' \(MultiHeadAttention\).*\(Dropout\): rate=0.1"),
+    "dropout": (lambda: _sequential(L.Input((6,)), NoisyDense(3, L.Dropout(0.5), name="noisy")),
+                r"layer 'noisy' \(NoisyDense\).*\(Dropout\): rate=0.5"),
+    "spatial": (lambda: _sequential(L.Input((5, 3)),
+                                    NoisyDense(3, L.SpatialDropout1D(0.5), name="noisy"),
+                                    L.Flatten(), L.Dense(3)),
+                r"\(SpatialDropout1D\): rate=0.5"),
+    "gaussian_noise": (lambda: _sequential(L.Input((6,)),
+                                           NoisyDense(3, L.GaussianNoise(0.1), name="noisy")),
+                       r"\(GaussianNoise\): stddev=0.1"),
+    "gaussian_dropout": (lambda: _sequential(L.Input((6,)),
+                                             NoisyDense(3, L.GaussianDropout(0.2), name="noisy")),
+                         r"\(GaussianDropout\): rate=0.2"),
+    "alpha_dropout": (lambda: _sequential(L.Input((6,)),
+                                          NoisyDense(3, L.AlphaDropout(0.1), name="noisy")),
+                      r"\(AlphaDropout\): rate=0.1"),
+    "augmentation": (lambda: _sequential(L.Input((4, 4, 1)),
+                                         NoisyDense(3, L.RandomFlip(), name="noisy"),
+                                         L.Flatten(), L.Dense(3)),
+                     r"\(RandomFlip\)\): that second call"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RANDOM_FALLBACKS))
+def test_fallback_layers_with_declared_randomness_are_refused(case):
+    """The second call would draw other masks than the forward pass: the error names the layer,
+    its random part, and the engine that computes each example's gradient in one pass."""
+    make_model, message = RANDOM_FALLBACKS[case]
+    with pytest.raises(GhostRandomnessError, match=message) as refused:
+        GhostEngine(make_model(), warn=False)
+    assert "engine='vectorized'" in str(refused.value)
+
+
+def test_randomness_is_refused_at_compile_and_only_inside_fallback_layers():
+    """Refused when a DP model is compiled with engine 'ghost' or 'mixed-ghost', accepted with
+    'vectorized'. Accepted by the ghost engine: random layers with zero rates, and a Dropout
+    layer of its own (drawn once, on the tape: the norms and the sums both see that draw)."""
+    metadata = DatasetMetadata((5, 3), 3, 64, 16, 8, None, "shuffle")
+    for engine in ("ghost", "mixed-ghost", "vectorized"):
+        model = DP_Sequential([L.Input((5, 3)), L.LSTM(4, dropout=0.5, name="lstm"), L.Dense(3)],
+                              dp_parameters=DPParameters(0.0, mode="clipped", l2_norm_clip=1.0,
+                                                         engine=engine),
+                              dataset_metadata=metadata)
+        if engine == "vectorized":
+            model.compile(loss=CCE)
+        else:
+            with pytest.raises(GhostRandomnessError, match="'lstm'"):
+                model.compile(loss=CCE)
+    deterministic = [
+        _sequential(L.Input((5, 3)), L.LSTM(4, dropout=0.0, recurrent_dropout=0.0), L.Dense(3)),
+        _attention(0.0),
+        _sequential(L.Input((6,)), NoisyDense(3, L.Dropout(0.0))),
+        _sequential(L.Input((6,)), NoisyDense(3, L.GaussianNoise(0.0))),
+    ]
+    for model in deterministic:
+        assert GhostEngine(model, warn=False).plan.fallback_layers
+    model = _sequential(L.Input((6,)), L.Dense(8), L.Dropout(0.5), L.Dense(3))
+    assert GhostEngine(model).plan.fallback == ()
+
+
+def _linear_loss(y_true, y_pred):
+    """``<y, f(x)>``: linear in the logits, so homogeneous of degree 1 in the last layer."""
+    return tf.reduce_sum(y_true * y_pred, axis=-1)
+
+
+@pytest.mark.parametrize("engine,make_model", [
+    ("vectorized", lambda: _sequential(L.Input((6,)), L.Dense(8, activation="tanh"),
+                                       NoisyDense(3, L.Dropout(0.5)))),
+    ("ghost", lambda: _sequential(L.Input((6,)), L.Dense(8, activation="tanh"), L.Dropout(0.5),
+                                  L.Dense(3))),
+])
+def test_gradient_comes_from_the_draw_that_gave_the_loss(engine, make_model):
+    """The loss is ``<y, K h + b>`` with h the dropped-out features of the last layer (K, b):
+    ``<grad_K, K> + <grad_b, b> = loss`` exactly when the gradient used the same mask as the
+    loss. One example, no clipping (C = 1e6): the sum is that example's gradient; 20 seeded
+    draws, some of which must differ from the loss without dropout (dropout active).
+    Tolerance: rtol 1e-5 / atol 1e-6 on a float32 sum of 27 products of size ~1."""
+    model = make_model()
+    kernel, bias = model.layers[-1].trainable_weights
+    rule = make_rule(DPParameters(0.0, mode="clipped", l2_norm_clip=1e6),
+                     model.trainable_variables)
+    clipped = GhostEngine(model) if engine == "ghost" else VectorizedEngine()
+    step = tf.function(lambda x, y: clipped.clipped_sum(model, _linear_loss, x, y, rule))
+    gaps = []
+    for draw in range(20):
+        x, y = _data(1, shape=(6,), k=3, seed=draw)
+        batch = step(x, y)
+        grads = dict(zip([v.ref() for v in model.trainable_variables], batch.gradient_sums))
+        pairing = sum(float(tf.reduce_sum(grads[v.ref()] * v)) for v in (kernel, bias))
+        np.testing.assert_allclose(pairing, float(batch.losses[0]), rtol=1e-5, atol=1e-6)
+        gaps.append(abs(float(batch.losses[0]) - float(_linear_loss(y, model(x))[0])))
+    assert max(gaps) > 1e-2, gaps
+
+
+@pytest.mark.parametrize("clipping,clip", CLIPS)
+def test_vectorized_engine_clips_models_with_random_layers(clipping, clip):
+    """Engine 'vectorized' runs each example forward and backward once (one draw of every
+    mask), so the clipping bound holds with an LSTM whose dropout the ghost engine refuses:
+    30 draws per rule, tolerance as above. (Unrolled over its 3 steps: the same masks, and
+    15x faster to trace inside `tf.vectorized_map` than the symbolic loop.)"""
+    model = _sequential(L.Input((3, 2)),
+                        L.LSTM(4, dropout=0.5, recurrent_dropout=0.3, unroll=True), L.Dense(3))
+    worst, exceeded = _clipping_ratios(VectorizedEngine(), model, clipping, clip, (3, 2),
+                                       draws=30)
+    assert worst <= 1 + 1e-5, worst
+    assert 0 < exceeded < 1 if clipping == "global" else exceeded > 0, exceeded

@@ -12,9 +12,10 @@ layers (anything without batch statistics), DP layers too.
 * `ghost` / `ghost_norms`: Lee & Kifer's fast clipping -- per-example norms from
   layer inputs and output cotangents (Dense, Conv2D, Embedding), a reweighted
   second backward pass; other layers fall back to exact gradients, visibly
-  (`ghost_plan`). Engine ``"ghost"`` uses Gram identities only; ``"mixed-ghost"``
-  forms a layer's per-example gradient (transiently, for its norm) when that is
-  smaller than its Gram matrices.
+  (`ghost_plan`), and are refused when they draw random numbers in training
+  (`GhostRandomnessError`: use ``"vectorized"``). Engine ``"ghost"`` uses Gram
+  identities only; ``"mixed-ghost"`` forms a layer's per-example gradient
+  (transiently, for its norm) when that is smaller than its Gram matrices.
 * `mechanism`: `ClippedDPSGD`, what the model's ``private_gradients`` uses in
   clipped mode: the sum of clipped gradients (divided by D there) and the
   isotropic noise std ``sigma * C / D``.
@@ -22,7 +23,8 @@ layers (anything without batch statistics), DP layers too.
 """
 
 from lipdp.clipping.engine import ClippedBatch
-from lipdp.clipping.ghost import GhostEngine, GhostFallbackWarning, GhostPlan, ghost_plan
+from lipdp.clipping.ghost import (GhostEngine, GhostFallbackWarning, GhostPlan,
+                                  GhostRandomnessError, ghost_plan)
 from lipdp.clipping.ghost_norms import register_ghost_rule
 from lipdp.clipping.mechanism import ClippedDPSGD, PreclipFallbackWarning
 from lipdp.clipping.rules import (ClippingRule, FlatClipping, GlobalClipping, PerLayerClipping,
@@ -39,6 +41,7 @@ __all__ = [
     "GhostEngine",
     "GhostFallbackWarning",
     "GhostPlan",
+    "GhostRandomnessError",
     "GlobalClipping",
     "PerLayerClipping",
     "PreclipFallbackWarning",

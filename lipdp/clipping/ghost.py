@@ -14,16 +14,40 @@ One private step:
    *fallback*) is recorded too, and its exact per-example gradients are
    replayed from its own input and output cotangent, vectorised over the batch;
 4. clipping factors ``nu`` from the rule;
-5. clipped sum: for rules with one factor per example (flat, global) the
+5. clipped sum: every variable whose per-example gradients were materialised
+   in step 3 (replayed fallback layers, Jacobian fallbacks) gets
+   ``sum_i nu_{i,v} G_{i,v}`` from those very tensors ``G``. Ghost-rule
+   variables get, for rules with one factor per example (flat, global), the
    gradient of the reweighted loss ``sum_i nu_i loss_i``, a second backward
-   pass on the same tape (Algorithm 1, line 14); for per-layer factors, each
-   ghost layer's variables get the local vector-Jacobian product of ``z`` with
-   the reweighted cotangents ``nu_{i,v} g_i`` and fallback variables
-   ``sum_i nu_{i,v} grad_v loss_i``.
+   pass on the same tape (Algorithm 1, line 14); for per-layer factors, the
+   local vector-Jacobian product of ``z`` with the reweighted cotangents
+   ``nu_{i,v} g_i``.
 
 The result equals clipping exact per-example gradients (`vectorized`), up to
-float rounding. Which layers are handled by ghost rules and which fall back is
-decided at compile time (`ghost_plan`) and announced with a warning.
+float rounding, for every layer that is a deterministic function of its inputs
+and variables in training mode. Which layers are handled by ghost rules and
+which fall back is decided at compile time (`ghost_plan`) and announced with a
+warning.
+
+Randomness inside layers. Layers with training-mode randomness (dropout, noise)
+are fine where the forward pass runs them once: their draw is on the tape, and
+the norms and the sums of step 5 both come from it. A fallback layer, however,
+is called again in step 3, and draws again there. Two consequences:
+
+* privacy holds whatever a layer hides: the vectors summed for a fallback
+  variable are the vectors whose norms the rule saw (step 5), so each
+  example's clipped gradient obeys the rule's bound;
+* the gradient of such a layer is taken under a fresh draw, not the one that
+  produced the loss. Layers whose randomness Keras declares (subclasses of
+  ``BaseRandomLayer`` -- Dropout and its spatial variants, GaussianNoise,
+  GaussianDropout, AlphaDropout, RNN cells and LSTM/GRU/SimpleRNN with
+  ``dropout`` or ``recurrent_dropout``, attention with ``dropout``,
+  augmentation layers -- alone or as sub-layers) are therefore refused inside
+  a fallback layer at compile time (`GhostRandomnessError`); randomness drawn
+  with bare ``tf.random`` calls in a custom ``call`` cannot be seen and gives
+  a private but perturbed gradient. Engine ``"vectorized"`` computes each
+  example's gradient, loss and norm in one pass, with one draw, and is correct
+  with any such layer.
 """
 
 from __future__ import annotations
@@ -31,8 +55,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import numbers
 import warnings
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -47,6 +72,10 @@ _LOGGER = logging.getLogger("lipdp")
 
 class GhostFallbackWarning(UserWarning):
     """Some trainable variables get exact per-example gradients in the ghost engine."""
+
+
+class GhostRandomnessError(ValueError):
+    """A layer the ghost engine calls a second time draws random numbers in training."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +141,63 @@ def ghost_plan(model: tf.keras.Model) -> GhostPlan:
     if orphans:
         fallback.append(("<model>", f"variables owned by no layer: {orphans}"))
     return GhostPlan(tuple(ghost), tuple(fallback_layers), tuple(fallback))
+
+
+# How Keras' random layers set the amount of their randomness; zero means none.
+_RANDOMNESS_AMOUNTS = ("rate", "stddev", "dropout", "recurrent_dropout")
+
+
+def _declared_randomness(layer: tf.keras.layers.Layer) -> Optional[str]:
+    """``"'name' (Type): setting"`` for the first of `layer` and its sub-layers that
+    declares training-mode randomness, None when none does.
+
+    A Keras layer declares randomness by deriving from ``BaseRandomLayer``; one whose
+    amounts (`_RANDOMNESS_AMOUNTS`: Dropout's ``rate``, GaussianNoise's ``stddev``,
+    an RNN cell's ``dropout`` and ``recurrent_dropout``) are all the number zero is
+    deterministic. One with none of these attributes (augmentation layers) counts as
+    random.
+    """
+    # Keras' own walk over tracked sub-layers (`submodules` also walks the dropout-mask
+    # caches of RNN cells, keyed by graphs, and fails on them once the layer was traced).
+    for module in layer._flatten_layers(include_self=True, recursive=True):
+        if "BaseRandomLayer" not in {cls.__name__ for cls in type(module).__mro__}:
+            continue
+        amounts = {name: getattr(module, name) for name in _RANDOMNESS_AMOUNTS
+                   if hasattr(module, name)}
+        random = {name: value for name, value in amounts.items()
+                  if not (isinstance(value, numbers.Real) and value == 0)}
+        if random or not amounts:
+            setting = ", ".join(f"{name}={value!r}" for name, value in random.items())
+            described = f"'{module.name}' ({type(module).__name__})"
+            return f"{described}: {setting}" if setting else described
+    return None
+
+
+def check_no_replayed_randomness(plan: GhostPlan) -> None:
+    """Refuse fallback layers that declare training-mode randomness (`_declared_randomness`).
+
+    A fallback layer is called again to get its per-example gradients (see the module
+    docstring); a random layer would draw again there, so its gradient would not be the
+    gradient of the loss computed in the forward pass. Randomness outside fallback
+    layers (a Dropout layer between two Dense layers) is drawn once and is fine. The
+    check runs before any call, so it also refuses a random layer that a trace would
+    send to the Jacobian fallback instead (called twice, or with tensor arguments).
+
+    Raises:
+        GhostRandomnessError: naming the first such layer and its random sub-layer.
+    """
+    for layer in plan.fallback_layers:
+        randomness = _declared_randomness(layer)
+        if randomness is not None:
+            raise GhostRandomnessError(
+                f"Ghost clipping: layer '{layer.name}' ({type(layer).__name__}) has no ghost "
+                "rule, so its per-example gradients are computed by calling it a second time, "
+                f"and it draws random numbers in training ({randomness}): that second call "
+                "would use other random values than the forward pass that computed the loss, "
+                "and give the wrong gradient. Use engine='vectorized' (each example's gradient "
+                "comes from one forward pass), or remove the randomness from this layer (for "
+                "instance a Dropout layer after it instead of inside it)."
+            )
 
 
 _MISSING = object()
@@ -221,6 +307,10 @@ class GhostEngine:
             ``"ghost"``: Gram identities only, no per-example gradient of a ghost
             layer is formed) or ``"auto"`` (engine ``"mixed-ghost"``: per layer,
             the smaller of the Gram matrices and the transient per-example gradient).
+
+    Raises:
+        GhostRandomnessError: a fallback layer declares training-mode randomness
+            (`check_no_replayed_randomness`).
     """
 
     def __init__(self, model: tf.keras.Model, warn: bool = True, norm_method: str = "gram"):
@@ -228,6 +318,7 @@ class GhostEngine:
         self.norm_method = norm_method
         self.name = "ghost" if norm_method == "gram" else "mixed-ghost"
         self.plan = ghost_plan(model)
+        check_no_replayed_randomness(self.plan)
         _LOGGER.info("Ghost clipping plan:\n%s", self.plan.describe())
         if warn and self.plan.fallback:
             warnings.warn(
@@ -290,18 +381,36 @@ class GhostEngine:
         return result.squared
 
     def clipped_sum(self, model, loss_fn: Callable, x, y, rule: ClippingRule) -> ClippedBatch:
-        """Formal guarantee: ``gradient_sums[v] = sum_i nu[v][i] grad_v loss_i`` with
-        ``nu = rule.factors(ghost or exact squared norms)``."""
+        """Formal guarantee: ``gradient_sums[v] = sum_i nu[v][i] G_{i,v}`` with
+        ``nu = rule.factors(||G_{i,v}||^2)``, where ``G_{i,v}`` is, for every variable,
+        the very per-example gradient whose squared norm the rule received:
+
+        * ghost-rule variables: ``grad_v loss_i`` of the forward pass on the tape.
+          Their norms come from that pass's ``(a_i, g_i)``, and their sums from the
+          same tape (the reweighted loss, or ``z`` with cotangents ``nu g``);
+        * materialised variables (`_NormPass.exact`): the per-example tensors
+          themselves, summed with `weighted_sum` -- never a second backward pass,
+          since a replayed layer may have drawn other random values than the tape.
+
+        Hence example i contributes exactly ``(nu[v][i] G_{i,v})_v`` to the sums, and
+        the rule's bound (``||.|| <= C`` for flat and global clipping, ``<= C_v`` per
+        variable for per-layer clipping) holds for that contribution whatever
+        randomness the layers hide. ``G = grad loss_i`` exactly when every fallback
+        layer is deterministic in training (see the module docstring).
+        """
         result = self._norms(model, loss_fn, x, y)
         factors = rule.factors(result.squared)
-        if rule.uniform:
+        on_tape = [v for v in result.variables if v.ref() not in result.exact]
+        reweighted = {}
+        if rule.uniform and on_tape:
             # Algorithm 1, line 14: the gradient of sum_i nu_i loss_i (nu held constant).
-            sums = result.tape.gradient(result.losses, result.variables,
-                                        output_gradients=tf.stop_gradient(factors[0]),
-                                        unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        else:
-            sums = [self._per_variable_sum(result, v, nu)
-                    for v, nu in zip(result.variables, factors)]
+            grads = result.tape.gradient(result.losses, on_tape,
+                                         output_gradients=tf.stop_gradient(factors[0]),
+                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            reweighted = {v.ref(): g for v, g in zip(on_tape, grads)}
+        sums = [reweighted[v.ref()] if v.ref() in reweighted
+                else self._per_variable_sum(result, v, nu)
+                for v, nu in zip(result.variables, factors)]
         del result.tape
         sums = [tf.convert_to_tensor(g) for g in sums]
         return ClippedBatch(sums, result.squared, result.losses, result.y_pred)

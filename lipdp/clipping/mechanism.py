@@ -46,6 +46,8 @@ class ClippedDPSGD:
     Raises:
         BatchCouplingError, TypeError, ValueError: see `check_no_batch_coupling`,
             `per_example_loss`, `make_rule`.
+        GhostRandomnessError: a ghost engine with a random fallback layer
+            (`lipdp.clipping.ghost.check_no_replayed_randomness`).
     """
 
     def __init__(self, model: tf.keras.Model, loss, dp_parameters: DPParameters,
