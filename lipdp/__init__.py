@@ -7,7 +7,7 @@ and Gaussian noise is calibrated to it at every step of `model.fit`. The same
 mode="clipped", ...)``, `lipdp.clipping`) for comparison.
 """
 
-from lipdp import bounds, certify, clipping, data, layers, losses
+from lipdp import bounds, certify, clipping, data, layers, ledger, losses, records
 from lipdp.accounting import get_eps_delta, get_max_epochs
 from lipdp.callbacks import DP_Accountant
 from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
@@ -36,6 +36,8 @@ __all__ = [
     "get_eps_delta",
     "get_max_epochs",
     "layers",
+    "ledger",
     "losses",
+    "records",
     "zoo",
 ]

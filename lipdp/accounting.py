@@ -73,6 +73,14 @@ Why a grid of integer orders, and which one
   that grid (64..127, 129..255): a valid, tighter bound (same value as
   dp_accounting evaluated at lipdp's orders, and above the PLD accountant).
 
+Runs whose mechanism changes
+----------------------------
+A model's ledger (`lipdp.ledger`) records segments of steps with one mechanism
+each (noise multiplier, strategy and number of noised variables, sampling
+rate); `compose_epsilon` adds their RDP curves order by order (composition of
+adaptive mechanisms) before the conversion, and `max_steps_after` finds how
+many more steps of a given mechanism fit in a budget after them.
+
 Assumptions
 -----------
 * Poisson sampling with rate ``q = batch_size / N``. With shuffled fixed-size
@@ -102,6 +110,8 @@ __all__ = [
     "compute_rdp",
     "compute_epsilon",
     "max_steps_for_budget",
+    "compose_epsilon",
+    "max_steps_after",
     "noise_for_budget",
     "model_step_noise_multiplier",
     "get_eps_delta",
@@ -366,10 +376,15 @@ def max_steps_for_budget(epsilon_budget, noise_multiplier, sampling_rate, delta)
     sigma = _check_noise_multiplier(noise_multiplier)
     q = _check_sampling_rate(sampling_rate)
     delta = _check_delta(delta)
+    return _largest_fitting(lambda steps: _epsilon(sigma, q, steps, delta) <= budget,
+                            lambda: (f"epsilon_budget={epsilon_budget!r}, noise_multiplier="
+                                     f"{noise_multiplier!r}, sampling_rate={sampling_rate!r}, "
+                                     f"delta={delta!r}"))
 
-    def fits(steps):
-        return _epsilon(sigma, q, steps, delta) <= budget
 
+def _largest_fitting(fits, describe) -> int:
+    """Largest T >= 0 with ``fits(T)`` for a predicate true at 0 and monotone (true then
+    false); 0 if ``fits(1)`` is false. Exponential bracket, then bisection."""
     if not fits(1):
         return 0
     lo, hi = 1, 2  # invariant: fits(lo) and (hi unknown, then not fits(hi))
@@ -378,10 +393,7 @@ def max_steps_for_budget(epsilon_budget, noise_multiplier, sampling_rate, delta)
         if hi > _MAX_STEPS:
             raise ValueError(
                 f"More than {_MAX_STEPS} steps fit in the budget: the privacy budget is "
-                "effectively unbounded for this mechanism. Received: "
-                f"epsilon_budget={epsilon_budget!r}, noise_multiplier={noise_multiplier!r}, "
-                f"sampling_rate={sampling_rate!r}, delta={delta!r}"
-            )
+                f"effectively unbounded for this mechanism. Received: {describe()}")
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
@@ -389,6 +401,97 @@ def max_steps_for_budget(epsilon_budget, noise_multiplier, sampling_rate, delta)
         else:
             hi = mid
     return lo
+
+
+# --------------------------------------------------------------------------- #
+# Heterogeneous composition: runs whose mechanism changed between segments.
+# --------------------------------------------------------------------------- #
+def _check_segments(segments):
+    checked = []
+    for segment in segments:
+        try:
+            sigma, q, steps = segment
+        except (TypeError, ValueError):
+            raise _invalid("segments", "a sequence of (noise_multiplier, sampling_rate, steps)",
+                           segments) from None
+        checked.append((_check_noise_multiplier(sigma), _check_sampling_rate(q),
+                        _check_count(steps, "steps")))
+    return [segment for segment in checked if segment[2] > 0]
+
+
+def _shared_grid(mechanisms, delta) -> bool:
+    """Whether the composition needs the high orders: as for a single mechanism
+    (`_orders_and_rdp`), decided per mechanism at one step, so that the grid does
+    not depend on step counts (epsilon then stays non-decreasing in each count)."""
+    return any(len(_orders_and_rdp(sigma, q, delta)[0]) > len(_BASE_ORDERS)
+               for sigma, q in mechanisms if sigma > 0)
+
+
+def _one_step_rdp(sigma, q, high) -> np.ndarray:
+    if sigma == 0:
+        return np.full(len(_BASE_ORDERS) + (len(_HIGH_ORDERS) if high else 0), np.inf)
+    rdp = _rdp_curve(sigma, q, False)
+    return np.concatenate([rdp, _rdp_curve(sigma, q, True)]) if high else rdp
+
+
+def _composed_epsilon(terms, orders, delta) -> float:
+    """``max(0, min_alpha sum_k T_k eps_k(alpha) + offset(alpha))`` for ``terms = [(T_k, rdp_k)]``."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        rdp = sum(steps * curve for steps, curve in terms)
+        eps = rdp + _conversion_offset(orders, delta)
+    eps = np.where(np.isnan(eps), np.inf, eps)
+    return float(max(0.0, float(np.min(eps))))
+
+
+def compose_epsilon(segments, delta) -> float:
+    """Epsilon of a run made of segments with different mechanisms.
+
+    Segment k is ``T_k`` steps of the Poisson-subsampled Gaussian mechanism
+    ``SG(q_k, s_k)``. RDP composes additively over adaptive mechanisms, so the
+    run has ``eps(alpha) = sum_k T_k eps_k(alpha)`` at every order alpha (the
+    same exact integer-order values as `compute_epsilon`, on one grid shared
+    by all segments), converted to ``(epsilon, delta)`` as in `compute_epsilon`.
+    With one segment the result equals ``compute_epsilon(s, q, T, delta)``.
+
+    Args:
+        segments: sequence of ``(noise_multiplier, sampling_rate, steps)``.
+        delta: in (0, 1).
+
+    Returns:
+        epsilon: 0.0 without steps, ``math.inf`` if a segment with steps has no noise.
+    """
+    delta = _check_delta(delta)
+    active = _check_segments(segments)
+    if not active:
+        return 0.0
+    high = _shared_grid([(sigma, q) for sigma, q, _ in active], delta)
+    orders = np.concatenate([_BASE_ORDERS, _HIGH_ORDERS]) if high else _BASE_ORDERS
+    return _composed_epsilon([(t, _one_step_rdp(sigma, q, high)) for sigma, q, t in active],
+                             orders, delta)
+
+
+def max_steps_after(segments, epsilon_budget, noise_multiplier, sampling_rate, delta) -> int:
+    """Largest T such that the run `segments` followed by T steps of ``SG(q, s)`` has
+    ``compose_epsilon(...) <= epsilon_budget``; 0 if not even one more step fits
+    (or ``s == 0``). With no past segments this is `max_steps_for_budget`.
+
+    Raises:
+        ValueError: on invalid arguments, or if the budget is effectively unbounded.
+    """
+    budget = _check_budget(epsilon_budget)
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q = _check_sampling_rate(sampling_rate)
+    delta = _check_delta(delta)
+    active = _check_segments(segments)
+    high = _shared_grid([(s, p) for s, p, _ in active] + [(sigma, q)], delta)
+    orders = np.concatenate([_BASE_ORDERS, _HIGH_ORDERS]) if high else _BASE_ORDERS
+    past = [(t, _one_step_rdp(s, p, high)) for s, p, t in active]
+    current = _one_step_rdp(sigma, q, high)
+    return _largest_fitting(
+        lambda steps: _composed_epsilon(past + [(steps, current)], orders, delta) <= budget,
+        lambda: (f"segments={list(segments)!r}, epsilon_budget={epsilon_budget!r}, "
+                 f"noise_multiplier={noise_multiplier!r}, sampling_rate={sampling_rate!r}, "
+                 f"delta={delta!r}"))
 
 
 def noise_for_budget(epsilon_budget, sampling_rate, steps, delta, rtol: float = 1e-3) -> float:
@@ -449,7 +552,7 @@ def _attr(model, name):
     except AttributeError:
         raise TypeError(
             f"The model must expose `{name}` to be accounted for (dp_parameters, "
-            f"dataset_metadata, nb_noised_variables, dp_steps_taken). Received: "
+            f"dataset_metadata, nb_noised_variables, privacy_ledger). Received: "
             f"model={type(model).__name__} without `{name}`."
         ) from None
 
@@ -477,7 +580,12 @@ def _model_mechanism(model):
 
 
 def get_eps_delta(model, epochs) -> Tuple[float, float]:
-    """``(epsilon, delta)`` after ``epochs`` epochs from scratch (``epochs * steps_per_epoch`` steps)."""
+    """``(epsilon, delta)`` of a *planned* run: ``epochs`` epochs from scratch
+    (``epochs * steps_per_epoch`` steps) with the model's current parameters.
+
+    A plan, not a record: what a model has spent is `epsilon_spent` (its ledger),
+    which stays right when parameters changed between `fit` calls.
+    """
     epochs = _check_count(epochs, "epochs")
     sigma, q, delta = _model_mechanism(model)
     steps = epochs * _attr(model, "dataset_metadata").steps_per_epoch
@@ -486,6 +594,9 @@ def get_eps_delta(model, epochs) -> Tuple[float, float]:
 
 def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = None) -> int:
     """Largest integer number of epochs E with ``get_eps_delta(model, E)[0] <= epsilon_max``.
+
+    A plan from scratch, like `get_eps_delta` (`lipdp.DP_Accountant` enforces a
+    budget on what the ledger records).
 
     ``E = max_steps_for_budget(...) // steps_per_epoch``, capped at ``epochs_max``
     when given. 0 if not even one epoch fits.
@@ -501,8 +612,13 @@ def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = None) -> int:
     return epochs if epochs_max is None else min(epochs, epochs_max)
 
 
-def epsilon_spent(model) -> float:
-    """Epsilon after the ``model.dp_steps_taken`` steps recorded in the model's ledger."""
-    sigma, q, delta = _model_mechanism(model)
-    steps = _check_count(_attr(model, "dp_steps_taken"), "dp_steps_taken")
-    return compute_epsilon(sigma, q, steps, delta)
+def epsilon_spent(model, delta: Optional[float] = None) -> float:
+    """Epsilon of every step recorded in the model's privacy ledger (`lipdp.ledger`).
+
+    The composition of the mechanisms the train step actually ran, segment by
+    segment (`compose_epsilon`), at `delta` (default: the model's
+    ``dp_parameters.delta``); never a recomputation from today's parameters.
+    """
+    if delta is None:
+        delta = _attr(model, "dp_parameters").delta
+    return _attr(model, "privacy_ledger").epsilon(_check_delta(delta))

@@ -86,7 +86,67 @@ def dp_layers(model) -> List[DPLayer]:
     if not isinstance(model, tf.keras.Sequential):
         _check_chain(layers)
     check_residual_sections(layers)
+    _check_called_once(model, layers)
+    check_single_use(layers)
     return layers
+
+
+def _check_called_once(model, layers):
+    """Keras lists a layer once in ``model.layers`` even when the model calls it twice
+    (``Sequential([d, act, d])``): count the calls in the model's own graph."""
+    if getattr(model, "_is_graph_network", False):
+        nodes = model._network_nodes  # keys "<layer name>_ib-<node index>" (Keras 2)
+        calls = {id(layer): sum(f"{layer.name}_ib-{i}" in nodes
+                                for i in range(len(layer.inbound_nodes))) for layer in layers}
+    else:  # a Sequential built lazily keeps one entry per `add`
+        tracked = [t for t in getattr(model, "_self_tracked_trackables", layers)
+                   if not isinstance(t, tf.keras.layers.InputLayer)]
+        calls = {id(layer): sum(t is layer for t in tracked) for layer in layers}
+    for layer in layers:
+        if calls[id(layer)] > 1:
+            raise ValueError(
+                f"Layer '{layer.name}' is used more than once in the model "
+                f"({calls[id(layer)]} calls): the gradient of its variables sums every use, "
+                "while their bound covers one. Use a new layer instance for each use (weights "
+                "cannot be shared in a DP model).")
+
+
+def _leaves(layers):
+    """The layers of a chain with every residual branch expanded, one entry per use."""
+    for layer in layers:
+        if isinstance(layer, DP_WrappedResidual):
+            yield from _leaves(layer.branch)
+        else:
+            yield layer
+
+
+def check_single_use(layers: Sequence[tf.keras.layers.Layer]):
+    """Every layer instance, and every trainable variable, is used once in the chain.
+
+    Backpropagation for bounds gives each variable the bound of *one* use, while
+    the gradient of a variable used k times is the sum of k terms (up to k times
+    the bound). Using a layer twice (in a chain, in a residual branch, in two
+    sections, inside and outside one) is therefore refused, as is a variable
+    owned by two layers.
+
+    Raises:
+        ValueError: naming the layer (or variable) used more than once.
+    """
+    seen_layers, seen_variables = set(), {}
+    for layer in _leaves(layers):
+        if id(layer) in seen_layers:
+            raise ValueError(
+                f"Layer '{layer.name}' is used more than once in the model: the gradient of its "
+                "variables sums every use, while their bound covers one. Use a new layer "
+                "instance for each use (weights cannot be shared in a DP model).")
+        seen_layers.add(id(layer))
+        for v in layer.trainable_weights:
+            if v.ref() in seen_variables:
+                raise ValueError(
+                    f"Variable '{v.name}' is used more than once in the model (by layers "
+                    f"'{seen_variables[v.ref()]}' and '{layer.name}'): its gradient sums every "
+                    "use, while its bound covers one. Weights cannot be shared in a DP model.")
+            seen_variables[v.ref()] = layer.name
 
 
 def check_residual_sections(layers: Sequence[tf.keras.layers.Layer]):
@@ -199,6 +259,10 @@ def tightness(model, dataset, loss=None, max_batches=None,
     the noise, at the current weights (the paper's Figures 11-12). A ratio far
     below 1 is noise wasted on that variable; a ratio above 1 would be a broken
     invariant.
+
+    **Not private** when `dataset` is training data: the ratios are computed from
+    the exact gradients of those records, outside the noisy gradient, and epsilon
+    does not cover them. Use public or held-out data for anything you share.
 
     Args:
         model: a built DP model.

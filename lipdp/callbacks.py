@@ -3,8 +3,8 @@
 `DP_Accountant` reports the privacy spent after each epoch and, given a budget,
 stops training before the step that would exceed it. It only reads python
 attributes of the model (``dp_parameters``, ``dataset_metadata``,
-``nb_noised_variables``, ``dp_steps_taken``) and calls `lipdp.accounting`; it
-never touches tensors.
+``privacy_ledger``, ``step_mechanism``, ``dp_steps_taken``) and calls
+`lipdp.accounting` / `lipdp.ledger`; it never touches tensors.
 """
 
 from __future__ import annotations
@@ -51,15 +51,17 @@ def _steps_per_execution(model) -> int:
 class DP_Accountant(tf.keras.callbacks.Callback):
     """Privacy accountant and budget stop.
 
-    After every epoch, writes ``logs["epsilon"]`` (epsilon after the
-    ``model.dp_steps_taken`` steps of the model's ledger, see
-    `lipdp.accounting.epsilon_spent`) and ``logs["delta"]``, so both appear in
-    ``History.history`` and in Keras' progress bar, and logs a one-line summary.
+    After every epoch, writes ``logs["epsilon"]`` (the composition of every
+    segment of the model's privacy ledger, see `lipdp.accounting.epsilon_spent`:
+    steps of earlier `fit` calls count with the mechanism they ran) and
+    ``logs["delta"]``, so both appear in ``History.history`` and in Keras'
+    progress bar, and logs a one-line summary.
 
     With ``epsilon_budget``: at the start of training it computes the largest
-    number of steps ``max_steps`` whose epsilon fits in the budget and raises
-    ``ValueError`` if the ledger already holds that many (or if not even one
-    more call of the train function fits). After each batch, if the next call
+    total number of steps ``max_steps`` such that the ledger followed by more
+    steps of the compiled mechanism (``model.step_mechanism``) fits in the
+    budget, and raises ``ValueError`` if the ledger already holds that many (or
+    if not even one more call of the train function fits). After each batch, if the next call
     of the train function would take the ledger past ``max_steps`` it sets
     ``model.stop_training = True``; Keras checks that flag right after
     ``on_train_batch_end``, so the step that would exceed the budget never runs
@@ -113,8 +115,11 @@ class DP_Accountant(tf.keras.callbacks.Callback):
             )
         if self.epsilon_budget is None:
             return
-        sigma, q, delta = accounting._model_mechanism(self.model)
-        self.max_steps = accounting.max_steps_for_budget(self.epsilon_budget, sigma, q, delta)
+        mechanism = self.model.step_mechanism
+        sigma, q = mechanism.step_noise_multiplier, mechanism.sampling_rate
+        delta = float(self.model.dp_parameters.delta)
+        ledger = self.model.privacy_ledger
+        self.max_steps = ledger.max_steps(self.epsilon_budget, mechanism, delta)
         steps, epsilon, _ = self._ledger()
         lookahead = _steps_per_execution(self.model)
         if steps + lookahead > self.max_steps:
@@ -123,7 +128,8 @@ class DP_Accountant(tf.keras.callbacks.Callback):
                           f"{steps} steps (epsilon={epsilon:.4g}) and at most {self.max_steps} "
                           "steps fit in the budget")
             else:
-                one_more = accounting.compute_epsilon(sigma, q, steps + lookahead, delta)
+                one_more = accounting.compose_epsilon(
+                    ledger.accounting_terms() + [(sigma, q, lookahead)], delta)
                 reason = (f"{lookahead} more step(s) after the {steps} already taken would "
                           f"spend epsilon={one_more:.4g} (at most {self.max_steps} steps fit)")
             raise ValueError(

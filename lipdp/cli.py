@@ -162,6 +162,10 @@ def _train(args) -> int:
             print(f"the accountant stops training before epsilon exceeds {budget:g}")
 
     _section("Training")
+    if not cfg["training"]["private_logs_only"]:
+        print("note: the loss and accuracy Keras prints for training are computed on the "
+              "training data outside the noisy gradient: NOT PRIVATE (not covered by epsilon). "
+              "training.private_logs_only=true omits them; val_* and epsilon are what to share.")
     verbose = 1 if sys.stdout.isatty() else 2
     start = time.perf_counter()
     history = model.fit(ds_train, verbose=verbose, **fit_kwargs)
@@ -171,12 +175,14 @@ def _train(args) -> int:
     all_radii = [0.0] + [r for r in radii if r != 0.0]
     certified = certify.certified_accuracy(model, ds_test, all_radii)
     eps_final = accounting.epsilon_spent(model)
-    epochs_run = len(history.history.get("loss", []))
+    epochs_run = len(history.history.get("epsilon", []))
 
     _section("Summary")
     print(f"training wall time : {wall:.1f} s ({epochs_run} epochs, {model.dp_steps_taken} steps)")
     print(f"privacy            : (epsilon={eps_final:.4g}, delta={delta:g})-DP"
           + ("" if budget is None else f"  [budget {budget:g}]"))
+    for line in model.privacy_ledger.describe(delta).splitlines()[:-1]:
+        print(f"ledger             : {line}")
     print(f"test accuracy      : {certified[0.0]:.4f}")
     print(f"certified accuracy : L2 radius in input space (Lipschitz constant "
           f"{float(lipschitz_bound(model)):.4g})")

@@ -43,6 +43,8 @@ Schema (defaults shown)::
       epsilon_budget: 3.0      # null: no budget (then training.epochs is required)
     training:
       epochs: null             # null: the most epochs the budget allows (get_max_epochs)
+      private_logs_only: false # true: no training loss/accuracy in the logs (they are
+                               #   computed on training data and not covered by epsilon)
     certification:
       radii: [0.0, 0.1, 0.25, 0.5, 1.0]   # L2 radii in input space; 0 = clean accuracy
     output:
@@ -116,7 +118,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "noisify_strategy": "global",
         "epsilon_budget": 3.0,
     },
-    "training": {"epochs": None},
+    "training": {"epochs": None, "private_logs_only": False},
     "certification": {"radii": [0.0, 0.1, 0.25, 0.5, 1.0]},
     "output": {"save_model": None},
 }
@@ -269,7 +271,8 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "noisify_strategy": _choice("global", "per-layer"),
         "epsilon_budget": lambda k, v: None if v is None else _POSITIVE(k, v),
     },
-    "training": {"epochs": lambda k, v: None if v is None else _positive_int(k, v)},
+    "training": {"epochs": lambda k, v: None if v is None else _positive_int(k, v),
+                 "private_logs_only": _bool},
     "certification": {"radii": _radii},
     "output": {"save_model": _optional_str},
 }
@@ -513,7 +516,8 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
                                      noisify_strategy=p["noisify_strategy"])
         model = build_model(cfg["model"], metadata, dp_parameters)
         model.compile(loss=build_loss(cfg["loss"]), optimizer=build_optimizer(cfg["optimizer"]),
-                      metrics=["accuracy"])
+                      metrics=["accuracy"],
+                      private_logs_only=cfg["training"]["private_logs_only"])
     except ConfigError:
         raise
     except ValueError as e:

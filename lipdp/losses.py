@@ -10,7 +10,21 @@ Every DP loss exposes
 
 Labels come from the private data set, so each loss first maps any label onto its
 domain (for a valid label this is the identity): a malformed record can change
-the loss value but never the bound.
+the loss value but never the bound, and never raises (an error that depends on
+one record would itself reveal it).
+
+Shapes, which are public, are checked when the step is traced: logits must be
+``(batch, K)`` -- one loss per example, which the sensitivity bound assumes --
+and labels one of the forms below, mapped **per example** (a label never
+interacts with another example's):
+
+- class losses (cross-entropy, hinge, KR, HKR, K-cosine): one-hot or soft labels
+  ``(batch, K)``, or integer class indices ``(batch,)`` / ``(batch, 1)`` (any
+  numeric dtype; indices outside ``[0, K)`` are clipped into it);
+- target losses (binary cross-entropy, MAE, binary KR): targets ``(batch, K)``,
+  or ``(batch,)`` when ``K = 1``.
+
+Anything else is refused with a ValueError naming the shapes.
 """
 
 from __future__ import annotations
@@ -31,15 +45,95 @@ class DP_Loss:
         raise NotImplementedError
 
 
-def _to_simplex_subset(y_true, dtype):
-    """Map labels to {y >= 0, sum(y) <= 1}; one-hot and smoothed labels are unchanged."""
-    y = tf.nn.relu(tf.cast(y_true, dtype))
+def _checked_logits(loss, y_pred) -> tf.Tensor:
+    """`y_pred` if it has rank 2 ``(batch, K)``; a ValueError otherwise."""
+    y_pred = tf.convert_to_tensor(y_pred)
+    if y_pred.shape.rank != 2:
+        raise ValueError(
+            f"{type(loss).__name__} takes logits of rank 2, (batch, K): one loss per example, "
+            "which the per-example gradient bound assumes. Received logits of shape "
+            f"{y_pred.shape}. Flatten per-position outputs into one vector per example "
+            "(lipdp.layers.DP_Flatten) before the last dense layer.")
+    return y_pred
+
+
+def _refuse_labels(loss, y_true, y_pred, accepted):
+    raise ValueError(
+        f"{type(loss).__name__} cannot use labels of shape {y_true.shape} with logits of shape "
+        f"{y_pred.shape}: expected {accepted}.")
+
+
+def _same_batch(y_true, y_pred):
+    """Labels and logits must have the same batch size (checked at run time if unknown)."""
+    if y_true.shape[0] is not None and y_pred.shape[0] is not None:
+        return y_true
+    with tf.control_dependencies([tf.debugging.assert_equal(
+            tf.shape(y_true)[0], tf.shape(y_pred)[0],
+            message="labels and logits have different batch sizes")]):
+        return tf.identity(y_true)
+
+
+def class_labels(loss, y_true, y_pred) -> tf.Tensor:
+    """Labels of a class loss as ``(batch, K)`` vectors, mapped per example.
+
+    One-hot or soft labels ``(batch, K)`` are returned as they are (cast to the
+    logits' dtype); class indices ``(batch,)`` or ``(batch, 1)`` become one-hot
+    rows (float indices are rounded, indices outside ``[0, K)`` clipped into it).
+
+    Raises:
+        ValueError: logits not of rank 2, or labels of any other shape.
+    """
+    y_pred = _checked_logits(loss, y_pred)
+    y_true = tf.convert_to_tensor(y_true)
+    k = y_pred.shape[-1]
+    accepted = f"one-hot labels (batch, {k}) or class indices (batch,) / (batch, 1)"
+    shape = y_true.shape
+    if shape.rank is None or k is None or not shape[:1].is_compatible_with(y_pred.shape[:1]):
+        _refuse_labels(loss, y_true, y_pred, accepted)
+    if shape.rank == 2 and shape[-1] == k and k != 1:
+        return tf.cast(_same_batch(y_true, y_pred), y_pred.dtype)
+    if shape.rank == 1 or (shape.rank == 2 and shape[-1] == 1):
+        indices = tf.reshape(_same_batch(y_true, y_pred), [-1])
+        if indices.dtype.is_floating:
+            finite = tf.math.is_finite(indices)
+            indices = tf.where(finite, tf.round(indices), tf.zeros_like(indices))
+            indices = tf.clip_by_value(indices, 0.0, float(k - 1))
+        indices = tf.clip_by_value(tf.cast(indices, tf.int64), 0, k - 1)
+        return tf.one_hot(indices, k, dtype=y_pred.dtype)
+    _refuse_labels(loss, y_true, y_pred, accepted)
+
+
+def target_labels(loss, y_true, y_pred) -> tf.Tensor:
+    """Targets of a per-output loss with the logits' shape ``(batch, K)``.
+
+    ``(batch, K)`` is returned as it is (cast); ``(batch,)`` is accepted when K = 1.
+
+    Raises:
+        ValueError: logits not of rank 2, or targets of any other shape.
+    """
+    y_pred = _checked_logits(loss, y_pred)
+    y_true = tf.convert_to_tensor(y_true)
+    k = y_pred.shape[-1]
+    shape = y_true.shape
+    accepted = f"targets (batch, {k})" + (" or (batch,)" if k == 1 else "")
+    if shape.rank is None or not shape[:1].is_compatible_with(y_pred.shape[:1]):
+        _refuse_labels(loss, y_true, y_pred, accepted)
+    if shape.rank == 1 and k == 1:
+        y_true = tf.reshape(y_true, [-1, 1])
+    elif not (shape.rank == 2 and shape[-1] == k):
+        _refuse_labels(loss, y_true, y_pred, accepted)
+    return tf.cast(_same_batch(y_true, y_pred), y_pred.dtype)
+
+
+def _to_simplex_subset(y):
+    """Map label rows to {y >= 0, sum(y) <= 1}; one-hot and smoothed labels are unchanged."""
+    y = tf.nn.relu(y)
     return y / tf.maximum(tf.reduce_sum(y, axis=-1, keepdims=True), 1.0)
 
 
-def _to_one_hot(y_true, y_pred):
-    """Map labels to the one-hot vector of their arg-max; one-hot labels are unchanged."""
-    return tf.one_hot(tf.argmax(y_true, axis=-1), tf.shape(y_pred)[-1], dtype=y_pred.dtype)
+def _to_one_hot(y):
+    """Map label rows to the one-hot vector of their arg-max; one-hot labels are unchanged."""
+    return tf.one_hot(tf.argmax(y, axis=-1), tf.shape(y)[-1], dtype=y.dtype)
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -57,7 +151,8 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
         super().__init__(tau=tau, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred, *args, **kwargs):
-        return super().call(_to_simplex_subset(y_true, y_pred.dtype), y_pred)
+        y_pred = _checked_logits(self, y_pred)
+        return super().call(_to_simplex_subset(class_labels(self, y_true, y_pred)), y_pred)
 
     def lipschitz(self, nb_outputs):
         return math.sqrt(2.0)
@@ -74,6 +169,10 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
     def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauBCE"):
         check_positive(tau, "tau")
         super().__init__(tau=tau, reduction=reduction, name=name)
+
+    def call(self, y_true, y_pred):
+        y_pred = _checked_logits(self, y_pred)
+        return super().call(target_labels(self, y_true, y_pred), y_pred)
 
     def lipschitz(self, nb_outputs):
         return 1.0 / math.sqrt(nb_outputs)
@@ -95,7 +194,9 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
         self.min_margin = float(min_margin)
 
     def call(self, y_true, y_pred):
-        return multiclass_hinge(_to_one_hot(y_true, y_pred), y_pred, self.min_margin)
+        y_pred = _checked_logits(self, y_pred)
+        return multiclass_hinge(_to_one_hot(class_labels(self, y_true, y_pred)), y_pred,
+                                self.min_margin)
 
     def lipschitz(self, nb_outputs):
         return _one_vs_all_constant(self, nb_outputs)
@@ -138,17 +239,14 @@ class DP_MulticlassKR(tf.keras.losses.Loss, DP_Loss):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        return _kr_loss(y_true, y_pred)
+        y_pred = _checked_logits(self, y_pred)
+        if y_pred.shape[-1] == 1:
+            sign = tf.where(target_labels(self, y_true, y_pred) > 0, 1.0, -1.0)
+            return -tf.reduce_sum(sign * y_pred, axis=-1)
+        return _multiclass_kr(_to_one_hot(class_labels(self, y_true, y_pred)), y_pred)
 
     def lipschitz(self, nb_outputs):
         return math.sqrt((nb_outputs - 1) / nb_outputs) if nb_outputs > 1 else 1.0
-
-
-def _kr_loss(y_true, y_pred):
-    if y_pred.shape[-1] == 1:
-        sign = tf.where(tf.cast(y_true, y_pred.dtype) > 0, 1.0, -1.0)
-        return -tf.reduce_sum(sign * y_pred, axis=-1)
-    return _multiclass_kr(_to_one_hot(y_true, y_pred), y_pred)
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -169,7 +267,8 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
         self.min_margin = float(min_margin)
 
     def call(self, y_true, y_pred):
-        y_one_hot = _to_one_hot(y_true, y_pred)
+        y_pred = _checked_logits(self, y_pred)
+        y_one_hot = _to_one_hot(class_labels(self, y_true, y_pred))
         hinge = multiclass_hinge(y_one_hot, y_pred, self.min_margin)
         return _multiclass_kr(y_one_hot, y_pred) + self.alpha * hinge
 
@@ -200,7 +299,8 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
         self.K = float(K)
 
     def call(self, y_true, y_pred):
-        y_one_hot = _to_one_hot(y_true, y_pred)
+        y_pred = _checked_logits(self, y_pred)
+        y_one_hot = _to_one_hot(class_labels(self, y_true, y_pred))
         norms = tf.maximum(self.K, tf.norm(y_pred, axis=-1))
         return -tf.reduce_sum(y_one_hot * y_pred, axis=-1) / norms
 
@@ -223,7 +323,8 @@ class DP_MeanAbsoluteError(tf.keras.losses.Loss, DP_Loss):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        return tf.reduce_mean(tf.abs(y_pred - tf.cast(y_true, y_pred.dtype)), axis=-1)
+        y_pred = _checked_logits(self, y_pred)
+        return tf.reduce_mean(tf.abs(y_pred - target_labels(self, y_true, y_pred)), axis=-1)
 
     def lipschitz(self, nb_outputs):
         return 1.0 / math.sqrt(nb_outputs)

@@ -13,21 +13,35 @@ One private step (`train_step`):
    ("global") or ``sigma * Delta_v`` on variable v ("per-layer");
 5. optimizer step (any Keras optimizer), then projection of every constrained
    layer, so that the next step's weights satisfy their constraints;
-6. the step is recorded in the model's privacy ledger (`dp_steps_taken`, a
-   variable saved with the weights, so that resuming continues the epsilon count).
+6. the step is recorded in the model's privacy ledger (`lipdp.ledger`: the
+   step count and, per segment, the mechanism that ran; variables saved with the
+   weights, so that resuming continues the epsilon count).
+
+The mechanism (noise multiplier, strategy, denominator, trainable variables,
+sampling) is fixed by `compile`: a change to `dp_parameters`,
+`dataset_metadata` or to which variables are trainable needs a new `compile`
+(`fit` says so), and the first step after it opens a new ledger segment, so
+epsilon is always the composition of what actually ran.
+
+Not private: Keras' training loss and metrics (``History``, the progress bar)
+are computed on the training data outside the noisy gradient and are *not*
+covered by epsilon. ``compile(..., private_logs_only=True)`` omits them.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
+from lipdp.ledger import ROW_SIZE, PrivacyLedger, StepMechanism
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
+from lipdp.records import check_finite_arrays, check_finite_dataset
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -39,19 +53,34 @@ class _DPModelMixin:
     """Private training shared by `DP_Sequential` and `DP_Model`."""
 
     def _init_dp(self, dp_parameters, dataset_metadata):
-        if not isinstance(dp_parameters, DPParameters):
-            raise TypeError("`dp_parameters` must be a lipdp.DPParameters. "
-                            f"Received: {type(dp_parameters).__name__}")
+        self.dp_loss = None
+        self._step_mechanism = None  # set by compile
+        self._private_logs_only = False
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
-        self.dp_loss = None
         self._dp_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="dp_steps_taken")
+        self._dp_ledger = tf.Variable(np.zeros((0, ROW_SIZE)), dtype=tf.float64, trainable=False,
+                                      shape=tf.TensorShape([None, ROW_SIZE]), name="dp_ledger")
         self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen")
+
+    @property
+    def dp_parameters(self):
+        """The `DPParameters`; a new value takes effect at the next `compile`."""
+        return self._dp_parameters
+
+    @dp_parameters.setter
+    def dp_parameters(self, parameters):
+        if not isinstance(parameters, DPParameters):
+            raise TypeError("`dp_parameters` must be a lipdp.DPParameters. "
+                            f"Received: {type(parameters).__name__}")
+        self._dp_parameters = parameters
 
     @property
     def dataset_metadata(self):
         """The `DatasetMetadata` of the training set (may be set after construction,
-        e.g. on a `lipdp.zoo` model; required before `compile`)."""
+        e.g. on a `lipdp.zoo` model; required before `compile`). A new value (another
+        batch size or sampling) takes effect at the next `compile`, and the ledger
+        then records a new segment."""
         return self._dataset_metadata
 
     @dataset_metadata.setter
@@ -59,9 +88,6 @@ class _DPModelMixin:
         if metadata is not None and not isinstance(metadata, DatasetMetadata):
             raise TypeError("`dataset_metadata` must be a lipdp.DatasetMetadata. "
                             f"Received: {type(metadata).__name__}")
-        if getattr(self, "_dataset_metadata", None) is not None and getattr(self, "dp_loss", None):
-            raise RuntimeError("The model is compiled: build a new model for another data set "
-                               "(the bounds' denominator and the accountant depend on it).")
         self._dataset_metadata = metadata
 
     def _require_metadata(self):
@@ -78,12 +104,89 @@ class _DPModelMixin:
         return int(self._dp_steps.numpy())
 
     @property
+    def privacy_ledger(self) -> PrivacyLedger:
+        """Every segment of training: its steps and the mechanism they ran (`lipdp.ledger`)."""
+        return PrivacyLedger.from_rows(self._dp_ledger.numpy(), self.dp_steps_taken)
+
+    @property
+    def step_mechanism(self) -> StepMechanism:
+        """The mechanism the compiled train step runs (None before `compile`)."""
+        return self._step_mechanism
+
+    def _open_segment(self):
+        """Record that the next steps run the compiled mechanism (a new ledger segment
+        unless the last one has it). Runs eagerly, when the step is traced or called."""
+        with tf.init_scope():
+            rows = self._dp_ledger.numpy()
+            steps = float(self._dp_steps.numpy())
+            row = np.array(self._step_mechanism.to_row(), np.float64)
+            if len(rows) and rows[-1, 0] == steps and not np.array_equal(rows[-1, 1:], row):
+                rows = rows[:-1]  # the last segment never ran a step
+            if len(rows) and np.array_equal(rows[-1, 1:], row):
+                if len(rows) != len(self._dp_ledger.numpy()):
+                    self._dp_ledger.assign(rows)
+                return
+            self._dp_ledger.assign(np.concatenate([rows, [[steps, *row]]]))
+
+    def _check_compiled(self):
+        """The compiled mechanism must still be the model's: parameters, metadata and
+        trainable variables unchanged since `compile`."""
+        if self._step_mechanism is None:
+            raise RuntimeError("Compile the model with a DP loss before training.")
+        parameters, metadata, variables = self._compiled_state
+        changed = [name for name, now, then in [
+            ("dp_parameters", self.dp_parameters, parameters),
+            ("dataset_metadata", self.dataset_metadata, metadata),
+            ("trainable variables", [v.ref() for v in self.trainable_variables], variables)]
+            if now != then]
+        if changed:
+            raise RuntimeError(
+                f"The model's {' and '.join(changed)} changed since it was compiled: call "
+                "`compile` again before training, so that the train step and the privacy "
+                "ledger use the new mechanism (the steps already taken stay accounted with "
+                "the mechanism they ran).")
+
+    @property
     def nb_noised_variables(self) -> int:
         """Number of noised variables (one Gaussian mechanism each, per-layer strategy)."""
         return len(self.trainable_variables)
 
     # ----------------------------------------------------------------- compile
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None, **kwargs):
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
+                private_logs_only=False, **kwargs):
+        """Keras `compile`, fixing the private mechanism of the train step.
+
+        The noise multiplier, strategy, denominator, sampling and the trainable
+        variables are read here; changing any of them later needs a new `compile`.
+
+        Args:
+            private_logs_only: if True, the train step returns no loss or metric
+                computed on the training data (they are not covered by epsilon):
+                ``History`` and the progress bar then only hold what callbacks add
+                (epsilon) and validation results.
+            Other arguments: as for `tf.keras.Model.compile`; ``loss`` must be a DP
+                loss (`lipdp.losses`) in clipless mode.
+        """
+        if not isinstance(private_logs_only, bool):
+            raise TypeError("`private_logs_only` must be a bool. "
+                            f"Received: private_logs_only={private_logs_only!r}")
+        self._compile_dp(optimizer, loss, metrics, loss_weights, **kwargs)
+        if not self.trainable_variables:
+            raise ValueError("The model has no trainable variables to train privately (is it "
+                             "built? give its first layer an input shape or an Input).")
+        self._private_logs_only = private_logs_only
+        self._compiled_state = (self.dp_parameters, self.dataset_metadata,
+                                [v.ref() for v in self.trainable_variables])
+        self._step_mechanism = StepMechanism.of(self.dp_parameters, self.dataset_metadata,
+                                                len(self.trainable_variables))
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config is not None:
+            config["private_logs_only"] = self._private_logs_only
+        return config
+
+    def _compile_dp(self, optimizer, loss, metrics, loss_weights, **kwargs):
         if self.dp_parameters.mode is DPMode.CLIPPED:
             # Classic DP-SGD (lipdp.clipping): any loss with per-example values, any layer
             # without batch coupling; no bounds to check.
@@ -110,6 +213,12 @@ class _DPModelMixin:
                              "gradients behind the bounds' back.")
         metadata = self._require_metadata()
         layers = dp_layers(self)
+        if len(self.output_shape) != 2:
+            raise ValueError(
+                f"The model's output has shape {self.output_shape}, but Clipless DP-SGD needs one "
+                "loss per example, (batch, K) logits: the bound covers one loss, the step would "
+                "sum one per position. Flatten per-position outputs (lipdp.layers.DP_Flatten) "
+                "before the last dense layer.")
         nb_outputs = int(self.output_shape[-1])
         if nb_outputs != metadata.nb_classes:
             raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata declares "
@@ -150,14 +259,15 @@ class _DPModelMixin:
         if self.dp_parameters.mode is DPMode.CLIPPED:
             return self._clipped_dpsgd.variable_sensitivities()
         bounds = {v.ref(): b for v, b in backpropagate_bounds(dp_layers(self), self._loss_lipschitz)}
-        denominator = float(self.dataset_metadata.batch_size)
+        denominator = float(self._step_mechanism.batch_size)
         return [bounds[v.ref()] / denominator for v in self.trainable_variables]
 
     def _noise_stddevs(self, sensitivities):
-        if self.dp_parameters.mode is DPMode.CLIPPED:
+        mechanism = self._step_mechanism
+        if mechanism.mode is DPMode.CLIPPED:
             return [self._clipped_dpsgd.noise_stddev for _ in sensitivities]
-        sigma = float(self.dp_parameters.noise_multiplier)
-        if self.dp_parameters.noisify_strategy == NoiseStrategy.GLOBAL:
+        sigma = mechanism.noise_multiplier
+        if mechanism.noisify_strategy == NoiseStrategy.GLOBAL:
             global_sensitivity = tf.sqrt(tf.add_n([tf.square(s) for s in sensitivities]))
             return [sigma * global_sensitivity for _ in sensitivities]
         return [sigma * s for s in sensitivities]
@@ -171,15 +281,27 @@ class _DPModelMixin:
         `DPParameters`). An empty batch (Poisson sampling) gives a zero gradient
         plus the same noise, without running the model on it.
 
+        Not a training step: nothing is applied and nothing is recorded in the
+        privacy ledger. Noisy gradients released from here (applied by your own
+        loop) are outside the epsilon lipdp reports; train with `fit`,
+        `train_on_batch` or `train_step`, which record every step.
+
         Returns:
             ``(gradients, noisy_gradients, sensitivities, per_example_losses, y_pred)``,
             lists aligned with `trainable_variables`.
+
+        Raises:
+            InvalidArgumentError: (at run time) a non-finite loss or gradient.
         """
-        if self.dp_loss is None:
+        if self._step_mechanism is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
         gradients, per_example, y_pred = tf.cond(
             _batch_size(x) > 0, lambda: self._averaged_gradients(x, y),
             self._empty_batch_gradients)
+        # A non-finite gradient (from a finite loss) would turn every weight into NaN.
+        gradients = [tf.debugging.check_numerics(
+            g, f"Non-finite gradient of {v.name} in a private step")
+            for g, v in zip(gradients, self.trainable_variables)]
         sensitivities = self.sensitivities()
         noisy = [g + tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
                  for g, std in zip(gradients, self._noise_stddevs(sensitivities))]
@@ -187,7 +309,7 @@ class _DPModelMixin:
 
     def _averaged_gradients(self, x, y):
         """``(gradients / D, per-example losses, y_pred)`` of a non-empty batch."""
-        denominator = float(self.dataset_metadata.batch_size)
+        denominator = float(self._step_mechanism.batch_size)
         if self.dp_parameters.mode is DPMode.CLIPPED:
             batch = self._clipped_dpsgd.clipped_batch(self, x, y)
             return ([g / denominator for g in batch.gradient_sums], batch.losses, batch.y_pred)
@@ -226,19 +348,27 @@ class _DPModelMixin:
         for layer in layers:
             layer.project()
 
+    def make_train_function(self, force=False):
+        self._check_compiled()
+        return super().make_train_function(force)
+
     def train_step(self, data):
+        self._check_compiled()
+        self._open_segment()
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("Sample weights are not supported by DP models: they rescale "
                              "per-example gradients beyond their bounds.")
         if y is None:
             raise ValueError("DP models need labels: the dataset must yield (x, y) pairs.")
-        batch = _batch_size(x)
-        if self.dataset_metadata.sampling == Sampling.SHUFFLE:
-            tf.debugging.assert_less_equal(
-                batch, tf.constant(self.dataset_metadata.batch_size, tf.int64),
+        if self._step_mechanism.sampling == Sampling.SHUFFLE:
+            too_large = tf.debugging.assert_less_equal(
+                _batch_size(x), tf.constant(self._step_mechanism.batch_size, tf.int64),
                 message="A batch is larger than dataset_metadata.batch_size: the accountant's "
                         "sampling rate would under-state the privacy loss.")
+            with tf.control_dependencies([too_large]):  # before anything uses the batch
+                x = tf.nest.map_structure(tf.identity, x)
+        batch = _batch_size(x)
         _, noisy, _, _, y_pred = self.private_gradients(x, y)
         self.optimizer.apply_gradients(zip(noisy, self.trainable_variables))
         self.project()
@@ -247,6 +377,8 @@ class _DPModelMixin:
         with tf.control_dependencies(noisy):
             self._dp_steps.assign_add(1)
         self._examples_seen.assign_add(batch)
+        if self._private_logs_only:
+            return {}
         self.compiled_loss(y, y_pred, regularization_losses=self.losses)
         self.compiled_metrics.update_state(y, y_pred)
         return self.get_metrics_result()
@@ -254,16 +386,32 @@ class _DPModelMixin:
     # --------------------------------------------------------------------- fit
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
-            sample_weight=None, **kwargs):
+            sample_weight=None, validate_data=True, **kwargs):
         """Keras `fit`, refusing what would silently break the privacy accounting.
 
         Refused: `validation_split` (it carves examples out of the declared
         training set), `class_weight` / `sample_weight` (they rescale per-example
         gradients), array inputs whose length or batch size disagree with the
-        metadata, datasets whose number of batches per epoch disagrees with it.
+        metadata, datasets whose number of batches per epoch disagrees with it,
+        parameters changed since `compile`, and (with ``validate_data``) training
+        records holding NaN or inf (`lipdp.records`), all before the first step.
         Inputs given as arrays are cut into shuffled fixed batches, not Poisson
         samples: lipdp warns, since the reported epsilon assumes Poisson sampling.
+
+        **Not private:** the ``loss`` and metrics Keras logs for training (progress
+        bar, ``History``) are computed on the training data outside the noisy
+        gradient; epsilon does not cover them. Compile with
+        ``private_logs_only=True`` to omit them. Validation metrics are computed
+        on `validation_data`, outside the training set.
+
+        Args:
+            validate_data: check every training record for NaN/inf before the
+                first step (one pass over a dataset, at most one epoch of
+                batches). Without it, a bad record aborts training at the step
+                that samples it, which reveals when it was sampled.
+            Other arguments: as for `tf.keras.Model.fit`.
         """
+        self._check_compiled()
         md = self.dataset_metadata
         if validation_split:
             raise ValueError(
@@ -276,8 +424,12 @@ class _DPModelMixin:
                              "rescale per-example gradients beyond their bounds.")
         if isinstance(x, tf.data.Dataset):
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
+            if validate_data:
+                check_finite_dataset(x, kwargs.get("steps_per_epoch") or md.steps_per_epoch)
         elif x is not None:
             batch_size = self._check_arrays(x, batch_size)
+            if validate_data:
+                check_finite_arrays(x, y)
         callbacks = list(callbacks or []) + [_EpochSizeCheck()]
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, validation_data=validation_data,

@@ -1,0 +1,199 @@
+"""The privacy ledger: which mechanism every private step ran.
+
+A model's epsilon is the composition of what its train step actually released,
+not a recomputation from today's parameters. Each step releases one
+Poisson-subsampled Gaussian mechanism whose parameters are fixed when the model
+is compiled (`StepMechanism`): changing the noise multiplier, the noise
+strategy, the number of noised variables (freezing a layer), the batch size or
+the sampling needs a new `compile`, and the first step after it opens a new
+`Segment` in the ledger. `PrivacyLedger.epsilon` composes the segments
+(`lipdp.accounting.compose_epsilon`, heterogeneous RDP composition).
+
+The ledger lives in the model's saved state (a variable saved with the weights,
+`.keras` files and checkpoints alike) as one row of numbers per segment:
+``[first step, *StepMechanism.to_row()]``; a segment's length is the distance
+to the next segment's first step, or to the model's step counter for the last
+one. This module is pure Python and numpy: it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence, Tuple
+
+import numpy as np
+
+from lipdp import accounting
+from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
+                            Sampling)
+
+__all__ = ["StepMechanism", "Segment", "PrivacyLedger", "ROW_SIZE"]
+
+
+def _code(enum_value) -> float:
+    return float(list(type(enum_value)).index(enum_value))
+
+
+def _decode(enum_cls, code: float):
+    members = list(enum_cls)
+    index = int(code)
+    if index != code or not 0 <= index < len(members):
+        raise ValueError(f"Corrupt privacy ledger: {code!r} is not a {enum_cls.__name__} code.")
+    return members[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMechanism:
+    """What one private step releases, as the compiled train step runs it (all public).
+
+    Attributes:
+        mode: clipless or clipped DP-SGD.
+        noise_multiplier: sigma of `DPParameters`.
+        noisify_strategy: global or per-layer noise (clipless mode).
+        clipping: the clipping rule (clipped mode; ``FLAT`` in clipless mode).
+        nb_noised_variables: V, the number of trainable variables the step noises.
+        batch_size: D, the public denominator (expected batch with Poisson sampling).
+        nb_samples_train: N.
+        sampling: Poisson or shuffled batches.
+        delta: the delta of `DPParameters` when the step was compiled (informative:
+            the ledger's epsilon is converted at the delta asked for).
+    """
+
+    mode: DPMode
+    noise_multiplier: float
+    noisify_strategy: NoiseStrategy
+    clipping: Clipping
+    nb_noised_variables: int
+    batch_size: int
+    nb_samples_train: int
+    sampling: Sampling
+    delta: float
+
+    @classmethod
+    def of(cls, dp_parameters: DPParameters, dataset_metadata: DatasetMetadata,
+           nb_noised_variables: int) -> "StepMechanism":
+        """The mechanism a model compiled with these parameters runs."""
+        return cls(mode=dp_parameters.mode,
+                   noise_multiplier=float(dp_parameters.noise_multiplier),
+                   noisify_strategy=dp_parameters.noisify_strategy,
+                   clipping=dp_parameters.clipping,
+                   nb_noised_variables=int(nb_noised_variables),
+                   batch_size=int(dataset_metadata.batch_size),
+                   nb_samples_train=int(dataset_metadata.nb_samples_train),
+                   sampling=dataset_metadata.sampling,
+                   delta=float(dp_parameters.delta))
+
+    @property
+    def sampling_rate(self) -> float:
+        """q = D / N."""
+        return self.batch_size / self.nb_samples_train
+
+    @property
+    def step_noise_multiplier(self) -> float:
+        """Noise multiplier of the one Gaussian mechanism a step amounts to:
+        sigma in clipped mode (isotropic noise, `lipdp.clipping`) and for the global
+        strategy, sigma / sqrt(V) per layer (`lipdp.accounting.step_noise_multiplier`)."""
+        if self.mode is DPMode.CLIPPED:
+            return self.noise_multiplier
+        return accounting.step_noise_multiplier(self.noisify_strategy, self.noise_multiplier,
+                                                self.nb_noised_variables)
+
+    def to_row(self) -> Tuple[float, ...]:
+        """The mechanism as numbers (the ledger's storage format)."""
+        return (_code(self.mode), self.noise_multiplier, _code(self.noisify_strategy),
+                _code(self.clipping), float(self.nb_noised_variables), float(self.batch_size),
+                float(self.nb_samples_train), _code(self.sampling), self.delta)
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> "StepMechanism":
+        mode, sigma, strategy, clipping, nb_variables, batch, n, sampling, delta = (
+            float(value) for value in row)
+        return cls(mode=_decode(DPMode, mode), noise_multiplier=sigma,
+                   noisify_strategy=_decode(NoiseStrategy, strategy),
+                   clipping=_decode(Clipping, clipping), nb_noised_variables=int(nb_variables),
+                   batch_size=int(batch), nb_samples_train=int(n),
+                   sampling=_decode(Sampling, sampling), delta=delta)
+
+    def describe(self) -> str:
+        """One line: the mode, noise and sampling of the step."""
+        if self.mode is DPMode.CLIPPED:
+            noise = f"clipped ({self.clipping.value}), sigma={self.noise_multiplier:g}"
+        else:
+            noise = (f"clipless ({self.noisify_strategy.value}), sigma={self.noise_multiplier:g}, "
+                     f"V={self.nb_noised_variables}")
+        return (f"{noise}, step noise multiplier {self.step_noise_multiplier:.4g}, "
+                f"q={self.sampling_rate:.4g} ({self.sampling.value}, D={self.batch_size}, "
+                f"N={self.nb_samples_train})")
+
+
+# ``[first step, *StepMechanism.to_row()]``
+ROW_SIZE = 1 + len(dataclasses.fields(StepMechanism))
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """``steps`` consecutive private steps of one mechanism, from step ``start``."""
+
+    mechanism: StepMechanism
+    start: int
+    steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyLedger:
+    """The segments of a model's training, in order."""
+
+    segments: Tuple[Segment, ...]
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray, steps_taken: int) -> "PrivacyLedger":
+        """The ledger stored as `rows` (one per segment) for a model that took `steps_taken`
+        steps in all.
+
+        Raises:
+            ValueError: rows of the wrong width, first steps not increasing from 0, or
+                steps recorded that no segment covers.
+        """
+        rows = np.asarray(rows, dtype=np.float64).reshape(-1, ROW_SIZE) if np.size(rows) else \
+            np.zeros((0, ROW_SIZE))
+        starts = [int(r[0]) for r in rows] + [int(steps_taken)]
+        if (len(rows) and starts[0] != 0) or any(b < a for a, b in zip(starts, starts[1:])) \
+                or (not len(rows) and steps_taken):
+            raise ValueError(f"Corrupt privacy ledger: segments start at {starts[:-1]} for "
+                             f"{steps_taken} steps taken.")
+        return cls(tuple(Segment(StepMechanism.from_row(row[1:]), start, end - start)
+                         for row, start, end in zip(rows, starts, starts[1:])))
+
+    @property
+    def steps(self) -> int:
+        """Total number of private steps."""
+        return sum(segment.steps for segment in self.segments)
+
+    def accounting_terms(self):
+        """``[(step noise multiplier, sampling rate, steps)]``, one per segment."""
+        return [(s.mechanism.step_noise_multiplier, s.mechanism.sampling_rate, s.steps)
+                for s in self.segments]
+
+    def epsilon(self, delta: float) -> float:
+        """Epsilon at `delta` of everything the ledger records (composition of the segments)."""
+        return accounting.compose_epsilon(self.accounting_terms(), delta)
+
+    def max_steps(self, epsilon_budget: float, mechanism: StepMechanism, delta: float) -> int:
+        """Total steps (recorded ones included) the run may reach with `mechanism` from now
+        on without exceeding `epsilon_budget` at `delta`; ``self.steps`` if none more fits."""
+        more = accounting.max_steps_after(self.accounting_terms(), epsilon_budget,
+                                          mechanism.step_noise_multiplier,
+                                          mechanism.sampling_rate, delta)
+        return self.steps + more
+
+    def describe(self, delta: float) -> str:
+        """One line per segment and the composed epsilon."""
+        lines = [f"steps {s.start}-{s.start + s.steps - 1}: {s.mechanism.describe()}"
+                 if s.steps else f"(no step yet): {s.mechanism.describe()}"
+                 for s in self.segments]
+        epsilon = self.epsilon(delta)
+        lines.append(f"composed: epsilon={epsilon:.4g} at delta={delta:g} after {self.steps} "
+                     "steps" if math.isfinite(epsilon) else
+                     f"composed: epsilon=inf (a segment without noise) after {self.steps} steps")
+        return "\n".join(lines)

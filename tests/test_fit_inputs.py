@@ -1,0 +1,243 @@
+"""Inputs `fit` accepts: each one either keeps the sensitivity bound or is refused.
+
+The reference is the definition of sensitivity itself, independent of any
+per-example computation: with the noise off, the train step's averaged
+gradient of a batch and of the same batch without example i differ by at most
+``bound(v) / D`` for every variable v (add/remove-one). Labels in every format a
+Keras user passes (one-hot, integer of shape (B,) or (B, 1), float class
+indices, binary of shape (B,)) go through the same train step.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lipdp
+from lipdp.bounds import gradient_bounds
+from lipdp.layers.base import DPLayer
+from lipdp.layers import (DP_BoundedInput, DP_GroupSort, DP_MergeResidual, DP_QuickSpectralDense,
+                          DP_Reshape, DP_SplitResidual, DP_WrappedResidual, make_residuals)
+from lipdp.losses import (DP_KCosineSimilarity, DP_MeanAbsoluteError, DP_MulticlassHinge,
+                          DP_MulticlassHKR, DP_MulticlassKR, DP_TauBCE,
+                          DP_TauCategoricalCrossentropy)
+from lipdp.records import NonFiniteRecordError
+
+X0, DIM, N, BATCH = 2.0, 6, 64, 8
+# Per-variable leave-one-out differences and bounds are float32 sums of a few
+# terms; 1e-4 relative is far below any real violation (>= 1.4x).
+REL_TOL = 1e-4
+
+MULTICLASS = [
+    ("cce", lambda: DP_TauCategoricalCrossentropy(3.0)),
+    ("hinge", lambda: DP_MulticlassHinge(1.0)),
+    ("kr", lambda: DP_MulticlassKR()),
+    ("hkr", lambda: DP_MulticlassHKR(alpha=5.0, min_margin=1.0)),
+    ("cosine", lambda: DP_KCosineSimilarity(0.5)),
+]
+BINARY = [
+    ("bce", lambda: DP_TauBCE(3.0)),
+    ("kr", lambda: DP_MulticlassKR()),
+    ("mae", lambda: DP_MeanAbsoluteError()),
+]
+
+
+def _model(nb_outputs, layers=None, sigma=0.0):
+    metadata = lipdp.DatasetMetadata((DIM,), nb_outputs, N, 8, BATCH, X0, "shuffle")
+    layers = layers or [DP_QuickSpectralDense(8), DP_GroupSort(2), DP_QuickSpectralDense(nb_outputs)]
+    return lipdp.DP_Sequential([DP_BoundedInput(X0, input_shape=(DIM,))] + layers,
+                               dp_parameters=lipdp.DPParameters(sigma, 1e-5),
+                               dataset_metadata=metadata)
+
+
+def _inputs(rng, n=BATCH):
+    x = rng.normal(size=(n, DIM))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True) * X0).astype("float32")
+
+
+def _leave_one_out_ratios(model, x, y):
+    """max over i and v of ||D (grad(batch) - grad(batch without i))_v|| / bound(v)."""
+    bounds = gradient_bounds(model)
+    names = list(bounds)
+    full = model.private_gradients(tf.constant(x), tf.constant(y))[0]
+    worst = 0.0
+    for i in range(len(x)):
+        keep = np.arange(len(x)) != i
+        rest = model.private_gradients(tf.constant(x[keep]), tf.constant(y[keep]))[0]
+        for name, a, b in zip(names, full, rest):
+            change = float(tf.norm(a - b)) * BATCH
+            worst = max(worst, change / bounds[name])
+    return worst
+
+
+@pytest.mark.parametrize("name,make", MULTICLASS, ids=[m[0] for m in MULTICLASS])
+@pytest.mark.parametrize("label_format", ["int (B,)", "int (B, 1)", "float class (B,)"])
+def test_sparse_labels_keep_the_bound_and_mean_the_same_as_one_hot(name, make, label_format):
+    """Integer labels are mapped to one-hot *per example* (today's code took the arg-max
+    over the batch axis: every example got the same class, 23x the bound)."""
+    rng = np.random.default_rng(0)
+    model = _model(4)
+    model.compile(loss=make(), optimizer="sgd")
+    x, classes = _inputs(rng), rng.integers(0, 4, BATCH)
+    sparse = {"int (B,)": classes.astype("int32"), "int (B, 1)": classes[:, None].astype("int64"),
+              "float class (B,)": classes.astype("float32")}[label_format]
+    one_hot = np.eye(4, dtype="float32")[classes]
+    assert _leave_one_out_ratios(model, x, sparse) <= 1 + REL_TOL
+    logits = model(x)
+    np.testing.assert_allclose(model.dp_loss.call(tf.constant(sparse), logits).numpy(),
+                               model.dp_loss.call(tf.constant(one_hot), logits).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,make", BINARY, ids=[b[0] for b in BINARY])
+def test_binary_labels_of_shape_b_keep_the_bound(name, make):
+    """A single output with labels of shape (B,): today's KR broadcast them to (B, B), so each
+    loss depended on every label (31x the bound)."""
+    rng = np.random.default_rng(1)
+    model = _model(1)
+    model.compile(loss=make(), optimizer="sgd")
+    x, y = _inputs(rng), rng.integers(0, 2, BATCH).astype("float32")
+    assert _leave_one_out_ratios(model, x, y) <= 1 + REL_TOL
+    logits = model(x)
+    np.testing.assert_allclose(model.dp_loss.call(tf.constant(y), logits).numpy(),
+                               model.dp_loss.call(tf.constant(y[:, None]), logits).numpy(),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,make", MULTICLASS + BINARY[:1],
+                         ids=[m[0] for m in MULTICLASS] + ["bce"])
+def test_labels_of_the_wrong_shape_are_refused(name, make):
+    loss = make()
+    logits = tf.zeros((BATCH, 4))
+    for bad in (tf.zeros((BATCH, 3)), tf.zeros((BATCH, 4, 1)), tf.zeros((BATCH, 2, 4))):
+        with pytest.raises(ValueError, match="labels"):
+            loss.call(bad, logits)
+
+
+def test_sparse_labels_out_of_range_are_mapped_not_raised():
+    """A malformed label is private data: it changes its own loss, never the bound, and
+    raises nothing (a crash would reveal it)."""
+    loss = DP_MulticlassHinge(1.0)
+    logits = tf.constant(np.random.default_rng(2).normal(size=(4, 3)), tf.float32)
+    values = loss.call(tf.constant([-5, 0, 2, 99]), logits).numpy()
+    assert np.all(np.isfinite(values)) and values.shape == (4,)
+
+
+@pytest.mark.parametrize("make", [lambda: DP_MulticlassKR(), lambda: DP_TauCategoricalCrossentropy(1.0)],
+                         ids=["kr", "cce"])
+def test_logits_of_rank_3_are_refused(make):
+    """Per-token logits (B, T, K) give T losses per example while the bound assumes one
+    (3.0x with KR, T = 9): refused at compile, and by the loss itself."""
+    model = _model(4, [DP_QuickSpectralDense(9 * 4), DP_Reshape((9, 4))])
+    with pytest.raises(ValueError, match="one loss per example"):
+        model.compile(loss=make(), optimizer="sgd")
+    with pytest.raises(ValueError, match="rank 2"):
+        make().call(tf.zeros((2, 9, 4)), tf.zeros((2, 9, 4)))
+
+
+def _shared(case):
+    dense = DP_QuickSpectralDense(DIM, use_bias=False)
+    head = [DP_QuickSpectralDense(3)]
+    return {
+        "twice in a chain": [dense, DP_GroupSort(2), dense, *head],
+        "twice in a branch": make_residuals([dense, DP_GroupSort(2), dense]) + head,
+        "in two sections": make_residuals([dense]) + make_residuals([dense]) + head,
+        "inside and outside a section": [dense] + make_residuals([dense]) + head,
+        "twice in one wrapped chain": [DP_SplitResidual(),
+                                       DP_WrappedResidual([dense, DP_GroupSort(2), dense]),
+                                       DP_MergeResidual(), *head],
+    }[case]
+
+
+@pytest.mark.parametrize("case", ["twice in a chain", "twice in a branch", "in two sections",
+                                  "inside and outside a section", "twice in one wrapped chain"])
+def test_a_layer_used_twice_is_refused(case):
+    """The bound keeps one entry per variable while the gradient sums both uses (2.0x)."""
+    model = _model(3, _shared(case))
+    with pytest.raises(ValueError, match="used more than once"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    with pytest.raises(ValueError, match="used more than once"):
+        gradient_bounds(model, DP_TauCategoricalCrossentropy(1.0))
+
+
+
+# --------------------------------------------------------------------------- #
+# Non-finite records and gradients: refused before the first step, not mid-training.
+# --------------------------------------------------------------------------- #
+def _arrays(rng, n=N, k=3):
+    return _inputs(rng, n), np.eye(k, dtype="float32")[rng.integers(0, k, n)]
+
+
+@pytest.mark.parametrize("where", ["x nan", "x inf", "y nan"])
+def test_non_finite_arrays_are_refused_before_the_first_step(where):
+    rng = np.random.default_rng(4)
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    x, y = _arrays(rng)
+    target = x if where.startswith("x") else y
+    target[[5, 41], 0] = np.inf if where.endswith("inf") else np.nan
+    with pytest.raises(NonFiniteRecordError, match=r"2 of 64 .*: 5, 41"):
+        model.fit(x, y, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+
+
+def test_non_finite_dataset_records_are_refused_before_the_first_step():
+    rng = np.random.default_rng(5)
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    x, y = _arrays(rng)
+    x[60, 2] = np.nan  # the last batch: training would have stopped after 7 steps
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    with pytest.raises(NonFiniteRecordError, match="batch 7 row 4"):
+        model.fit(dataset, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+
+
+class _NaNBackward(tf.keras.layers.Layer, DPLayer):
+    """Identity forward, NaN backward: a finite loss with a non-finite gradient."""
+
+    def call(self, inputs):
+        @tf.custom_gradient
+        def identity(t):
+            return tf.identity(t), lambda g: g * float("nan")
+        return identity(inputs)
+
+    def propagate_inputs(self, input_bound):
+        return input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return gradient_bound
+
+
+def test_non_finite_gradient_stops_the_step_before_the_update():
+    """Today's code only checked the loss: a NaN gradient was noised and applied, and every
+    weight became NaN."""
+    rng = np.random.default_rng(6)
+    model = _model(3, [DP_QuickSpectralDense(8), _NaNBackward(), DP_QuickSpectralDense(3)], 1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Non-finite gradient"):
+        model.fit(*_arrays(rng), epochs=1, verbose=0)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert model.dp_steps_taken == 0
+
+
+# --------------------------------------------------------------------------- #
+# Outputs computed on training data outside the noisy gradient.
+# --------------------------------------------------------------------------- #
+def test_private_logs_only_omits_training_metrics(tmp_path):
+    rng = np.random.default_rng(7)
+    x, y = _arrays(rng)
+    logged = _model(3, sigma=1.0)
+    logged.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd", metrics=["accuracy"])
+    history = logged.fit(x, y, epochs=1, verbose=0, callbacks=[lipdp.DP_Accountant()])
+    assert {"loss", "accuracy", "epsilon"} <= set(history.history)
+    private = _model(3, sigma=1.0)
+    private.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd", metrics=["accuracy"],
+                    private_logs_only=True)
+    history = private.fit(x, y, epochs=1, verbose=0, callbacks=[lipdp.DP_Accountant()],
+                          validation_data=(x[:8], y[:8]))
+    assert set(history.history) == {"epsilon", "delta", "val_loss", "val_accuracy"}
+    assert private.dp_steps_taken == N // BATCH
+    path = str(tmp_path / "private.keras")
+    private.save(path)
+    assert tf.keras.models.load_model(path).get_compile_config()["private_logs_only"] is True

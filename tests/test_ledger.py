@@ -1,0 +1,254 @@
+"""The privacy ledger: epsilon is the composition of the mechanisms that actually ran.
+
+Reference: dp_accounting's `RdpAccountant` composing, segment by segment,
+``PoissonSampledDpEvent(q_k, GaussianDpEvent(s_k))`` ``T_k`` times, with the
+step noise multiplier ``s_k`` derived here from the segment's parameters
+(sigma, or sigma / sqrt(V) per layer, V counted from the model). It is given
+lipdp's own integer orders, at which both accountants compute the same RDP
+formula: they agree to 1e-7 relative, and no under-report beyond that is
+allowed.
+"""
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
+
+import lipdp
+from lipdp import accounting
+from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
+from lipdp.losses import DP_TauCategoricalCrossentropy
+
+N, DIM, K, DELTA = 64, 6, 3, 1e-5
+AGREEMENT = 1e-7  # lipdp vs dp_accounting at the same orders (see module docstring)
+
+
+def _metadata(batch=16):
+    return lipdp.DatasetMetadata((DIM,), K, N, 8, batch, 2.0, "shuffle")
+
+
+def _model(sigma=1.0, strategy="per-layer"):
+    layers = [DP_BoundedInput(2.0, input_shape=(DIM,)), DP_QuickSpectralDense(8), DP_GroupSort(2),
+              DP_QuickSpectralDense(8), DP_GroupSort(2), DP_QuickSpectralDense(K)]
+    model = lipdp.DP_Sequential(layers, dp_parameters=lipdp.DPParameters(sigma, DELTA, strategy),
+                                dataset_metadata=_metadata())
+    _compile(model)
+    return model
+
+
+def _compile(model):
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.SGD(0.01))
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(N, DIM)).astype("float32"),
+            np.eye(K, dtype="float32")[rng.integers(0, K, N)])
+
+
+def _reference(segments, high=False):
+    """dp_accounting's epsilon for [(s, q, T)], at lipdp's orders (with ``high``, its high
+    orders up to 2000: dp_accounting takes seconds per order near 1e6, and the cases below
+    have their optimum under 2000)."""
+    orders = accounting._BASE_ORDERS.tolist()
+    if high:
+        orders += [o for o in accounting._HIGH_ORDERS.tolist() if o <= 2000]
+    reference = dpa_rdp.RdpAccountant(orders)
+    for s, q, steps in segments:
+        reference.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)),
+                          steps)
+    return reference.get_epsilon(DELTA)
+
+
+def _assert_agrees(epsilon, reference):
+    assert epsilon >= reference * (1 - AGREEMENT), f"under-reported: {epsilon} < {reference}"
+    assert epsilon <= reference * (1 + 1e-6), f"{epsilon} > {reference}"
+
+
+def test_epsilon_composes_the_segments_that_ran():
+    """Three fits: sigma=1 with all variables, then one layer frozen (V 6 -> 4), then
+    sigma raised to 5. Today's code re-accounted every past step with the last
+    parameters (sigma=5, V=4) and under-reported epsilon by more than 10x."""
+    tf.keras.utils.set_random_seed(0)
+    model = _model(sigma=1.0)
+    x, y = _data()
+    accountant = lipdp.DP_Accountant()
+    history = [model.fit(x, y, epochs=2, verbose=0, callbacks=[accountant])]
+    model.layers[3].trainable = False
+    _compile(model)
+    history.append(model.fit(x, y, epochs=2, verbose=0, callbacks=[accountant]))
+    model.dp_parameters = lipdp.DPParameters(5.0, DELTA, "per-layer")
+    _compile(model)
+    history.append(model.fit(x, y, epochs=1, verbose=0, callbacks=[accountant]))
+
+    q = 16 / N
+    segments = [(1.0 / math.sqrt(6), q, 8), (1.0 / math.sqrt(4), q, 8), (5.0 / math.sqrt(4), q, 4)]
+    expected = _reference(segments)
+    assert model.dp_steps_taken == 20
+    _assert_agrees(accounting.epsilon_spent(model), expected)
+    _assert_agrees(history[-1].history["epsilon"][-1], expected)
+    # Every epoch's log is the composition up to that epoch.
+    _assert_agrees(history[0].history["epsilon"][0], _reference([(segments[0][0], q, 4)]))
+    _assert_agrees(history[1].history["epsilon"][-1], _reference(segments[:2]))
+    assert [s.steps for s in model.privacy_ledger.segments] == [8, 8, 4]
+
+
+def test_batch_size_and_sampling_change_open_a_segment():
+    tf.keras.utils.set_random_seed(1)
+    model = _model(sigma=2.0, strategy="global")
+    x, y = _data(1)
+    model.fit(x, y, epochs=1, verbose=0)
+    model.dataset_metadata = _metadata(batch=32)
+    _compile(model)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    expected = _reference([(2.0, 16 / N, 4), (2.0, 32 / N, 2)])
+    _assert_agrees(accounting.epsilon_spent(model), expected)
+    mechanisms = [s.mechanism for s in model.privacy_ledger.segments]
+    assert [m.batch_size for m in mechanisms] == [16, 32]
+
+
+@pytest.mark.parametrize("change", ["noise multiplier", "freeze a layer", "batch size"])
+def test_changes_after_compile_need_a_new_compile(change):
+    """Without a new compile the traced step would keep running the old mechanism while
+    the accountant read the new parameters: fit refuses instead."""
+    model = _model()
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    if change == "noise multiplier":
+        model.dp_parameters = lipdp.DPParameters(5.0, DELTA, "per-layer")
+    elif change == "freeze a layer":
+        model.layers[1].trainable = False
+    else:
+        model.dataset_metadata = _metadata(batch=32)
+    with pytest.raises(RuntimeError, match="compile"):
+        model.fit(x, y, epochs=1, verbose=0)
+    if change == "freeze a layer":
+        # Keras' train_on_batch restores the trainable state of the last compile: the step
+        # runs the compiled mechanism, which is what the ledger records.
+        model.train_on_batch(x[:16], y[:16])
+    else:
+        with pytest.raises(RuntimeError, match="compile"):
+            model.train_on_batch(x[:16], y[:16])
+    steps = model.dp_steps_taken
+    assert steps == (5 if change == "freeze a layer" else 4)
+    _assert_agrees(accounting.epsilon_spent(model),
+                   _reference([(1.0 / math.sqrt(6), 0.25, steps)]))
+
+
+def test_a_compile_that_never_trains_leaves_no_segment_and_same_parameters_continue():
+    model = _model(sigma=1.0)
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.dp_parameters = lipdp.DPParameters(3.0, DELTA, "per-layer")
+    _compile(model)
+    model.fit(x, y, epochs=1, verbose=0)
+    model.dp_parameters = lipdp.DPParameters(7.0, DELTA, "per-layer")
+    _compile(model)  # traced by nothing: no step ran with sigma = 7
+    model.dp_parameters = lipdp.DPParameters(3.0, DELTA, "per-layer")
+    _compile(model)
+    model.fit(x, y, epochs=1, verbose=0)
+    segments = model.privacy_ledger.segments
+    assert [(s.mechanism.noise_multiplier, s.steps) for s in segments] == [(1.0, 4), (3.0, 8)]
+
+
+def test_budget_is_enforced_on_the_composition():
+    """A budget given after a first segment counts that segment: the run stops at the
+    last step whose composed epsilon fits."""
+    model = _model(sigma=1.0)
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.dp_parameters = lipdp.DPParameters(2.0, DELTA, "per-layer")
+    _compile(model)
+    first = (1.0 / math.sqrt(6), 0.25, 4)
+    s2 = 2.0 / math.sqrt(6)
+    budget = 0.5 * (_reference([first, (s2, 0.25, 9)]) + _reference([first, (s2, 0.25, 10)]))
+    model.fit(x, y, epochs=10, verbose=0, callbacks=[lipdp.DP_Accountant(epsilon_budget=budget)])
+    assert model.dp_steps_taken == 4 + 9
+    assert accounting.epsilon_spent(model) <= budget
+
+
+def test_ledger_survives_saving_and_checkpoints(tmp_path):
+    model = _model(sigma=1.0)
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.dp_parameters = lipdp.DPParameters(4.0, DELTA, "per-layer")
+    _compile(model)
+    model.fit(x, y, epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+    assert loaded.privacy_ledger == model.privacy_ledger
+    assert accounting.epsilon_spent(loaded) == accounting.epsilon_spent(model)
+    restored = _model(sigma=4.0)
+    tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    tf.train.Checkpoint(model=restored).read(str(tmp_path / "ckpt")).expect_partial()
+    assert restored.privacy_ledger == model.privacy_ledger
+
+
+def test_end_to_end_epsilon_equals_dp_accounting_for_the_steps_taken():
+    """One plain run: the epsilon DP_Accountant logs after fit is dp_accounting's for the
+    steps taken (not a value pinned from lipdp itself)."""
+    tf.keras.utils.set_random_seed(2)
+    model = _model(sigma=1.5, strategy="global")
+    x, y = _data(2)
+    history = model.fit(x, y, epochs=3, verbose=0, callbacks=[lipdp.DP_Accountant()])
+    assert model.dp_steps_taken == 12
+    _assert_agrees(history.history["epsilon"][-1], _reference([(1.5, 0.25, 12)]))
+
+
+@pytest.mark.parametrize("segments,high", [
+    ([(3.0, 0.1, 100)], False),
+    ([(1.0, 0.25, 30), (0.5, 0.25, 30), (2.5, 0.5, 7)], False),
+    ([(5.0, 0.001, 1), (6.0, 0.001, 2)], True),  # tiny epsilon: optimum at order 331 (high grid)
+])
+def test_compose_epsilon_against_dp_accounting(segments, high):
+    _assert_agrees(accounting.compose_epsilon(segments, DELTA), _reference(segments, high))
+    if len(segments) == 1:
+        assert accounting.compose_epsilon(segments, DELTA) == accounting.compute_epsilon(
+            *segments[0], DELTA)
+
+
+def test_compose_epsilon_edge_cases():
+    assert accounting.compose_epsilon([], DELTA) == 0.0
+    assert accounting.compose_epsilon([(0.0, 0.1, 0), (2.0, 0.1, 0)], DELTA) == 0.0
+    assert accounting.compose_epsilon([(0.0, 0.1, 1), (2.0, 0.1, 5)], DELTA) == math.inf
+    with pytest.raises(ValueError, match="segments"):
+        accounting.compose_epsilon([(1.0, 0.1)], DELTA)
+    with pytest.raises(ValueError, match="sampling_rate"):
+        accounting.compose_epsilon([(1.0, 1.5, 3)], DELTA)
+
+
+@pytest.mark.parametrize("budget", [0.5, 2.0, 8.0])
+def test_max_steps_after_is_the_inverse_of_the_composition(budget):
+    past = [(1.0, 0.25, 6), (3.0, 0.1, 20)]
+    steps = accounting.max_steps_after(past, budget, 2.0, 0.2, DELTA)
+    if steps == 0:
+        assert accounting.compose_epsilon(past + [(2.0, 0.2, 1)], DELTA) > budget
+    else:
+        assert accounting.compose_epsilon(past + [(2.0, 0.2, steps)], DELTA) <= budget
+        assert accounting.compose_epsilon(past + [(2.0, 0.2, steps + 1)], DELTA) > budget
+    assert accounting.max_steps_after([], budget, 2.0, 0.2, DELTA) == \
+        accounting.max_steps_for_budget(budget, 2.0, 0.2, DELTA)
+
+
+def test_ledger_rows_round_trip_and_corrupt_rows_are_refused():
+    from lipdp.ledger import PrivacyLedger, StepMechanism
+
+    mechanism = StepMechanism.of(lipdp.DPParameters(2.0, DELTA, "per-layer"), _metadata(), 5)
+    assert StepMechanism.from_row(mechanism.to_row()) == mechanism
+    assert mechanism.step_noise_multiplier == pytest.approx(2.0 / math.sqrt(5))
+    rows = np.array([[0.0, *mechanism.to_row()], [7.0, *mechanism.to_row()]])
+    ledger = PrivacyLedger.from_rows(rows, 10)
+    assert [s.steps for s in ledger.segments] == [7, 3] and ledger.steps == 10
+    assert "steps 0-6" in ledger.describe(DELTA)
+    with pytest.raises(ValueError, match="Corrupt"):
+        PrivacyLedger.from_rows(rows, 5)  # steps beyond the last segment's start missing
+    with pytest.raises(ValueError, match="Corrupt"):
+        PrivacyLedger.from_rows(np.zeros((0, rows.shape[1])), 3)
+    bad = rows.copy()
+    bad[0, 1] = 7.0  # no such mode
+    with pytest.raises(ValueError, match="Corrupt"):
+        PrivacyLedger.from_rows(bad, 10)
