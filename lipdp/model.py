@@ -117,16 +117,14 @@ class _DPModelMixin:
         """Record that the next steps run the compiled mechanism (a new ledger segment
         unless the last one has it). Runs eagerly, when the step is traced or called."""
         with tf.init_scope():
-            rows = self._dp_ledger.numpy()
+            stored = self._dp_ledger.numpy()
             steps = float(self._dp_steps.numpy())
             row = np.array(self._step_mechanism.to_row(), np.float64)
-            if len(rows) and rows[-1, 0] == steps and not np.array_equal(rows[-1, 1:], row):
-                rows = rows[:-1]  # the last segment never ran a step
-            if len(rows) and np.array_equal(rows[-1, 1:], row):
-                if len(rows) != len(self._dp_ledger.numpy()):
-                    self._dp_ledger.assign(rows)
-                return
-            self._dp_ledger.assign(np.concatenate([rows, [[steps, *row]]]))
+            rows = stored[:-1] if len(stored) and stored[-1, 0] == steps else stored  # ran no step
+            if not (len(rows) and np.array_equal(rows[-1, 1:], row)):
+                rows = np.concatenate([rows, [[steps, *row]]])
+            if not np.array_equal(rows, stored):
+                self._dp_ledger.assign(rows)
 
     def _check_compiled(self):
         """The compiled mechanism must still be the model's: parameters, metadata and
