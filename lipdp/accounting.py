@@ -419,12 +419,14 @@ def _check_segments(segments):
     return [segment for segment in checked if segment[2] > 0]
 
 
-def _shared_grid(mechanisms, delta) -> bool:
-    """Whether the composition needs the high orders: as for a single mechanism
-    (`_orders_and_rdp`), decided per mechanism at one step, so that the grid does
-    not depend on step counts (epsilon then stays non-decreasing in each count)."""
-    return any(len(_orders_and_rdp(sigma, q, delta)[0]) > len(_BASE_ORDERS)
+def _shared_grid(mechanisms, delta) -> Tuple[bool, np.ndarray]:
+    """``(high, orders)``: whether the composition of `mechanisms` ``[(sigma, q)]`` needs
+    the high orders, and the grid. Decided as for a single mechanism
+    (`_orders_and_rdp`), per mechanism at one step, so that the grid does not depend
+    on step counts (epsilon then stays non-decreasing in each count)."""
+    high = any(len(_orders_and_rdp(sigma, q, delta)[0]) > len(_BASE_ORDERS)
                for sigma, q in mechanisms if sigma > 0)
+    return high, np.concatenate([_BASE_ORDERS, _HIGH_ORDERS]) if high else _BASE_ORDERS
 
 
 def _one_step_rdp(sigma, q, high) -> np.ndarray:
@@ -464,8 +466,7 @@ def compose_epsilon(segments, delta) -> float:
     active = _check_segments(segments)
     if not active:
         return 0.0
-    high = _shared_grid([(sigma, q) for sigma, q, _ in active], delta)
-    orders = np.concatenate([_BASE_ORDERS, _HIGH_ORDERS]) if high else _BASE_ORDERS
+    high, orders = _shared_grid([(sigma, q) for sigma, q, _ in active], delta)
     return _composed_epsilon([(t, _one_step_rdp(sigma, q, high)) for sigma, q, t in active],
                              orders, delta)
 
@@ -483,8 +484,7 @@ def max_steps_after(segments, epsilon_budget, noise_multiplier, sampling_rate, d
     q = _check_sampling_rate(sampling_rate)
     delta = _check_delta(delta)
     active = _check_segments(segments)
-    high = _shared_grid([(s, p) for s, p, _ in active] + [(sigma, q)], delta)
-    orders = np.concatenate([_BASE_ORDERS, _HIGH_ORDERS]) if high else _BASE_ORDERS
+    high, orders = _shared_grid([(s, p) for s, p, _ in active] + [(sigma, q)], delta)
     past = [(t, _one_step_rdp(s, p, high)) for s, p, t in active]
     current = _one_step_rdp(sigma, q, high)
     return _largest_fitting(

@@ -104,11 +104,14 @@ def _check_called_once(model, layers):
         calls = {id(layer): sum(t is layer for t in tracked) for layer in layers}
     for layer in layers:
         if calls[id(layer)] > 1:
-            raise ValueError(
-                f"Layer '{layer.name}' is used more than once in the model "
-                f"({calls[id(layer)]} calls): the gradient of its variables sums every use, "
-                "while their bound covers one. Use a new layer instance for each use (weights "
-                "cannot be shared in a DP model).")
+            raise _used_twice(f"Layer '{layer.name}'", f"{calls[id(layer)]} calls")
+
+
+def _used_twice(what, where) -> ValueError:
+    return ValueError(
+        f"{what} is used more than once in the model ({where}): its gradient sums every use, "
+        "while its bound covers one. Use a new layer instance for each use (weights cannot "
+        "be shared in a DP model).")
 
 
 def _leaves(layers):
@@ -135,17 +138,12 @@ def check_single_use(layers: Sequence[tf.keras.layers.Layer]):
     seen_layers, seen_variables = set(), {}
     for layer in _leaves(layers):
         if id(layer) in seen_layers:
-            raise ValueError(
-                f"Layer '{layer.name}' is used more than once in the model: the gradient of its "
-                "variables sums every use, while their bound covers one. Use a new layer "
-                "instance for each use (weights cannot be shared in a DP model).")
+            raise _used_twice(f"Layer '{layer.name}'", "twice in the chain or its branches")
         seen_layers.add(id(layer))
         for v in layer.trainable_weights:
             if v.ref() in seen_variables:
-                raise ValueError(
-                    f"Variable '{v.name}' is used more than once in the model (by layers "
-                    f"'{seen_variables[v.ref()]}' and '{layer.name}'): its gradient sums every "
-                    "use, while its bound covers one. Weights cannot be shared in a DP model.")
+                raise _used_twice(f"Variable '{v.name}'", f"by layers "
+                                  f"'{seen_variables[v.ref()]}' and '{layer.name}'")
             seen_variables[v.ref()] = layer.name
 
 

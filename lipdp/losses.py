@@ -151,7 +151,6 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
         super().__init__(tau=tau, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred, *args, **kwargs):
-        y_pred = _checked_logits(self, y_pred)
         return super().call(_to_simplex_subset(class_labels(self, y_true, y_pred)), y_pred)
 
     def lipschitz(self, nb_outputs):
@@ -171,7 +170,6 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
         super().__init__(tau=tau, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        y_pred = _checked_logits(self, y_pred)
         return super().call(target_labels(self, y_true, y_pred), y_pred)
 
     def lipschitz(self, nb_outputs):
@@ -194,7 +192,6 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
         self.min_margin = float(min_margin)
 
     def call(self, y_true, y_pred):
-        y_pred = _checked_logits(self, y_pred)
         return multiclass_hinge(_to_one_hot(class_labels(self, y_true, y_pred)), y_pred,
                                 self.min_margin)
 
@@ -267,7 +264,6 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
         self.min_margin = float(min_margin)
 
     def call(self, y_true, y_pred):
-        y_pred = _checked_logits(self, y_pred)
         y_one_hot = _to_one_hot(class_labels(self, y_true, y_pred))
         hinge = multiclass_hinge(y_one_hot, y_pred, self.min_margin)
         return _multiclass_kr(y_one_hot, y_pred) + self.alpha * hinge
@@ -299,7 +295,6 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
         self.K = float(K)
 
     def call(self, y_true, y_pred):
-        y_pred = _checked_logits(self, y_pred)
         y_one_hot = _to_one_hot(class_labels(self, y_true, y_pred))
         norms = tf.maximum(self.K, tf.norm(y_pred, axis=-1))
         return -tf.reduce_sum(y_one_hot * y_pred, axis=-1) / norms
@@ -323,7 +318,6 @@ class DP_MeanAbsoluteError(tf.keras.losses.Loss, DP_Loss):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        y_pred = _checked_logits(self, y_pred)
         return tf.reduce_mean(tf.abs(y_pred - target_labels(self, y_true, y_pred)), axis=-1)
 
     def lipschitz(self, nb_outputs):

@@ -43,6 +43,11 @@ def _compile(model):
     model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.SGD(0.01))
 
 
+def _recompile_with_sigma(model, sigma):
+    model.dp_parameters = lipdp.DPParameters(sigma, DELTA, "per-layer")
+    _compile(model)
+
+
 def _data(seed=0):
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(N, DIM)).astype("float32"),
@@ -80,8 +85,7 @@ def test_epsilon_composes_the_segments_that_ran():
     model.layers[3].trainable = False
     _compile(model)
     history.append(model.fit(x, y, epochs=2, verbose=0, callbacks=[accountant]))
-    model.dp_parameters = lipdp.DPParameters(5.0, DELTA, "per-layer")
-    _compile(model)
+    _recompile_with_sigma(model, 5.0)
     history.append(model.fit(x, y, epochs=1, verbose=0, callbacks=[accountant]))
 
     q = 16 / N
@@ -142,13 +146,10 @@ def test_a_compile_that_never_trains_leaves_no_segment_and_same_parameters_conti
     model = _model(sigma=1.0)
     x, y = _data()
     model.fit(x, y, epochs=1, verbose=0)
-    model.dp_parameters = lipdp.DPParameters(3.0, DELTA, "per-layer")
-    _compile(model)
+    _recompile_with_sigma(model, 3.0)
     model.fit(x, y, epochs=1, verbose=0)
-    model.dp_parameters = lipdp.DPParameters(7.0, DELTA, "per-layer")
-    _compile(model)  # traced by nothing: no step ran with sigma = 7
-    model.dp_parameters = lipdp.DPParameters(3.0, DELTA, "per-layer")
-    _compile(model)
+    _recompile_with_sigma(model, 7.0)  # traced by nothing: no step ran with sigma = 7
+    _recompile_with_sigma(model, 3.0)
     model.fit(x, y, epochs=1, verbose=0)
     segments = model.privacy_ledger.segments
     assert [(s.mechanism.noise_multiplier, s.steps) for s in segments] == [(1.0, 4), (3.0, 8)]
@@ -160,8 +161,7 @@ def test_budget_is_enforced_on_the_composition():
     model = _model(sigma=1.0)
     x, y = _data()
     model.fit(x, y, epochs=1, verbose=0)
-    model.dp_parameters = lipdp.DPParameters(2.0, DELTA, "per-layer")
-    _compile(model)
+    _recompile_with_sigma(model, 2.0)
     first = (1.0 / math.sqrt(6), 0.25, 4)
     s2 = 2.0 / math.sqrt(6)
     budget = 0.5 * (_reference([first, (s2, 0.25, 9)]) + _reference([first, (s2, 0.25, 10)]))
@@ -174,8 +174,7 @@ def test_ledger_survives_saving_and_checkpoints(tmp_path):
     model = _model(sigma=1.0)
     x, y = _data()
     model.fit(x, y, epochs=1, verbose=0)
-    model.dp_parameters = lipdp.DPParameters(4.0, DELTA, "per-layer")
-    _compile(model)
+    _recompile_with_sigma(model, 4.0)
     model.fit(x, y, epochs=1, verbose=0)
     path = str(tmp_path / "model.keras")
     model.save(path)
