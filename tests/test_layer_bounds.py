@@ -121,6 +121,7 @@ FREE_LAYERS = [
     ("bounded input", lambda: DP_BoundedInput(1.0), (4, 4, 2)),
     ("flatten", lambda: DP_Flatten(), (4, 4, 2)),
     ("groupsort2", lambda: DP_GroupSort(2), (6, 6, 4)),
+    ("groupsort2 interleaved", lambda: DP_GroupSort(2, pairing="interleaved"), (6, 6, 4)),
     ("fullsort", lambda: DP_GroupSort(None), (10,)),
     ("l2 pooling", lambda: DP_ScaledL2NormPooling2D(2), (6, 6, 3)),
     ("l2 pooling 3x3, odd size", lambda: DP_ScaledL2NormPooling2D((3, 3)), (7, 7, 2)),
@@ -244,16 +245,86 @@ def test_bounded_input_rejects_bad_bounds(bad):
         DP_BoundedInput(bad)
 
 
-def test_groupsort2_matches_deel_lip_forward_and_is_a_permutation_backward():
+def _with_ties(shape, seed=0):
+    """Small integers (and zeros): about a third of the GroupSort2 pairs are ties."""
+    values = np.random.default_rng(seed).integers(-1, 2, size=shape).astype("float32")
+    return tf.constant(values * np.float32(0.37))
+
+
+def _interleave(x):
+    """Channel i -> 2i and channel i + C/2 -> 2i + 1 (halves pairing -> adjacent pairing)."""
+    half = x.shape[-1] // 2
+    return tf.reshape(tf.stack([x[..., :half], x[..., half:]], axis=-1), tf.shape(x))
+
+
+def _deinterleave(x):
+    return tf.concat([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+@pytest.mark.parametrize("pairing", ["halves", "interleaved"])
+def test_groupsort2_is_deel_lips_groupsort2_up_to_a_fixed_channel_permutation(pairing):
     from deel.lip.layers import GroupSort2
 
-    x = tf.constant(np.random.default_rng(0).normal(size=(3, 5, 5, 6)), tf.float32)
-    ours, theirs = DP_GroupSort(2), GroupSort2()
-    np.testing.assert_array_equal(ours(x).numpy(), theirs(x).numpy())
-    tied = tf.ones((1, 4))  # every pair is a tie
-    g = tf.constant([[1.0, 1.0, 1.0, 1.0]])
+    for x in [tf.random.stateless_normal((3, 5, 5, 6), seed=(0, 1)), _with_ties((3, 5, 5, 6))]:
+        ours = DP_GroupSort(2, pairing=pairing)(x)
+        if pairing == "interleaved":
+            expected = GroupSort2()(x)
+        else:
+            expected = _deinterleave(GroupSort2()(_interleave(x)))
+        np.testing.assert_array_equal(ours.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("pairing", ["halves", "interleaved"])
+def test_groupsort2_backward_applies_the_forward_permutation_also_at_ties(pairing):
+    """The input cotangent is the output cotangent permuted back: each input of a pair
+    receives exactly one of the pair's two cotangents, the one of the output it went
+    to (tf.minimum / tf.maximum give a tied pair (g1 + g2, 0): norm up to sqrt(2) G)."""
+    x = _with_ties((64, 8), seed=1)
+    g = tf.random.stateless_normal((64, 8), seed=(2, 3))
+    layer = DP_GroupSort(2, pairing=pairing)
     with tf.GradientTape() as tape:
-        tape.watch(tied)
-        value = tf.reduce_sum(DP_GroupSort(2)(tied) * g)
-    grad = tape.gradient(value, tied)
-    assert float(tf.norm(grad)) == pytest.approx(float(tf.norm(g)))
+        tape.watch(x)
+        y = layer(x)
+        value = tf.reduce_sum(y * g)
+    grad = tape.gradient(value, x).numpy()
+    x, y, g = x.numpy(), y.numpy(), g.numpy()
+    pairs = ([(c, c + 4) for c in range(4)] if pairing == "halves"
+             else [(2 * c, 2 * c + 1) for c in range(4)])
+    ties = 0
+    for first, second in pairs:
+        low, high = np.minimum(x[:, first], x[:, second]), np.maximum(x[:, first], x[:, second])
+        np.testing.assert_array_equal(y[:, first], low)
+        np.testing.assert_array_equal(y[:, second], high)
+        # One permutation per pair, shared by the forward and the backward pass.
+        swapped = grad[:, first] == g[:, second]
+        np.testing.assert_array_equal(grad[:, first], np.where(swapped, g[:, second], g[:, first]))
+        np.testing.assert_array_equal(grad[:, second], np.where(swapped, g[:, first], g[:, second]))
+        np.testing.assert_array_equal(y[:, first], np.where(swapped, x[:, second], x[:, first]))
+        ties += int(np.sum(x[:, first] == x[:, second]))
+    assert ties > 20
+    assert float(np.linalg.norm(grad)) == float(np.linalg.norm(g))
+
+
+
+
+@pytest.mark.parametrize("pairing", ["halves", "interleaved"])
+def test_groupsort2_vectorised_over_examples_equals_one_example_at_a_time(pairing):
+    """Per-example gradients (lipdp.per_example, the clipped engines) run layers inside
+    tf.vectorized_map, which mis-vectorised tf.roll on axis=-1: outputs and input
+    cotangents must be those of single examples."""
+    layer = DP_GroupSort(2, pairing=pairing)
+    x = tf.random.stateless_normal((5, 3, 3, 4), seed=(1, 2))
+    g = tf.random.stateless_normal((5, 3, 3, 4), seed=(3, 4))
+
+    def one(example):
+        x_i, g_i = example[0][None], example[1][None]
+        with tf.GradientTape() as tape:
+            tape.watch(x_i)
+            y_i = layer(x_i)
+            value = tf.reduce_sum(y_i * g_i)
+        return y_i[0], tape.gradient(value, x_i)[0]
+
+    vectorised = tf.vectorized_map(one, (x, g))
+    for i in range(len(x)):
+        for got, expected in zip(vectorised, one((x[i], g[i]))):
+            np.testing.assert_array_equal(got[i].numpy(), expected.numpy())

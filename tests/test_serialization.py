@@ -127,3 +127,35 @@ def test_dp_model_round_trip_and_training_resumes(tmp_path):
     assert gradient_bounds(loaded) == gradient_bounds(model)
     loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # re-compiled from the saved config
     assert loaded.dp_steps_taken == 8
+
+
+def test_groupsort2_saved_before_the_pairing_argument_loads_with_its_adjacent_pairing(tmp_path):
+    """A `.keras` file written when GroupSort2 always paired adjacent channels (its config
+    has no `pairing`) loads with that layout, hence the same outputs; new files keep theirs."""
+    import json
+    import zipfile
+
+    model = lipdp.DP_Sequential(
+        [dp.DP_BoundedInput(4.0, input_shape=SHAPE), dp.DP_QuickSpectralConv2D(4, 3),
+         dp.DP_GroupSort(2, pairing="interleaved"), dp.DP_Flatten(), dp.DP_QuickSpectralDense(8),
+         dp.DP_GroupSort(2, pairing="interleaved"), dp.DP_QuickSpectralDense(3)],
+        dp_parameters=lipdp.DPParameters(1.0),
+        dataset_metadata=lipdp.DatasetMetadata(SHAPE, 3, 32, 8, 8, 4.0, "shuffle"))
+    model.save(str(tmp_path / "new.keras"))
+    with zipfile.ZipFile(tmp_path / "new.keras") as new, \
+            zipfile.ZipFile(tmp_path / "old.keras", "w") as old:
+        for item in new.infolist():
+            data = new.read(item.filename)
+            if item.filename == "config.json":
+                config = json.loads(data)
+                for layer in config["config"]["layers"]:
+                    assert layer["config"].pop("pairing", "interleaved") == "interleaved"
+                data = json.dumps(config).encode()
+            old.writestr(item, data)
+    x = np.random.default_rng(0).normal(size=(5,) + SHAPE).astype("float32")
+    for name in ("old.keras", "new.keras"):
+        loaded = tf.keras.models.load_model(str(tmp_path / name))
+        assert [layer.pairing for layer in loaded.layers
+                if isinstance(layer, dp.DP_GroupSort)] == ["interleaved", "interleaved"]
+        np.testing.assert_array_equal(loaded(x).numpy(), model(x).numpy())
+    assert dp.DP_GroupSort(2).pairing == "halves"

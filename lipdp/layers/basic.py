@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 from deel.lip.layers import GroupSort, ScaledL2NormPooling2D
 
+from lipdp.layers._pair_sort import PAIRINGS, sort_pairs
 from lipdp.layers.base import DPLayer
 from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error, gamma
 
@@ -126,36 +127,42 @@ class DP_GroupSort(GroupSort, DPLayer):
     1-Lipschitz: ``X_out = X_in`` and ``G_in = G``.
 
     The bound ``G_in = G`` is on the cotangent *autodiff computes*, so the
-    backward pass must be a permutation too. deel-lip's GroupSort2 uses
-    ``tf.maximum`` / ``tf.minimum``, whose gradients at a tie (``a == b``, e.g. on
-    constant or zero regions) both go to the same input: the computed cotangent
-    ``(g1 + g2, 0)`` has norm up to ``sqrt(2) G``. For ``n=2`` this layer
-    therefore selects both outputs with one shared comparison mask, so ties are
-    broken consistently and the backward pass is an exact permutation.
+    backward pass must be a permutation too. For ``n=2`` the layer runs
+    `lipdp.layers._pair_sort.sort_pairs`: one shared comparison per pair decides
+    both outputs and routes the cotangent back through the same permutation, also
+    at ties (``tf.minimum`` / ``tf.maximum``, as in deel-lip's GroupSort2, send
+    both cotangents of a tied pair to one input: norm up to ``sqrt(2) G``).
     (``tf.sort``, used for ``n > 2``, already backpropagates through a
     permutation of indices.)
+
+    Args:
+        n: group size (2, or None for FullSort, or any divisor of the channels).
+        pairing: for ``n=2``, which channels form a pair: ``"halves"`` (channel c
+            with ``c + C/2``, minima in the first half; the fast default) or
+            ``"interleaved"`` (channels ``2i, 2i+1``, deel-lip's layout). Any fixed
+            pairing is a GroupSort with the same bounds. Models saved before this
+            argument existed load with ``"interleaved"``, hence the same outputs.
     """
 
-    def __init__(self, n=2, **kwargs):
+    def __init__(self, n=2, pairing="halves", **kwargs):
         if n is not None and (not isinstance(n, (int, np.integer)) or n < 1):
             raise ValueError(
                 "Received an invalid value for `n`, expected a positive integer or None. "
                 f"Received: n={n!r}"
             )
+        if pairing not in PAIRINGS:
+            raise ValueError(f"Received an invalid value for `pairing`, expected one of "
+                             f"{PAIRINGS}. Received: pairing={pairing!r}")
         if kwargs.get("k_coef_lip", 1.0) != 1.0:
             raise ValueError("DP_GroupSort is norm preserving; it does not take k_coef_lip. "
                              f"Received: k_coef_lip={kwargs['k_coef_lip']!r}")
         super().__init__(n=n, **kwargs)
+        self.pairing = pairing
 
     def call(self, x):
         if self.n != 2:
             return super().call(x)
-        pairs = tf.reshape(x, self.flat_shape)
-        first, second = pairs[..., 0], pairs[..., 1]
-        first_is_max = first >= second
-        high = tf.where(first_is_max, first, second)
-        low = tf.where(first_is_max, second, first)
-        return tf.reshape(tf.stack([low, high], axis=-1), tf.shape(x))
+        return sort_pairs(x, self.pairing)
 
     def propagate_inputs(self, input_bound):
         return input_bound
@@ -166,6 +173,14 @@ class DP_GroupSort(GroupSort, DPLayer):
     def rounding_error(self, input_bound):
         """Comparisons and selections only: `lipdp.rounding.comparison_error`."""
         return comparison_error()
+
+    def get_config(self):
+        return {**super().get_config(), "pairing": self.pairing}
+
+    @classmethod
+    def from_config(cls, config):
+        # Saved before `pairing` existed: GroupSort2 paired adjacent channels.
+        return cls(**{"pairing": "interleaved", **config})
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
