@@ -225,7 +225,7 @@ def test_certified_dense_norm_matches_svd_for_unprojected_kernels():
         w = rng.normal(size=shape).astype("float32")
         exact = np.linalg.svd(w.astype("float64"), compute_uv=False)[0]
         bound = float(dense_spectral_norm_upper(tf.constant(w)))
-        assert exact <= bound <= exact * (1 + 1e-6)
+        assert exact <= bound <= exact * (1 + 1e-5)
 
 
 def test_noise_multiplier_zero_means_no_noise_and_bad_values_are_refused():
