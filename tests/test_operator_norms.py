@@ -1,6 +1,6 @@
 """The certified spectral norm of dense kernels against exact singular values.
 
-`lipdp.operator_norms.gram_spectral_norm_upper` must be an upper bound of the exact
+`lipdp.gram_certificates.dense_norm_upper` must be an upper bound of the exact
 spectral norm of the float32 kernel (float64 SVD of the exactly converted kernel, whose
 relative error is ~1e-15) for every kernel, and within its documented tightness
 (``sqrt(1 + 1e-5)``) whenever its first Cholesky shift succeeds.
@@ -12,8 +12,9 @@ import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lipdp import operator_norms
-from lipdp.operator_norms import dense_spectral_norm_upper, gram_spectral_norm_upper
+from lipdp import gram_certificates
+from lipdp.gram_certificates import conv_norm_upper, dense_norm_upper
+from lipdp.operator_norms import dense_spectral_norm_upper
 
 SVD_SLACK = 1e-12  # float64 SVD error on the largest singular value, relative, generous
 TIGHT = 5e-5  # documented: at most sqrt(1 + 1e-4) above the exact norm (first shift: 1e-6)
@@ -51,15 +52,15 @@ def _kernels():
 @pytest.mark.parametrize("name, kernel", list(_kernels()), ids=[n for n, _ in _kernels()])
 def test_certificate_bounds_the_exact_norm_and_is_tight(name, kernel):
     exact = _exact_norm(kernel)
-    bound = float(gram_spectral_norm_upper(kernel))
+    bound = float(dense_norm_upper(kernel))
     assert bound >= exact * (1 + SVD_SLACK) or bound >= exact, (name, bound, exact)
     assert exact * (1 - SVD_SLACK) <= bound <= exact * (1 + TIGHT) + 1e-44, (name, bound, exact)
 
 
 def test_zero_and_non_finite_kernels():
-    assert float(gram_spectral_norm_upper(np.zeros((5, 3), np.float32))) == 0.0
-    assert float(gram_spectral_norm_upper(np.full((5, 3), np.nan, np.float32))) == np.inf
-    assert float(gram_spectral_norm_upper(np.full((5, 3), np.inf, np.float32))) == np.inf
+    assert float(dense_norm_upper(np.zeros((5, 3), np.float32))) == 0.0
+    assert float(dense_norm_upper(np.full((5, 3), np.nan, np.float32))) == np.inf
+    assert float(dense_norm_upper(np.full((5, 3), np.inf, np.float32))) == np.inf
 
 
 def test_a_top_direction_the_power_iteration_misses_is_still_bounded():
@@ -77,16 +78,16 @@ def test_a_top_direction_the_power_iteration_misses_is_still_bounded():
     w = w.astype(np.float32)
     exact = _exact_norm(w)
     assert exact == pytest.approx(2.0, rel=1e-6)
-    assert float(gram_spectral_norm_upper(w)) >= exact
+    assert float(dense_norm_upper(w)) >= exact
 
 
 def test_eigenvalue_fallback_bounds_the_norm(monkeypatch):
-    monkeypatch.setattr(operator_norms, "_CHOLESKY_SHIFTS", ())
+    monkeypatch.setattr(gram_certificates, "CHOLESKY_SHIFTS", ())
     rng = np.random.default_rng(3)
     for shape in [(40, 9), (9, 40), (25, 25)]:
         w = rng.normal(size=shape).astype(np.float32)
         exact = _exact_norm(w)
-        assert exact <= float(gram_spectral_norm_upper(w)) <= exact * (1 + 1e-6)
+        assert exact <= float(dense_norm_upper(w)) <= exact * (1 + 1e-6)
 
 
 @settings(max_examples=40, deadline=None)
@@ -98,7 +99,7 @@ def test_certificate_is_an_upper_bound_on_random_kernels(rows, cols, log_scale, 
     w = _orthogonal(rows, cols, rng) if orthogonal else rng.normal(size=(rows, cols))
     w = (w * 10.0 ** log_scale).astype(np.float32)
     exact = _exact_norm(w)
-    bound = float(gram_spectral_norm_upper(w))
+    bound = float(dense_norm_upper(w))
     assert exact * (1 - SVD_SLACK) <= bound
     assert bound <= exact * np.sqrt(2.0) * (1 + 1e-6) + 1e-44  # the ladder's worst case
 
@@ -108,23 +109,83 @@ def test_in_a_compiled_function_the_same_certificate_as_eagerly():
     compiled = tf.function(dense_spectral_norm_upper)
     assert compiled(w).shape == ()
     assert float(compiled(w)) == float(dense_spectral_norm_upper(w)) == \
-        float(gram_spectral_norm_upper(w.numpy()))
+        float(dense_norm_upper(w.numpy()))
 
 
 def test_near_orthogonal_shortcut_is_taken_and_bounds_the_norm(monkeypatch):
     """Projected kernels take the Gram-only shortcut (no Lanczos, no Cholesky): the
     certificate still bounds, and nearly equals, the exact norm."""
     calls = []
-    monkeypatch.setattr(operator_norms, "_largest_eigenvalue_estimate",
+    monkeypatch.setattr(gram_certificates, "_lanczos_estimate",
                         lambda gram: calls.append(1) or float(np.max(np.linalg.eigvalsh(gram))))
     rng = np.random.default_rng(5)
     for scale in (1.0, 0.37, 3.0):
         for shape in [(784, 1024), (300, 40), (10, 10)]:
             w = (scale * _orthogonal(*shape, rng)).astype(np.float32)
             exact = _exact_norm(w)
-            assert exact <= float(gram_spectral_norm_upper(w)) <= exact * (1 + 1e-5)
+            assert exact <= float(dense_norm_upper(w)) <= exact * (1 + 1e-5)
     assert not calls
     # A kernel whose spread exceeds 1e-4 relative takes the Cholesky test.
     w = (_orthogonal(50, 20, rng) * np.linspace(1.0, 1.01, 20)).astype(np.float32)
-    assert _exact_norm(w) <= float(gram_spectral_norm_upper(w))
+    assert _exact_norm(w) <= float(dense_norm_upper(w))
     assert calls
+
+
+def _exact_conv_norm(kernel, grid):
+    """max over the full torus spectrum (numpy's FFT, both halves) of sigma_max(K_hat)."""
+    k_hat = np.fft.fft2(np.asarray(kernel, np.float32).astype(np.float64), s=grid, axes=(0, 1))
+    return float(np.max(np.linalg.svd(k_hat, compute_uv=False)))
+
+
+def _conv_kernels():
+    rng = np.random.default_rng(6)
+    yield "3x3 1->32 on 28x28", rng.normal(size=(3, 3, 1, 32)), (30, 30)
+    yield "3x3 32->64 on 14x14", rng.normal(size=(3, 3, 32, 64)), (16, 16)
+    yield "3x3 64->32 (more inputs)", rng.normal(size=(3, 3, 64, 32)), (10, 10)
+    yield "5x5 2->2 on 6x5", rng.normal(size=(5, 5, 2, 2)), (10, 9)
+    yield "2x2 3->4 on 7x8 (odd torus)", rng.normal(size=(2, 2, 3, 4)), (8, 9)
+    yield "3x1 3->3", rng.normal(size=(3, 1, 3, 3)), (8, 5)
+    yield "1x1 8->4", rng.normal(size=(1, 1, 8, 4)), (4, 4)
+    yield "constant kernel", np.ones((3, 3, 4, 4)), (9, 9)
+    yield "huge", 1e30 * rng.normal(size=(3, 3, 2, 3)), (7, 7)
+    yield "tiny", 1e-30 * rng.normal(size=(3, 3, 2, 3)), (7, 7)
+    q, _ = np.linalg.qr(rng.normal(size=(3 * 3 * 16, 16)))
+    yield "RKO-orthogonal 3x3 16->16", q.reshape(3, 3, 16, 16) / 3.0, (12, 12)
+
+
+@pytest.mark.parametrize("name, kernel, grid", list(_conv_kernels()),
+                         ids=[n for n, _, _ in _conv_kernels()])
+def test_conv_certificate_bounds_the_exact_circular_norm_and_is_tight(name, kernel, grid):
+    kernel = np.asarray(kernel, np.float32)
+    exact = _exact_conv_norm(kernel, grid)
+    bound = float(conv_norm_upper(kernel, grid))
+    assert exact * (1 - SVD_SLACK) <= bound <= exact * (1 + 1e-4), (name, bound, exact)
+
+
+def test_conv_certificate_bounds_the_convolution_tensorflow_runs():
+    """Against the operator itself: power iteration on x -> conv2d(x, k) (a lower
+    estimate) for 'same' and 'valid' padding and strides never exceeds the bound."""
+    from lipdp.operator_norms import conv_operator_norm_power, conv_operator_norm_upper
+
+    rng = np.random.default_rng(7)
+    for shape, hw in [((3, 3, 3, 5), (9, 9)), ((5, 5, 2, 2), (6, 5)), ((2, 2, 3, 4), (7, 8))]:
+        k = tf.constant(rng.normal(size=shape), tf.float32)
+        bound = float(conv_operator_norm_upper(k, hw))
+        for padding in ("SAME", "VALID"):
+            for strides in (1, 2):
+                measured = conv_operator_norm_power(
+                    lambda t: tf.nn.conv2d(t, k, strides, padding), hw + (shape[2],),
+                    iterations=200)
+                assert measured <= bound * (1 + 1e-5), (shape, padding, strides)
+
+
+def test_conv_certificate_of_zero_and_non_finite_kernels():
+    assert float(conv_norm_upper(np.zeros((3, 3, 2, 2), np.float32), (5, 5))) == 0.0
+    assert float(conv_norm_upper(np.full((3, 3, 2, 2), np.nan, np.float32), (5, 5))) == np.inf
+
+
+def test_conv_certificate_eigenvalue_fallback(monkeypatch):
+    monkeypatch.setattr(gram_certificates, "CHOLESKY_SHIFTS", ())
+    kernel = np.random.default_rng(8).normal(size=(3, 3, 4, 6)).astype(np.float32)
+    exact = _exact_conv_norm(kernel, (9, 9))
+    assert exact <= float(conv_norm_upper(kernel, (9, 9))) <= exact * (1 + 1e-6)
