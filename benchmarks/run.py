@@ -1,90 +1,163 @@
-"""Step time and peak memory of private training: clipless vs classic DP-SGD.
+"""Speed benchmark: what Clipless DP-SGD costs over non-private training, and over tf-privacy.
 
-For each batch size (default 256, 1024, 4096) and each configuration, one
-private step is timed on a small CNN on 28x28x1 inputs (``--model mlp``: the
-Lipschitz MLP of ``examples/clipped_vs_clipless.py`` instead):
+Models (inputs 28x28x1, 10 classes, no biases anywhere):
 
-* ``clipless``: Clipless DP-SGD (lipdp DP layers, analytic bounds, no per-example work);
-* ``ghost``: lipdp classic DP-SGD, flat clipping, ghost norms (Lee & Kifer) with Gram
-  identities only (no per-example gradient of a Dense/Conv2D layer is formed), same DP layers;
-* ``mixed-ghost``: the same, but a layer whose Gram matrices are larger than its per-example
-  gradient gets its norm from that gradient, formed chunk by chunk (Bu et al.'s mixed ghost
-  clipping; here the first convolution);
-* ``vectorized``: lipdp classic DP-SGD, flat clipping, exact vectorised per-example gradients,
-  same DP layers;
-* ``ghost-keras``, ``vectorized-keras``: the same lipdp engines on the plain Keras model that
-  tensorflow-privacy trains (no projection, no DP layer): the like-for-like comparison;
-* ``tf-privacy-optimizer``: tensorflow-privacy's ``DPKerasSGDOptimizer`` (vectorised Jacobian
-  of the loss vector, then a loop over ``num_microbatches = batch`` microbatches) on the same
-  architecture built from plain Keras layers (Conv2D, ReLU);
-* ``tf-privacy-model``: tensorflow-privacy's ``DPSequential`` (``num_microbatches=None``: one
-  example per microbatch, ``use_xla=False`` as lipdp) with its default fast-clipping layer
-  registry (Dense, Embedding): ghost norms on ``--model mlp``; on ``cnn`` Conv2D is not in the
-  registry, so it clips exact per-example gradients from ``tf.vectorized_map``;
-* ``non-private``: plain SGD step on the plain Keras model, for scale.
+* ``cnn``: the paper's CNN, built as lipdp's CLI builds it (``lipdp.config.build_model`` with
+  ``architecture="cnn", conv_filters=[32, 64], dense_width=512``): DP_BoundedInput(10) ->
+  [DP_QuickSpectralConv2D(f, 3x3), DP_GroupSort(2), DP_ScaledL2NormPooling2D(2)] for f in
+  32, 64 -> DP_Flatten -> DP_QuickSpectralDense(512) -> DP_GroupSort(2) ->
+  DP_QuickSpectralDense(10) (1.63M parameters);
+* ``mlp``: the main job's MLP, same builder with ``architecture="mlp", widths=[1024]``:
+  DP_BoundedInput(10) -> DP_Flatten -> DP_QuickSpectralDense(1024) -> DP_GroupSort(2) ->
+  DP_QuickSpectralDense(10) (813k parameters).
 
-Architectures: ``cnn``: input 28x28x1 -> Conv 3x3 16 filters stride 2 'same' -> GroupSort2
-(ReLU for Keras) -> Conv 3x3 32 filters stride 2 'same' -> GroupSort2 (ReLU) -> Flatten ->
-Dense 10 (20.5k parameters). ``mlp``: Flatten -> Dense 1024 -> GroupSort2 (ReLU) -> Dense 10,
-no biases (813k parameters). Every lipdp step includes the projection of the DP layers.
+DP models are described by ``DatasetMetadata(input_shape=(28, 28, 1), nb_classes=10,
+nb_samples_train=60000, nb_samples_test=10000, batch_size=B, max_norm=10, sampling="shuffle")``
+and trained with ``DP_TauCategoricalCrossentropy(10)``. Every configuration gets a fresh
+``Adam(1e-3)`` (tf-privacy's vectorized optimizer: its legacy-Adam subclass, same settings).
+The batch is a seeded constant: uniform [0, 1] images, random one-hot labels.
 
-Method:
+Configurations:
 
-* step time: the step is compiled with ``tf.function`` (as ``fit`` does: lipdp's
-  ``train_step``, tf-privacy's ``minimize``), run ``--warmup`` times (tracing + warm-up),
-  then ``--steps`` times; the median wall-clock time is reported (each step ends by reading a
-  value back to the host, so asynchronous execution cannot hide work). Slow configurations
-  stop early: after the first (tracing) step, further warm-up and timed steps only run while
-  less than ``--budget`` seconds have passed (at least one timed step; the table gives the
-  count). A configuration is not run at all when its measurement at the previous batch
-  size, extrapolated to the new one (quadratically for tf-privacy-optimizer, whose per-example
-  Jacobian costs time and memory quadratic in the batch: measured 64 -> 128 -> 256;
-  linearly for the others), predicts a step longer than ``--timeout`` or more memory than
-  80% of the machine's available memory; the table says so.
-* peak memory: every (configuration, batch size) runs in its own subprocess. The resident set
-  high-water mark ``getrusage(RUSAGE_SELF).ru_maxrss`` is read after the model, optimizer and
-  batch are built (baseline) and again after all steps; the difference is the extra peak
-  memory the steps needed (compilation included). It is a process-level figure: allocator
-  caching and TensorFlow's own buffers count, which is the memory a user actually pays.
+* ``floor``: the plain Keras model of the same widths (cnn: Conv2D(32, 3, 'same'), ReLU,
+  MaxPooling2D(2), Conv2D(64, 3, 'same'), ReLU, MaxPooling2D(2), Flatten, Dense(512), ReLU,
+  Dense(10); mlp: Flatten, Dense(1024), ReLU, Dense(10)), trained non-privately: GradientTape ->
+  mean cross-entropy from logits -> ``apply_gradients``;
+* ``twin``: the DP model (same lipdp layers) trained non-privately: GradientTape over
+  ``model(x, training=True)`` -> mean of the DP loss' per-example values (``loss.call``) ->
+  ``apply_gradients`` -> ``model.project()`` (a non-private user of these 1-Lipschitz layers
+  pays the projections too);
+* ``clipless``: Clipless DP-SGD, ``DPParameters(noise_multiplier=1, delta=1e-5)`` (global
+  noise), compiled with ``private_logs_only=True``; the step is ``model.train_step((x, y))``;
+* ``clipless-per-layer``: the same with ``noisify_strategy="per-layer"``;
+* ``ghost``: lipdp's classic DP-SGD on the same DP layers: ``mode="clipped", clipping="flat",
+  l2_norm_clip=1, engine="ghost"`` (ghost norms, no per-example gradient of a Dense/Conv2D
+  layer is formed), same step;
+* ``tf-privacy-model``: tensorflow-privacy's ``DPSequential`` on the floor architecture
+  (``l2_norm_clip=1, noise_multiplier=1, num_microbatches=None``: one example per microbatch,
+  ``use_xla=False`` as lipdp) with its default fast-clipping layer registry (Dense, Embedding).
+  It takes the fast path (ghost norms) only when every trainable layer is registered: on the
+  mlp; on the cnn (Conv2D is not registered) it clips exact per-example gradients computed
+  with ``tf.vectorized_map``. The path taken is read from the model and printed under the table;
+* ``tf-privacy-vectorized``: tensorflow-privacy's ``VectorizedDPKerasAdamOptimizer``
+  (``num_microbatches=B``: the Jacobian of the per-example loss vector, then clipping) on the
+  floor model, step ``optimizer.minimize``. Its time and memory grow quadratically with the
+  batch (the Jacobian back-propagates B one-hot cotangents through the whole batch; measured
+  on this machine in own processes, from batch 64 to 128 a step takes 2.3x (cnn) / 2.0x (mlp)
+  the time and 3.2x / 1.6x the peak extra memory, and the mlp from 128 to 256 2.4x and 2.0x),
+  so skips extrapolate it quadratically (the others linearly);
+* ``tf-privacy fastest`` (a table row): the faster of the tf-privacy configurations that ran.
+
+Every step is compiled with ``tf.function`` and ends by reading one element of the last
+trainable variable (after the update) back to the host with ``.numpy()``, so asynchronous
+execution cannot hide work.
+
+Measurements, for each model and batch size (default 256, 1024, 4096):
+
+1. Paired in one process (the primary figures: this machine's speed drifts by up to 2x between
+   runs, a ratio measured within one round does not). One subprocess builds every
+   configuration that fits in memory, warms each one up (tracing + 2 steps), then runs
+   ``--rounds`` rounds: in each round every configuration runs one timed step, in a fixed
+   order that is reversed every other round. Reported: the median step time, and the median
+   over rounds of the per-round ratios to ``floor`` and to ``twin`` (and to ``clipless``, for
+   the targets).
+2. Own process (``--no-isolated`` skips it): every (model, configuration, batch) runs in its
+   own subprocess: tracing, 2 warm-up steps, ``--rounds`` timed steps; the median step time,
+   and the peak extra memory: the resident set high-water mark ``getrusage(RUSAGE_SELF)
+   .ru_maxrss`` read after the model, optimizer and batch are built (baseline) and again after
+   all steps; the difference is what the steps needed (compilation included; allocator caching
+   and TensorFlow's own buffers count: the memory a user actually pays). Also its ratio to the
+   floor's.
+
+Breakdown of the clipless step, in the paired subprocess: separately ``tf.function``-compiled
+pieces of the step, on the clipless model, each warmed up and timed in the same alternating
+rounds as the whole step: ``forward+backward`` (``model._averaged_gradients(x, y)``: gradients
+/ D, per-example losses, predictions), ``bound pass`` (``model.sensitivities()``: certified
+operator norms and the backpropagation of bounds), ``noise`` (``model._noise_stddevs`` of
+precomputed sensitivities, then one ``tf.random.normal`` of every variable's shape), ``optimizer``
+(``model.optimizer.apply_gradients`` of fixed precomputed gradients; it moves the weights,
+which does not matter for timing), ``projection`` (``model.project()``); the whole step is the
+clipless configuration's. Reported: the median time of each piece, its share of the whole
+step, and what the pieces leave unaccounted (whole - sum: graph overheads, checks). Beside
+them, not part of the step: the forward+backward piece compiled with XLA
+(``jit_compile=True``), to show whether XLA would help (lipdp's step cannot use it: its
+certified norms run on the host).
+
+Slow and large configurations: after tracing, a configuration's further steps (warm-up, then
+timed ones) only run while they have taken less than ``--budget`` seconds in all (at least one
+timed step; the tables give the count). A configuration is not run at all when its measurement
+at the previous batch size (own process; with ``--no-isolated``, the paired process, whose
+memory figure is the growth of the peak while that configuration was built and warmed up),
+extrapolated to the new one, predicts a step longer than ``--timeout`` / 3 (tracing and one
+timed step must fit in ``--timeout``) or more memory than 80% of the available memory
+(MemAvailable), nor after it failed or was skipped; the tables say so. Each configuration must
+fit on its own: the paired process holds them together, but their peaks do not coincide. A
+subprocess gets ``--timeout`` seconds per configuration it runs.
+
+The output (``--output``, default ``benchmarks/results.md``; ``--output -`` prints only) is a
+markdown report: date, machine, versions, command line, the tables per model, and a "Targets"
+section: fixed bounds checked mechanically (PASS/FAIL; "not measured" when a figure is
+missing) against the paired ratios: clipless x twin <= 1.10 on cnn@1024, cnn@4096, mlp@4096
+and <= 1.5 on mlp@1024; clipless x floor <= 1.5 on cnn@1024 and cnn@4096; the fastest
+tf-privacy configuration's ratio to clipless >= 6 on cnn@1024 and > 1 on the mlp at every
+batch size run; and, from the own-process runs, clipless peak extra memory / floor's <= 1.6 on
+cnn@4096.
 
 Usage::
 
-    .venv/bin/python benchmarks/run.py                 # 256, 1024, 4096
-    .venv/bin/python benchmarks/run.py --quick         # fewer steps, 256 and 1024
-    .venv/bin/python benchmarks/run.py --batch-sizes 128 512 --configs clipless ghost
+    .venv/bin/python benchmarks/run.py                       # make bench
+    .venv/bin/python benchmarks/run.py --quick               # batch 256 and 1024, 4 rounds
+    .venv/bin/python benchmarks/run.py --models mlp --batch-sizes 512 --configs clipless
+    # (floor and twin always run: they are the references of the ratios)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
+import importlib.metadata
 import json
+import operator
 import os
+import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 
-CONFIGS = ("clipless", "ghost", "mixed-ghost", "vectorized", "ghost-keras", "vectorized-keras",
-           "tf-privacy-optimizer", "tf-privacy-model", "non-private")
-LIPDP_CONFIGS = ("clipless", "ghost", "mixed-ghost", "vectorized", "ghost-keras",
-                 "vectorized-keras")
+MODELS = ("cnn", "mlp")
+CONFIGS = ("floor", "twin", "clipless", "clipless-per-layer", "ghost", "tf-privacy-model",
+           "tf-privacy-vectorized")
+TF_PRIVACY = ("tf-privacy-model", "tf-privacy-vectorized")
+PIECES = ("forward+backward", "bound pass", "noise", "optimizer", "projection")
+# Timed beside the pieces, not part of the step: would XLA (jit_compile) help?
+XLA_PIECE = "forward+backward with XLA (not in the step)"
+REFERENCES = ("floor", "twin", "clipless")  # paired ratios are taken to these
 INPUT_SHAPE = (28, 28, 1)
 NB_CLASSES = 10
-NB_SAMPLES = 60000
-CLIP = 1.0
+NB_SAMPLES_TRAIN = 60000
+NB_SAMPLES_TEST = 10000
+MAX_NORM = 10.0
+TAU = 10.0
 SIGMA = 1.0
-
+DELTA = 1e-5
+CLIP = 1.0
+LEARNING_RATE = 1e-3
+WARMUP = 2
 
 # How step time and memory grow with the batch size, used to skip hopeless runs.
-_SCALING_EXPONENT = {"tf-privacy-optimizer": 2}
+_SCALING_EXPONENT = {"tf-privacy-vectorized": 2}
 
 
-def _available_mib() -> float:
+# --------------------------------------------------------------------- machine
+def _meminfo_mib(key: str) -> float:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024.0
     except OSError:
         pass
@@ -95,63 +168,160 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def _dp_model(config, batch, architecture):
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _git_commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+# ------------------------------------------------------------------ the models
+def _data(batch):
+    import numpy as np
     import tensorflow as tf
 
-    from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
-                              DP_QuickSpectralDense)
-    from lipdp.losses import DP_TauCategoricalCrossentropy
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.uniform(size=(batch,) + INPUT_SHAPE), tf.float32)
+    y = tf.one_hot(rng.integers(0, NB_CLASSES, batch), NB_CLASSES)
+    return x, y
+
+
+def _probe(tensors):
+    """A scalar depending on every tensor: reading it back ends a timed call."""
+    import tensorflow as tf
+
+    return tf.add_n([tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in tensors])
+
+
+def _dp_model(model_name, batch, config):
+    from lipdp.config import DEFAULT_CONFIG, build_model
     from lipdp.metadata import DatasetMetadata, DPParameters
-    from lipdp.model import DP_Sequential
 
-    plain_keras = config.endswith("-keras")
-    if config == "clipless":
-        params = DPParameters(SIGMA, 1e-5)
+    model_cfg = copy.deepcopy(DEFAULT_CONFIG["model"])
+    if model_name == "cnn":
+        model_cfg.update(architecture="cnn", conv_filters=[32, 64], dense_width=512,
+                         use_bias=False)
     else:
-        params = DPParameters(SIGMA, 1e-5, mode="clipped", clipping="flat", l2_norm_clip=CLIP,
-                              engine=config[:-len("-keras")] if plain_keras else config)
-    metadata = DatasetMetadata(INPUT_SHAPE, NB_CLASSES, NB_SAMPLES, 10000, batch, 10.0, "shuffle")
-    if plain_keras:
-        model = DP_Sequential(_keras_model(architecture).layers, dp_parameters=params,
-                              dataset_metadata=metadata)
-        model.build((None,) + INPUT_SHAPE)
-        model.compile(loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
-                      optimizer=tf.keras.optimizers.SGD(0.1))
-        step = tf.function(model.train_step)
-        return lambda x, y: step((x, y))["loss"]
-    if architecture == "cnn":
-        layers = [DP_QuickSpectralConv2D(16, 3, strides=2), DP_GroupSort(2),
-                  DP_QuickSpectralConv2D(32, 3, strides=2), DP_GroupSort(2),
-                  DP_Flatten(), DP_QuickSpectralDense(NB_CLASSES)]
+        model_cfg.update(architecture="mlp", widths=[1024], use_bias=False)
+    metadata = DatasetMetadata(input_shape=INPUT_SHAPE, nb_classes=NB_CLASSES,
+                               nb_samples_train=NB_SAMPLES_TRAIN,
+                               nb_samples_test=NB_SAMPLES_TEST, batch_size=batch,
+                               max_norm=MAX_NORM, sampling="shuffle")
+    if config == "ghost":
+        params = DPParameters(SIGMA, DELTA, mode="clipped", clipping="flat", l2_norm_clip=CLIP,
+                              engine="ghost")
     else:
-        layers = [DP_Flatten(), DP_QuickSpectralDense(1024, use_bias=False), DP_GroupSort(2),
-                  DP_QuickSpectralDense(NB_CLASSES, use_bias=False)]
-    model = DP_Sequential([DP_BoundedInput(10.0, input_shape=INPUT_SHAPE)] + layers,
-                          dp_parameters=params, dataset_metadata=metadata)
-    model.compile(loss=DP_TauCategoricalCrossentropy(10.0), optimizer=tf.keras.optimizers.SGD(0.1))
-    step = tf.function(model.train_step)
-    return lambda x, y: step((x, y))["loss"]
+        params = DPParameters(SIGMA, DELTA, noisify_strategy=(
+            "per-layer" if config == "clipless-per-layer" else "global"))
+    return build_model(model_cfg, metadata, params)
 
 
-def _keras_layers(architecture):
+def _keras_layers(model_name):
     import tensorflow as tf
 
     layers = tf.keras.layers
-    if architecture == "cnn":
-        return [layers.Conv2D(16, 3, strides=2, padding="same"), layers.ReLU(),
-                layers.Conv2D(32, 3, strides=2, padding="same"), layers.ReLU(),
-                layers.Flatten(), layers.Dense(NB_CLASSES)]
+    if model_name == "cnn":
+        return [layers.Conv2D(32, 3, padding="same", use_bias=False), layers.ReLU(),
+                layers.MaxPooling2D(2),
+                layers.Conv2D(64, 3, padding="same", use_bias=False), layers.ReLU(),
+                layers.MaxPooling2D(2), layers.Flatten(),
+                layers.Dense(512, use_bias=False), layers.ReLU(),
+                layers.Dense(NB_CLASSES, use_bias=False)]
     return [layers.Flatten(), layers.Dense(1024, use_bias=False), layers.ReLU(),
             layers.Dense(NB_CLASSES, use_bias=False)]
 
 
-def _keras_model(architecture):
+def _keras_model(model_name):
     import tensorflow as tf
 
-    return tf.keras.Sequential([tf.keras.layers.Input(INPUT_SHAPE)] + _keras_layers(architecture))
+    return tf.keras.Sequential([tf.keras.layers.Input(INPUT_SHAPE)] + _keras_layers(model_name))
 
 
-def _tf_privacy_model_step(architecture):
+def _floor(model_name):
+    import tensorflow as tf
+
+    model = _keras_model(model_name)
+    optimizer = tf.keras.optimizers.Adam(LEARNING_RATE)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(tf.keras.losses.categorical_crossentropy(y, logits,
+                                                                            from_logits=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return _probe(model.trainable_variables[-1:])
+
+    return step, model
+
+
+def _twin(model_name, batch):
+    import tensorflow as tf
+
+    from lipdp.losses import DP_TauCategoricalCrossentropy
+
+    model = _dp_model(model_name, batch, "clipless")
+    loss = DP_TauCategoricalCrossentropy(TAU)
+    optimizer = tf.keras.optimizers.Adam(LEARNING_RATE)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = tf.reduce_mean(loss.call(y, model(x, training=True)))
+        optimizer.apply_gradients(zip(tape.gradient(value, model.trainable_variables),
+                                      model.trainable_variables))
+        model.project()
+        return _probe(model.trainable_variables[-1:])
+
+    return step, model
+
+
+def _train_step(model):
+    """The model's own ``train_step`` under ``tf.function``, as ``fit`` runs it."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(x, y):
+        model.train_step((x, y))
+        return _probe(model.trainable_variables[-1:])
+
+    return step
+
+
+def _lipdp_private(model_name, batch, config):
+    import tensorflow as tf
+
+    from lipdp.losses import DP_TauCategoricalCrossentropy
+
+    model = _dp_model(model_name, batch, config)
+    model.compile(loss=DP_TauCategoricalCrossentropy(TAU),
+                  optimizer=tf.keras.optimizers.Adam(LEARNING_RATE), private_logs_only=True)
+    return _train_step(model), model
+
+
+def _tf_privacy_model(model_name):
     import tensorflow as tf
     import tensorflow_privacy
     from tensorflow_privacy.privacy.fast_gradient_clipping.layer_registry import (
@@ -161,183 +331,469 @@ def _tf_privacy_model_step(architecture):
     model = tensorflow_privacy.DPSequential(
         l2_norm_clip=CLIP, noise_multiplier=SIGMA, num_microbatches=None, use_xla=False,
         layer_registry=make_default_layer_registry(),
-        layers=[tf.keras.layers.InputLayer(INPUT_SHAPE)] + _keras_layers(architecture))
-    fast = model._enable_fast_peg_computation  # pylint: disable=protected-access
-    assert fast == (architecture == "mlp"), f"tf-privacy fast clipping: {fast}"
-    model.compile(optimizer=tf.keras.optimizers.SGD(0.1),
+        layers=[tf.keras.layers.InputLayer(INPUT_SHAPE)] + _keras_layers(model_name))
+    model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE),
                   loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True))
-    step = tf.function(model.train_step)
-    return lambda x, y: step((x, y))["loss"]
+    return _train_step(model), model
 
 
-def _tf_privacy_step(batch, architecture):
+def _tf_privacy_path(model) -> str:
+    if model._enable_fast_peg_computation:  # pylint: disable=protected-access
+        return "fast clipping (ghost norms of the registered Dense layers)"
+    return ("per-example gradients with tf.vectorized_map (a trainable layer is not in the "
+            "default registry)")
+
+
+def _tf_privacy_vectorized(model_name, batch):
     import tensorflow as tf
     import tensorflow_privacy
 
-    model = _keras_model(architecture)
-    optimizer = tensorflow_privacy.DPKerasSGDOptimizer(
-        l2_norm_clip=CLIP, noise_multiplier=SIGMA, num_microbatches=batch, learning_rate=0.1)
+    model = _keras_model(model_name)
+    optimizer = tensorflow_privacy.VectorizedDPKerasAdamOptimizer(
+        l2_norm_clip=CLIP, noise_multiplier=SIGMA, num_microbatches=batch,
+        learning_rate=LEARNING_RATE)
     loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True,
                                                    reduction=tf.keras.losses.Reduction.NONE)
 
     @tf.function
     def step(x, y):
         optimizer.minimize(lambda: loss(y, model(x, training=True)), model.trainable_variables)
-        return tf.reshape(model.trainable_variables[0], [-1])[0]
+        return _probe(model.trainable_variables[-1:])
 
-    return step
+    return step, model
 
 
-def _non_private_step(architecture):
+def _build(model_name, config, batch):
+    """``(step(x, y), model)`` of one configuration."""
+    if config == "floor":
+        return _floor(model_name)
+    if config == "twin":
+        return _twin(model_name, batch)
+    if config == "tf-privacy-model":
+        return _tf_privacy_model(model_name)
+    if config == "tf-privacy-vectorized":
+        return _tf_privacy_vectorized(model_name, batch)
+    return _lipdp_private(model_name, batch, config)
+
+
+def _breakdown_pieces(model, x, y) -> dict:
+    """Zero-argument timed calls of the pieces of the clipless step, on its model."""
     import tensorflow as tf
 
-    model = _keras_model(architecture)
-    optimizer = tf.keras.optimizers.SGD(0.1)
-    loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+    variables = model.trainable_variables
+    gradients = model._averaged_gradients(x, y)[0]  # pylint: disable=protected-access
+    sensitivities = model.sensitivities()
 
     @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            value = loss(y, model(x, training=True))
-        optimizer.apply_gradients(zip(tape.gradient(value, model.trainable_variables),
-                                      model.trainable_variables))
-        return value
+    def forward_backward(x, y):
+        return _probe(tf.nest.flatten(model._averaged_gradients(x, y)))  # pylint: disable=W0212
 
-    return step
+    @tf.function
+    def bound_pass():
+        return _probe(model.sensitivities())
+
+    @tf.function
+    def noise(sensitivities):
+        stddevs = model._noise_stddevs(sensitivities)  # pylint: disable=protected-access
+        return _probe([tf.random.normal(v.shape, stddev=std, dtype=v.dtype)
+                       for v, std in zip(variables, stddevs)])
+
+    @tf.function
+    def optimizer(gradients):
+        model.optimizer.apply_gradients(zip(gradients, variables))
+        return _probe(variables[-1:])
+
+    @tf.function
+    def projection():
+        model.project()
+        return _probe(variables[-1:])
+
+    forward_backward_xla = tf.function(forward_backward.python_function, jit_compile=True)
+    return {"forward+backward": lambda: forward_backward(x, y), "bound pass": bound_pass,
+            "noise": lambda: noise(sensitivities), "optimizer": lambda: optimizer(gradients),
+            "projection": projection, XLA_PIECE: lambda: forward_backward_xla(x, y)}
 
 
-def worker(config: str, batch: int, architecture: str, warmup: int, steps: int,
-           budget: float) -> dict:
-    """Runs in a fresh process: build, baseline memory, warm-up, timed steps."""
-    import warnings
+# --------------------------------------------------------------------- workers
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call().numpy()
+    return time.perf_counter() - start
 
-    import numpy as np
+
+def _warm_up(call, budget) -> float:
+    """Tracing, then up to WARMUP steps within the budget; returns the seconds after tracing."""
+    call().numpy()
+    spent = 0.0
+    for _ in range(WARMUP):
+        if spent > budget:
+            break
+        spent += _timed(call)
+    return spent
+
+
+def paired_worker(model_name, batch, configs, rounds, budget) -> dict:
+    """Runs in a fresh process: every configuration (and the breakdown), alternating rounds."""
     import tensorflow as tf
 
-    warnings.simplefilter("ignore")
     tf.keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.uniform(size=(batch,) + INPUT_SHAPE), tf.float32)
-    y = tf.one_hot(rng.integers(0, NB_CLASSES, batch), NB_CLASSES)
-    if config in LIPDP_CONFIGS:
-        step = _dp_model(config, batch, architecture)
-    elif config == "tf-privacy-optimizer":
-        step = _tf_privacy_step(batch, architecture)
-    elif config == "tf-privacy-model":
-        step = _tf_privacy_model_step(architecture)
-    else:
-        step = _non_private_step(architecture)
+    x, y = _data(batch)
+    calls, spent, results, notes = {}, {}, {}, {}
+    for config in configs:
+        before = _rss_mib()
+        step, model = _build(model_name, config, batch)
+        calls[config] = lambda step=step: step(x, y)
+        spent[config] = _warm_up(calls[config], budget)
+        results[config] = {"warmup_mib": _rss_mib() - before}
+        if config == "tf-privacy-model":
+            notes[config] = _tf_privacy_path(model)
+        if config == "clipless":
+            for piece, call in _breakdown_pieces(model, x, y).items():
+                calls[piece] = call
+                spent[piece] = _warm_up(call, budget)
+    times = {name: [] for name in calls}  # per round, None once the budget is spent
+    for round_index in range(rounds):
+        order = list(calls) if round_index % 2 == 0 else list(reversed(calls))
+        for name in order:
+            if times[name] and spent[name] > budget:
+                times[name].append(None)
+                continue
+            times[name].append(_timed(calls[name]))
+            spent[name] += times[name][-1]
+    pieces = {}
+    for name, series in times.items():
+        figures = _summary(series, times)
+        if name in results:
+            results[name].update(figures)
+        else:
+            pieces[name] = figures
+    return {"configs": results, "pieces": pieces, "notes": notes}
+
+
+def _summary(series, times) -> dict:
+    """Median step time, rounds run, and medians of the per-round ratios to the references."""
+    ran = [t for t in series if t is not None]
+    ratios = {ref: statistics.median([t / r for t, r in zip(series, times[ref])
+                                      if t is not None and r is not None])
+              for ref in REFERENCES if ref in times}
+    return {"step_s": statistics.median(ran), "rounds": len(ran), "ratio_to": ratios}
+
+
+def isolated_worker(model_name, config, batch, steps, budget) -> dict:
+    """Runs in a fresh process: build, baseline memory, warm-up, timed steps."""
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(0)
+    x, y = _data(batch)
+    step, _ = _build(model_name, config, batch)
     baseline = _rss_mib()
-    step(x, y).numpy()  # tracing
-    first_done = time.perf_counter()
-    for _ in range(warmup - 1):
-        if time.perf_counter() - first_done > budget:
-            break
-        step(x, y).numpy()
+    spent = _warm_up(lambda: step(x, y), budget)
     times = []
-    while len(times) < steps and (not times or time.perf_counter() - first_done < budget):
-        start = time.perf_counter()
-        step(x, y).numpy()
-        times.append(time.perf_counter() - start)
-    return {"config": config, "batch": batch, "step_s": statistics.median(times),
-            "peak_mib": _rss_mib() - baseline, "times": times}
+    while len(times) < steps and (not times or spent < budget):
+        times.append(_timed(lambda: step(x, y)))
+        spent += times[-1]
+    return {"step_s": statistics.median(times), "peak_mib": _rss_mib() - baseline,
+            "steps": len(times)}
 
 
-def _run_worker(config, batch, args) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--worker", config, str(batch),
-               "--model", args.model, "--warmup", str(args.warmup), "--steps", str(args.steps),
-               "--budget", str(args.budget)]
+def _run_worker(worker_args, args, timeout) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--worker", *worker_args,
+               "--rounds", str(args.rounds), "--budget", str(args.budget)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     try:
-        done = subprocess.run(command, capture_output=True, text=True, env=env,
-                              timeout=args.timeout)
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"config": config, "batch": batch, "error": f"timed out (> {args.timeout:.0f} s)"}
+        return {"error": f"timed out (> {timeout:.0f} s)"}
+    if done.returncode < 0:
+        return {"error": f"killed by signal {-done.returncode}"
+                         + (" (out of memory)" if done.returncode == -9 else "")}
     if done.returncode != 0:
-        if done.returncode < 0:
-            return {"config": config, "batch": batch,
-                    "error": f"killed by signal {-done.returncode}"
-                             + (" (out of memory)" if done.returncode == -9 else "")}
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {"config": config, "batch": batch, "error": " | ".join(tail)}
+        last_line = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
+        return {"error": f"failed: {last_line.strip()}".replace("|", "/")}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _table(results, batch_sizes, configs) -> str:
-    by_key = {(r["config"], r["batch"]): r for r in results}
-    lines = ["| batch | configuration | step time (s) | x clipless | peak extra RSS (MiB) "
-             "| x clipless | timed steps |", "|---|---|---|---|---|---|---|"]
+# ------------------------------------------------------------------ scheduling
+def _skip_reason(config, batch, previous, args):
+    """Why not to run ``config`` at ``batch``, from its last measurement; None to run it."""
+    if previous is None:
+        return None
+    if "error" in previous:
+        return f"not run: see batch {previous['batch']}"
+    growth = (batch / previous["batch"]) ** _SCALING_EXPONENT.get(config, 1)
+    seconds, mib = previous["step_s"] * growth, previous["peak_mib"] * growth
+    if seconds > args.timeout / 3:
+        return f"not run: ~{seconds:.0f} s/step extrapolated from batch {previous['batch']}"
+    available = _meminfo_mib("MemAvailable")
+    if mib > 0.8 * available:
+        return (f"not run: ~{mib / 1024:.1f} GiB extrapolated from batch {previous['batch']}, "
+                f"{available / 1024:.1f} GiB available")
+    return None
+
+
+def _remember(last, config, batch, result, peak_key):
+    """Keeps the measurement later batch sizes extrapolate from (or the first failure)."""
+    if "error" in last.get(config, {}):
+        return
+    last[config] = ({"batch": batch, "error": result["error"]} if "error" in result else
+                    {"batch": batch, "step_s": result["step_s"], "peak_mib": result[peak_key]})
+
+
+def _measure_batch(model_name, batch, configs, last, args):
+    """Own-process runs (unless --no-isolated), then the paired run, of one batch size."""
+    isolated, skipped = {}, {}
+    for config in configs:
+        reason = _skip_reason(config, batch, last.get(config), args)
+        if reason is None and not args.no_isolated:
+            isolated[config] = _run_worker(["isolated", model_name, str(batch), config], args,
+                                           args.timeout)
+            _print_progress(model_name, batch, config, "own process", isolated[config])
+            _remember(last, config, batch, isolated[config], "peak_mib")
+            if "error" in isolated[config]:
+                skipped[config] = {"error": "not run: failed in its own process"}
+        elif reason is not None:
+            isolated[config] = skipped[config] = {"error": reason}
+            _remember(last, config, batch, skipped[config], "peak_mib")
+            print(f"{model_name} batch {batch:5d}  {config:22s} {reason}", flush=True)
+    to_pair = [config for config in configs if config not in skipped]
+    print(f"{model_name} batch {batch:5d}: paired rounds of {', '.join(to_pair) or 'nothing'}",
+          flush=True)
+    paired = _run_paired(model_name, batch, to_pair, args)
+    paired["configs"].update(skipped)
+    for config in to_pair:
+        _print_progress(model_name, batch, config, "paired", paired["configs"][config])
+        if args.no_isolated:
+            _remember(last, config, batch, paired["configs"][config], "warmup_mib")
+    return isolated, paired
+
+
+def _run_paired(model_name, batch, configs, args) -> dict:
+    if not configs:
+        return {"configs": {}, "pieces": {}, "notes": {}}
+    result = _run_worker(["paired", model_name, str(batch)] + configs, args,
+                         args.timeout * len(configs))
+    if "error" in result:
+        return {"configs": {c: {"error": result["error"]} for c in configs}, "pieces": {},
+                "notes": {}}
+    return result
+
+
+def _print_progress(model_name, batch, config, kind, result):
+    if "error" in result:
+        shown = result["error"]
+    elif kind == "paired":
+        ratios = ", ".join(f"x {ref} {value:.2f}" for ref, value in result["ratio_to"].items()
+                           if ref != "clipless")
+        shown = f"{result['step_s'] * 1e3:.1f} ms/step ({ratios})"
+    else:
+        shown = f"{result['step_s'] * 1e3:.1f} ms/step, +{result['peak_mib']:.0f} MiB"
+    print(f"{model_name} batch {batch:5d}  {config:22s} {kind}: {shown}", flush=True)
+
+
+# --------------------------------------------------------------------- report
+def _ms(seconds) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _ratio(result, ref) -> str:
+    value = result.get("ratio_to", {}).get(ref)
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _fastest_tf_privacy(paired_configs):
+    """``(config, result)`` of the fastest tf-privacy configuration that ran, or None."""
+    ran = [(c, paired_configs[c]) for c in TF_PRIVACY
+           if "step_s" in paired_configs.get(c, {})]
+    return min(ran, key=lambda item: item[1]["step_s"]) if ran else None
+
+
+def _paired_table(model_name, batch_sizes, configs, paired) -> str:
+    lines = ["| batch | configuration | step (ms) | x floor | x twin | rounds |",
+             "|---|---|---|---|---|---|"]
     for batch in batch_sizes:
-        base = by_key.get(("clipless", batch), {})
+        results = paired[(model_name, batch)]["configs"]
         for config in configs:
-            r = by_key.get((config, batch))
-            if r is None:
-                continue
+            r = results[config]
             if "error" in r:
-                lines.append(f"| {batch} | {config} | {r['error'][:90]} | | | | |")
+                lines.append(f"| {batch} | {config} | {r['error'][:120]} | | | |")
+            else:
+                lines.append(f"| {batch} | {config} | {_ms(r['step_s'])} | {_ratio(r, 'floor')} "
+                             f"| {_ratio(r, 'twin')} | {r['rounds']} |")
+        fastest = _fastest_tf_privacy(results)
+        if fastest:
+            config, r = fastest
+            lines.append(f"| {batch} | tf-privacy fastest ({config}) | {_ms(r['step_s'])} | "
+                         f"{_ratio(r, 'floor')} | {_ratio(r, 'twin')} | {r['rounds']} |")
+    notes = {(c, note) for batch in batch_sizes
+             for c, note in paired[(model_name, batch)]["notes"].items()}
+    return "\n".join(lines + [""] + [f"{c} path: {note}." for c, note in sorted(notes)])
+
+
+def _isolated_table(model_name, batch_sizes, configs, isolated) -> str:
+    lines = ["| batch | configuration | step (ms) | peak extra RSS (MiB) | x floor memory "
+             "| timed steps |", "|---|---|---|---|---|---|"]
+    for batch in batch_sizes:
+        floor = isolated.get((model_name, "floor", batch), {})
+        for config in configs:
+            r = isolated[(model_name, config, batch)]
+            if "error" in r:
+                lines.append(f"| {batch} | {config} | {r['error'][:120]} | | | |")
                 continue
-            t_ratio = (f"{r['step_s'] / base['step_s']:.2f}" if base.get("step_s") else "-")
-            m_ratio = (f"{r['peak_mib'] / base['peak_mib']:.2f}"
-                       if base.get("peak_mib", 0) > 0 else "-")
-            lines.append(f"| {batch} | {config} | {r['step_s']:.4f} | {t_ratio} | "
-                         f"{r['peak_mib']:.0f} | {m_ratio} | {len(r['times'])} |")
+            memory = (f"{r['peak_mib'] / floor['peak_mib']:.2f}"
+                      if floor.get("peak_mib", 0) > 0 else "-")
+            lines.append(f"| {batch} | {config} | {_ms(r['step_s'])} | {r['peak_mib']:.0f} | "
+                         f"{memory} | {r['steps']} |")
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def _breakdown_table(model_name, batch_sizes, paired) -> str:
+    lines = ["| batch | piece | ms | % of whole step |", "|---|---|---|---|"]
+    for batch in batch_sizes:
+        pieces = paired[(model_name, batch)]["pieces"]
+        whole = paired[(model_name, batch)]["configs"].get("clipless", {}).get("step_s")
+        if whole is None or not pieces:
+            lines.append(f"| {batch} | clipless not measured | | |")
+            continue
+        rows = [(piece, pieces[piece]["step_s"]) for piece in PIECES]
+        rows += [("unaccounted", whole - sum(t for _, t in rows)), ("whole step", whole)]
+        if XLA_PIECE in pieces:
+            rows.append((XLA_PIECE, pieces[XLA_PIECE]["step_s"]))
+        lines += [f"| {batch} | {piece} | {_ms(t)} | {100 * t / whole:.0f}% |"
+                  for piece, t in rows]
+    return "\n".join(lines)
+
+
+_OPS = {"<=": operator.le, ">=": operator.ge, ">": operator.gt}
+
+
+def _targets(paired, isolated, batch_sizes):
+    """``(what, value or None, op, bound)``: fixed bounds on the measured ratios."""
+
+    def paired_ratio(model_name, batch, ref):
+        result = paired.get((model_name, batch), {}).get("configs", {}).get("clipless", {})
+        return result.get("ratio_to", {}).get(ref)
+
+    def tf_privacy_over_clipless(model_name, batch):
+        results = paired.get((model_name, batch), {}).get("configs", {})
+        fastest = _fastest_tf_privacy(results)
+        return fastest[1]["ratio_to"].get("clipless") if fastest else None
+
+    def memory_ratio(model_name, batch):
+        clipless = isolated.get((model_name, "clipless", batch), {}).get("peak_mib")
+        floor = isolated.get((model_name, "floor", batch), {}).get("peak_mib")
+        return clipless / floor if clipless is not None and floor else None
+
+    targets = [(f"clipless x twin, {m}@{b}", paired_ratio(m, b, "twin"), "<=", 1.10)
+               for m, b in (("cnn", 1024), ("cnn", 4096), ("mlp", 4096))]
+    targets.append(("clipless x twin, mlp@1024", paired_ratio("mlp", 1024, "twin"), "<=", 1.5))
+    targets += [(f"clipless x floor, cnn@{b}", paired_ratio("cnn", b, "floor"), "<=", 1.5)
+                for b in (1024, 4096)]
+    targets.append(("tf-privacy fastest / clipless, cnn@1024",
+                    tf_privacy_over_clipless("cnn", 1024), ">=", 6.0))
+    targets += [(f"tf-privacy fastest / clipless, mlp@{b}", tf_privacy_over_clipless("mlp", b),
+                 ">", 1.0) for b in batch_sizes]
+    targets.append(("clipless peak memory / floor peak memory (own process), cnn@4096",
+                    memory_ratio("cnn", 4096), "<=", 1.6))
+    return targets
+
+
+def _targets_table(targets) -> str:
+    lines = ["| target | measured | bound | verdict |", "|---|---|---|---|"]
+    for what, value, op, bound in targets:
+        verdict = "not measured" if value is None else (
+            "PASS" if _OPS[op](value, bound) else "FAIL")
+        shown = "-" if value is None else f"{value:.2f}"
+        lines.append(f"| {what} | {shown} | {op} {bound:g} | {verdict} |")
+    return "\n".join(lines)
+
+
+def _header(elapsed) -> str:
+    versions = ", ".join(f"{name} {_version(package)}" for name, package in (
+        ("TensorFlow", "tensorflow"), ("deel-lip", "deel-lip"),
+        ("tensorflow-privacy", "tensorflow-privacy"), ("numpy", "numpy")))
+    command = shlex.join([sys.executable] + sys.argv)
+    return "\n".join([
+        "# Speed benchmark: Clipless DP-SGD", "",
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- machine: {_cpu_model()}, {os.cpu_count()} cores, "
+        f"{_meminfo_mib('MemTotal') / 1024:.1f} GiB memory",
+        f"- versions: Python {platform.python_version()}, {versions}; lipdp commit "
+        f"{_git_commit()}",
+        f"- command: `{command}`",
+        f"- total wall time: {elapsed:.0f} s", "",
+        "What each configuration is and how time and memory are measured: the docstring of "
+        "`benchmarks/run.py`. The paired figures are the primary ones (medians of per-round "
+        "ratios within one process).",
+    ])
+
+
+def _report(args, batch_sizes, configs, isolated, paired, elapsed) -> str:
+    sections = [_header(elapsed)]
+    for model_name in args.models:
+        sections += [f"## {model_name}: paired in one process ({args.rounds} rounds)",
+                     _paired_table(model_name, batch_sizes, configs, paired)]
+        if not args.no_isolated:
+            sections += [f"## {model_name}: each configuration in its own process",
+                         _isolated_table(model_name, batch_sizes, configs, isolated)]
+        sections += [f"## {model_name}: breakdown of the clipless step (paired rounds)",
+                     _breakdown_table(model_name, batch_sizes, paired)]
+    sections += ["## Targets", _targets_table(_targets(paired, isolated, batch_sizes))]
+    return "\n\n".join(sections) + "\n"
+
+
+# ------------------------------------------------------------------------ main
+def _parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
-    parser.add_argument("--quick", action="store_true",
-                        help="batch sizes 256 and 1024, 1 warm-up and 3 timed steps")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
-    parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="default 256 1024 4096 (--quick: 256 1024)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+                        help="floor and twin are always run (the ratios' references)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="paired rounds, and timed steps in an own process (default 8; "
+                             "--quick: 4)")
+    parser.add_argument("--quick", action="store_true", help="batch 256 and 1024, 4 rounds")
+    parser.add_argument("--output", default=os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "results.md"), help="markdown report; '-': print only")
+    parser.add_argument("--no-isolated", action="store_true",
+                        help="skip the own-process runs (time and memory of each configuration)")
     parser.add_argument("--budget", type=float, default=30.0,
                         help="seconds of steps after tracing before a configuration stops early")
     parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds allowed to one configuration (subprocess)")
-    parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)
+                        help="seconds allowed to a subprocess per configuration it runs")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    args.steps = args.steps if args.steps is not None else (3 if args.quick else 5)
+    args.rounds = args.rounds if args.rounds is not None else (4 if args.quick else 8)
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.model, args.warmup,
-                                args.steps, args.budget)))
+        kind, model_name, batch, *configs = args.worker
+        if kind == "paired":
+            result = paired_worker(model_name, int(batch), configs, args.rounds, args.budget)
+        else:
+            result = isolated_worker(model_name, configs[0], int(batch), args.rounds,
+                                     args.budget)
+        print(json.dumps(result))
         return 0
     batch_sizes = args.batch_sizes or ([256, 1024] if args.quick else [256, 1024, 4096])
-    configs = ["clipless"] + [c for c in args.configs if c != "clipless"]
-    results, last = [], {}
+    configs = [c for c in CONFIGS if c in ("floor", "twin") or c in args.configs]
     start = time.perf_counter()
-    for batch in batch_sizes:
-        for config in configs:
-            previous = last.get(config)
-            skip = None
-            if previous is not None and "error" in previous:
-                skip = f"not run: see batch {previous['batch']}"
-            elif previous is not None:
-                growth = (batch / previous["batch"]) ** _SCALING_EXPONENT.get(config, 1)
-                seconds, mib = previous["step_s"] * growth, previous["peak_mib"] * growth
-                if seconds > args.timeout:
-                    skip = (f"not run: ~{seconds:.0f} s/step extrapolated from batch "
-                            f"{previous['batch']}")
-                elif mib > 0.8 * _available_mib():
-                    skip = (f"not run: ~{mib / 1024:.0f} GiB extrapolated from batch "
-                            f"{previous['batch']}, {_available_mib() / 1024:.0f} GiB available")
-            if skip:
-                result = {"config": config, "batch": batch, "error": skip}
-            else:
-                result = _run_worker(config, batch, args)
-            results.append(result)
-            if previous is None or "error" not in previous:
-                last[config] = result
-            shown = (f"{result['step_s']:.4f} s/step, +{result['peak_mib']:.0f} MiB"
-                     if "error" not in result else f"FAILED: {result['error']}")
-            print(f"batch {batch:5d}  {config:12s} {shown}", flush=True)
-    print(f"\n{_table(results, batch_sizes, configs)}\n")
-    print(f"model {args.model}; total wall time {time.perf_counter() - start:.0f} s; median of "
-          f"up to {args.steps} steps after up to {args.warmup} warm-up steps; "
-          f"{os.cpu_count()} CPU cores")
+    isolated, paired = {}, {}
+    for model_name in args.models:
+        last = {}
+        for batch in batch_sizes:
+            batch_isolated, paired[(model_name, batch)] = _measure_batch(
+                model_name, batch, configs, last, args)
+            isolated.update({(model_name, c, batch): r for c, r in batch_isolated.items()})
+    report = _report(args, batch_sizes, configs, isolated, paired, time.perf_counter() - start)
+    print("\n" + report)
+    if args.output != "-":
+        with open(args.output, "w") as out:
+            out.write(report)
+        print(f"written to {args.output}")
     return 0
 
 

@@ -168,6 +168,12 @@ class _DPModelMixin:
         if not isinstance(private_logs_only, bool):
             raise TypeError("`private_logs_only` must be a bool. "
                             f"Received: private_logs_only={private_logs_only!r}")
+        if kwargs.get("jit_compile") and self.dp_parameters.mode is not DPMode.CLIPPED:
+            raise ValueError(
+                "jit_compile=True is not supported in clipless mode: the certified operator "
+                "norms are computed in float64 on the host (lipdp.gram_certificates, through "
+                "tf.numpy_function), which XLA cannot compile. (On CPU XLA does not speed up "
+                "lipdp's layers anyway: benchmarks/results.md, breakdown tables.)")
         self._compile_dp(optimizer, loss, metrics, loss_weights, **kwargs)
         if not self.trainable_variables:
             raise ValueError("The model has no trainable variables to train privately (is it "

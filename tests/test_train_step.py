@@ -399,3 +399,11 @@ def test_empty_poisson_batch_is_pure_noise_and_fit_goes_on(strategy):
     model.fit(dataset, epochs=1, verbose=0)
     assert model.dp_steps_taken == 3
     assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
+
+
+def test_jit_compile_is_refused_in_clipless_mode_with_the_reason():
+    model = DP_Sequential([DP_BoundedInput(1.0, input_shape=(4,)), DP_QuickSpectralDense(2)],
+                          dp_parameters=DPParameters(1.0),
+                          dataset_metadata=DatasetMetadata((4,), 2, 8, 8, 4, 1.0, "shuffle"))
+    with pytest.raises(ValueError, match="jit_compile=True is not supported in clipless mode"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd", jit_compile=True)
