@@ -48,9 +48,10 @@ Configurations:
   so skips extrapolate it quadratically (the others linearly);
 * ``tf-privacy fastest`` (a table row): the faster of the tf-privacy configurations that ran.
 
-Every step is compiled with ``tf.function`` and ends by reading one element of the last
-trainable variable (after the update) back to the host with ``.numpy()``, so asynchronous
-execution cannot hide work.
+Every step is compiled with ``tf.function`` and ends by reading one element of every variable
+of the model back to the host with ``.numpy()``: the reads come after the step's assignments
+(optimizer, projections of every layer), so no work of a step is left running into the next
+timed call, and asynchronous execution cannot hide work.
 
 Measurements, for each model and batch size (default 256, 1024, 4096):
 
@@ -208,10 +209,12 @@ def _data(batch):
 
 
 def _probe(tensors):
-    """A scalar depending on every tensor: reading it back ends a timed call."""
+    """A scalar depending on every tensor (of known, non-empty shape; lipdp's ledger rows
+    are written when the step is traced): reading it back ends a timed call."""
     import tensorflow as tf
 
-    return tf.add_n([tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in tensors])
+    return tf.add_n([tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in tensors
+                     if t.shape.is_fully_defined() and t.shape.num_elements()])
 
 
 def _dp_model(model_name, batch, config):
@@ -272,7 +275,7 @@ def _floor(model_name):
                                                                             from_logits=True))
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                       model.trainable_variables))
-        return _probe(model.trainable_variables[-1:])
+        return _probe(model.variables)
 
     return step, model
 
@@ -293,7 +296,7 @@ def _twin(model_name, batch):
         optimizer.apply_gradients(zip(tape.gradient(value, model.trainable_variables),
                                       model.trainable_variables))
         model.project()
-        return _probe(model.trainable_variables[-1:])
+        return _probe(model.variables)
 
     return step, model
 
@@ -305,7 +308,7 @@ def _train_step(model):
     @tf.function
     def step(x, y):
         model.train_step((x, y))
-        return _probe(model.trainable_variables[-1:])
+        return _probe(model.variables)
 
     return step
 
@@ -358,7 +361,7 @@ def _tf_privacy_vectorized(model_name, batch):
     @tf.function
     def step(x, y):
         optimizer.minimize(lambda: loss(y, model(x, training=True)), model.trainable_variables)
-        return _probe(model.trainable_variables[-1:])
+        return _probe(model.variables)
 
     return step, model
 
@@ -401,12 +404,12 @@ def _breakdown_pieces(model, x, y) -> dict:
     @tf.function
     def optimizer(gradients):
         model.optimizer.apply_gradients(zip(gradients, variables))
-        return _probe(variables[-1:])
+        return _probe(model.variables)
 
     @tf.function
     def projection():
         model.project()
-        return _probe(variables[-1:])
+        return _probe(model.variables)
 
     forward_backward_xla = tf.function(forward_backward.python_function, jit_compile=True)
     return {"forward+backward": lambda: forward_backward(x, y), "bound pass": bound_pass,
