@@ -511,8 +511,11 @@ def _run_worker(worker_args, args, timeout) -> dict:
         return {"error": f"killed by signal {-done.returncode}"
                          + (" (out of memory)" if done.returncode == -9 else "")}
     if done.returncode != 0:
-        last_line = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
-        return {"error": f"failed: {last_line.strip()}".replace("|", "/")}
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+        # TensorFlow ends with the op's name; the reason (e.g. OOM) stands a few lines above.
+        reason = next((line for line in reversed(lines) if "OOM" in line or "Error" in line),
+                      lines[-1])
+        return {"error": f"failed: {reason.strip()[:160]}".replace("|", "/")}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
