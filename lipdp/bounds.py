@@ -15,14 +15,17 @@ by its public batch denominator.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer, chain_backward, chain_lipschitz, operator_norm_cache
+from lipdp.layers.base import (DPLayer, cached_operator_norm, chain_backward, chain_lipschitz,
+                               operator_norm_cache)
 from lipdp.layers.basic import DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
+from lipdp.operator_norms import certified_norms
 
 # Non-DP layers users commonly reach for, and what to use instead.
 _REPLACEMENTS = {
@@ -182,12 +185,26 @@ def _check_chain(layers: Sequence[tf.keras.layers.Layer]):
             )
 
 
+@contextlib.contextmanager
+def _bound_pass(layers):
+    """One pass over `layers` at fixed weights: each certified operator norm is computed
+    once, and all of them in one host call (`lipdp.operator_norms.certified_norms`)."""
+    with operator_norm_cache():
+        certified = [layer for layer in _leaves(layers)
+                     if hasattr(layer, "certified_norm_request")]
+        if certified:
+            norms = certified_norms([layer.certified_norm_request() for layer in certified])
+            for layer, norm in zip(certified, norms):
+                cached_operator_norm(layer, lambda norm=norm: norm)
+        yield
+
+
 def backpropagate_bounds(layers: Sequence[DPLayer], loss_lipschitz) -> List[Tuple[tf.Variable, tf.Tensor]]:
     """Per-example gradient bound of every trainable variable of `layers` (TF scalars).
 
     Inputs are unbounded here: the first layer, `DP_BoundedInput`, bounds them.
     """
-    with operator_norm_cache():  # each certified norm is computed once per pass
+    with _bound_pass(layers):
         return chain_backward(list(layers), tf.constant(float("inf")),
                               tf.constant(float(loss_lipschitz), tf.float32))[0]
 
@@ -195,8 +212,9 @@ def backpropagate_bounds(layers: Sequence[DPLayer], loss_lipschitz) -> List[Tupl
 def lipschitz_bound(model) -> tf.Tensor:
     """Certified Lipschitz constant of the model w.r.t. its input (product over layers,
     with the two paths of residual sections added)."""
-    with operator_norm_cache():
-        return chain_lipschitz(dp_layers(model), tf.constant(float("inf")), tf.constant(1.0))
+    layers = dp_layers(model)
+    with _bound_pass(layers):
+        return chain_lipschitz(layers, tf.constant(float("inf")), tf.constant(1.0))
 
 
 def _loss_lipschitz(model, loss):

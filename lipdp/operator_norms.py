@@ -35,15 +35,39 @@ import tensorflow as tf
 from lipdp.gram_certificates import conv_norm_upper, dense_norm_upper
 
 
+def certified_norms(requests):
+    """Certified operator norms of several kernels, in **one** host call.
+
+    Args:
+        requests: ``[(kind, kernel, grid), ...]`` with kind ``"dense"`` (grid None: the
+            spectral norm of the kernel reshaped to ``(-1, out)``) or ``"conv"`` (the
+            operator norm of the convolution by the ``(kh, kw, C_in, C_out)`` kernel on
+            inputs whose circular extension is the ``grid`` torus, `conv_frequency_grid`).
+
+    Returns:
+        a list of float32 scalar tensors, each an upper bound of its kernel's norm
+        (`lipdp.gram_certificates`). One call, not one per kernel: separate host calls
+        run concurrently and contend for the interpreter lock and the cores (34 ms
+        against 22 ms for the paper's CNN on 2 cores).
+    """
+    specs = [(kind, grid) for kind, _, grid in requests]
+
+    def compute(*kernels):
+        return np.array([dense_norm_upper(k) if kind == "dense" else conv_norm_upper(k, grid)
+                         for (kind, grid), k in zip(specs, kernels)], np.float32)
+
+    norms = tf.numpy_function(compute, [tf.convert_to_tensor(k) for _, k, _ in requests],
+                              tf.float32, stateful=False, name="certified_norms")
+    return tf.unstack(tf.ensure_shape(norms, [len(requests)]))
+
+
 def dense_spectral_norm_upper(kernel):
     """Upper bound of ``||kernel||_2`` (largest singular value) for a 2D kernel.
 
     Formal guarantee: the result (a float32 scalar tensor) is >= the exact spectral
     norm of `kernel`, whatever the projection did (`lipdp.gram_certificates`).
     """
-    bound = tf.numpy_function(dense_norm_upper, [tf.convert_to_tensor(kernel)], tf.float32,
-                              stateful=False, name="certified_spectral_norm")
-    return tf.ensure_shape(bound, [])
+    return certified_norms([("dense", kernel, None)])[0]
 
 
 def conv_frequency_grid(input_hw, kernel_hw):
@@ -61,10 +85,7 @@ def conv_operator_norm_upper(kernel, input_hw):
     Formal guarantee: for every padding ('same' or 'valid') and every stride,
     ``||conv2d(x, kernel)||_2 <= result * ||x||_2`` (see module docstring).
     """
-    grid = conv_frequency_grid(input_hw, kernel.shape[:2])
-    bound = tf.numpy_function(lambda k: conv_norm_upper(k, grid), [tf.convert_to_tensor(kernel)],
-                              tf.float32, stateful=False, name="certified_conv_norm")
-    return tf.ensure_shape(bound, [])
+    return certified_norms([("conv", kernel, conv_frequency_grid(input_hw, kernel.shape[:2]))])[0]
 
 
 def conv_operator_norm_power(conv_fn, input_shape, iterations=200, seed=0):

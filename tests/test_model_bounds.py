@@ -101,17 +101,18 @@ def test_model_lipschitz_bound_is_sound_and_tight_where_it_can_be(name):
 
 
 def test_each_certified_norm_is_computed_once_per_bound_pass(monkeypatch):
-    """The cache is scoped to one pass: same bounds, one eigen-solve per layer and pass."""
-    import lipdp.layers.dense as dense
+    """The cache is scoped to one pass: same bounds, every layer's certified norm computed
+    once per pass, all of them in one host call."""
+    import lipdp.bounds as bounds
 
     model = mlp()
     loss = DP_TauCategoricalCrossentropy(5.0)
     expected = gradient_bounds(model, loss)
     calls = []
-    original = dense.dense_spectral_norm_upper
-    monkeypatch.setattr(dense, "dense_spectral_norm_upper",
-                        lambda kernel: calls.append(1) or original(kernel))
+    original = bounds.certified_norms
+    monkeypatch.setattr(bounds, "certified_norms",
+                        lambda requests: calls.append(len(requests)) or original(requests))
     assert gradient_bounds(model, loss) == expected
-    assert len(calls) == 2  # two dense layers, each needed forward and backward
+    assert calls == [2]  # two dense layers, each needed forward and backward, one call
     model.layers[-1].kernel.assign(model.layers[-1].kernel * 3.0)  # a new pass sees new weights
     assert gradient_bounds(model, loss) != expected

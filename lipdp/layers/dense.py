@@ -11,7 +11,7 @@ import tensorflow as tf
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
 from lipdp.layers.base import DPLayer, cached_operator_norm, check_no_activation
-from lipdp.operator_norms import dense_spectral_norm_upper
+from lipdp.operator_norms import certified_norms
 from lipdp.rounding import addition_error, product_error
 
 _FORBIDDEN = ("kernel_constraint", "kernel_regularizer", "bias_regularizer", "activity_regularizer")
@@ -66,8 +66,13 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
     def _bias_norm(self):
         return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
 
+    def certified_norm_request(self):
+        """What `lipdp.operator_norms.certified_norms` needs to certify S."""
+        return ("dense", self.bounded_kernel(), None)
+
     def _spectral_bound(self):
-        return cached_operator_norm(self, lambda: dense_spectral_norm_upper(self.bounded_kernel()))
+        return cached_operator_norm(
+            self, lambda: certified_norms([self.certified_norm_request()])[0])
 
     def propagate_inputs(self, input_bound):
         return (self._spectral_bound() * input_bound
