@@ -189,3 +189,19 @@ def test_conv_certificate_eigenvalue_fallback(monkeypatch):
     kernel = np.random.default_rng(8).normal(size=(3, 3, 4, 6)).astype(np.float32)
     exact = _exact_conv_norm(kernel, (9, 9))
     assert exact <= float(conv_norm_upper(kernel, (9, 9))) <= exact * (1 + 1e-6)
+
+
+def test_one_host_call_gives_each_kernel_its_own_certificate():
+    """`certified_norms` batches dense and convolution requests into one host call; each
+    result is that kernel's own certificate, in order."""
+    from lipdp.operator_norms import certified_norms
+
+    rng = np.random.default_rng(9)
+    dense = rng.normal(size=(20, 7)).astype(np.float32)
+    conv = rng.normal(size=(3, 3, 2, 4)).astype(np.float32)
+    requests = [("conv", tf.constant(conv), (9, 9)), ("dense", tf.constant(dense), None),
+                ("dense", tf.constant(2.0 * dense), None)]
+    norms = tf.function(lambda: certified_norms(requests))()
+    assert [float(n) for n in norms] == [float(conv_norm_upper(conv, (9, 9))),
+                                         float(dense_norm_upper(dense)),
+                                         float(dense_norm_upper(2.0 * dense))]
