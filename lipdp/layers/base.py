@@ -38,6 +38,7 @@ import math
 
 import tensorflow as tf
 
+from lipdp.operator_norms import certified_norms
 from lipdp.rounding import ACTIVATION_RANGE
 
 # Certified operator norms computed during one pass of backpropagation for bounds,
@@ -68,6 +69,13 @@ def cached_operator_norm(layer, compute):
     if id(layer) not in _NORM_CACHE:
         _NORM_CACHE[id(layer)] = (layer, compute())  # the layer is kept alive: ids stay unique
     return _NORM_CACHE[id(layer)][1]
+
+
+def certified_operator_norm(layer):
+    """The certified norm that ``layer.certified_norm_request()`` describes
+    (`lipdp.operator_norms.certified_norms`), through `cached_operator_norm`."""
+    return cached_operator_norm(
+        layer, lambda: certified_norms([layer.certified_norm_request()])[0])
 
 
 class DPLayer(abc.ABC):

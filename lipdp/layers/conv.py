@@ -10,8 +10,8 @@ from deel.lip.layers.convolutional import _compute_conv_lip_factor
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
-from lipdp.layers.base import DPLayer, cached_operator_norm, check_no_activation
-from lipdp.operator_norms import certified_norms, conv_frequency_grid, dense_spectral_norm_upper
+from lipdp.layers.base import DPLayer, certified_operator_norm, check_no_activation
+from lipdp.operator_norms import conv_frequency_grid, dense_spectral_norm_upper
 from lipdp.rounding import SMALLEST_NORMAL, addition_error, product_error
 
 
@@ -132,8 +132,7 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
                 conv_frequency_grid(self._input_hw, self.kernel_size))
 
     def _operator_bound(self):
-        return cached_operator_norm(
-            self, lambda: certified_norms([self.certified_norm_request()])[0])
+        return certified_operator_norm(self)
 
     def propagate_inputs(self, input_bound):
         return (self._operator_bound() * input_bound

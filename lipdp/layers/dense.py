@@ -10,8 +10,7 @@ import tensorflow as tf
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
-from lipdp.layers.base import DPLayer, cached_operator_norm, check_no_activation
-from lipdp.operator_norms import certified_norms
+from lipdp.layers.base import DPLayer, certified_operator_norm, check_no_activation
 from lipdp.rounding import addition_error, product_error
 
 _FORBIDDEN = ("kernel_constraint", "kernel_regularizer", "bias_regularizer", "activity_regularizer")
@@ -71,8 +70,7 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
         return ("dense", self.bounded_kernel(), None)
 
     def _spectral_bound(self):
-        return cached_operator_norm(
-            self, lambda: certified_norms([self.certified_norm_request()])[0])
+        return certified_operator_norm(self)
 
     def propagate_inputs(self, input_bound):
         return (self._spectral_bound() * input_bound
