@@ -71,16 +71,26 @@ Measurements, for each model and batch size (default 256, 1024, 4096):
    floor's.
 
 Breakdown of the clipless step, in the paired subprocess: separately ``tf.function``-compiled
-pieces of the step, on the clipless model, each warmed up and timed in the same alternating
-rounds as the whole step: ``forward+backward`` (``model._averaged_gradients(x, y)``: gradients
+pieces of the step, on a second clipless model built like the first, each warmed up and timed
+in the same rounds as the whole steps, after them and always in step order (so that their bound
+pass, like the step's, sees the weights the last projection left: the optimizer piece moves
+them without projecting, and on unprojected kernels the certificates leave the near-orthogonal
+shortcut: the mlp's bound pass takes 2x as long. An earlier version ran the pieces on the
+clipless model itself, in the alternating order; the clipless step then met unprojected weights
+every other round, and mlp@4096 read 1.52x the twin instead of 1.04-1.08x):
+``forward+backward`` (``model._averaged_gradients(x, y)``: gradients
 / D, per-example losses, predictions), ``bound pass`` (``model.sensitivities()``: certified
 operator norms and the backpropagation of bounds), ``noise`` (``model._noise_stddevs`` of
 precomputed sensitivities, then one ``tf.random.normal`` of every variable's shape), ``optimizer``
-(``model.optimizer.apply_gradients`` of fixed precomputed gradients; it moves the weights,
-which does not matter for timing), ``projection`` (``model.project()``); the whole step is the
-clipless configuration's. Reported: the median time of each piece, its share of the whole
-step, and what the pieces leave unaccounted (whole - sum: graph overheads, checks). Beside
-them, not part of the step: the forward+backward piece compiled with XLA
+(``model.optimizer.apply_gradients`` of the noisy gradients of a fresh, untimed
+``model.private_gradients`` call before each timed one, so that the weights move as in
+training, not along one fixed gradient: Björck's iteration count depends on how far they
+moved), ``projection`` (``model.project()``); the whole step is the clipless configuration's.
+Reported: the median time of each piece, its share of the whole step, and what the pieces
+leave unaccounted (whole - sum: graph overheads, checks; negative when pieces overlap in the
+step: the bound pass does not depend on the batch, and TensorFlow runs it on the host beside
+the forward+backward). Beside them, not part of the step: the forward+backward piece compiled
+with XLA
 (``jit_compile=True``), to show whether XLA would help (lipdp's step cannot use it: its
 certified norms run on the host).
 
@@ -187,14 +197,22 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def _git_commit() -> str:
+def _git(*args) -> str:
+    """Output of a git command in this repository ('' when git fails)."""
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10,
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
                               cwd=os.path.dirname(os.path.abspath(__file__)))
     except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _git_commit() -> str:
+    """The commit measured, and the tracked files changed since it (they were measured too)."""
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    changed = [path for path in _git("diff", "--name-only", "HEAD").split()
+               if path != "benchmarks/results.md"]  # this benchmark's own output
+    return commit + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
 # ------------------------------------------------------------------ the models
@@ -380,12 +398,23 @@ def _build(model_name, config, batch):
 
 
 def _breakdown_pieces(model, x, y) -> dict:
-    """Zero-argument timed calls of the pieces of the clipless step, on its model."""
+    """Zero-argument timed calls of the pieces of the clipless step, on its model, and the
+    untimed preparations some of them need before each call."""
     import tensorflow as tf
 
     variables = model.trainable_variables
-    gradients = model._averaged_gradients(x, y)[0]  # pylint: disable=protected-access
     sensitivities = model.sensitivities()
+    noisy_gradients = []
+
+    @tf.function
+    def private_gradients(x, y):
+        return model.private_gradients(x, y)[1]
+
+    def fresh_noisy_gradients():
+        # The optimizer piece applies a new noisy gradient each time, as training does: a fixed
+        # one would drift the weights the same way every round, and the projection piece after
+        # it would then take more Björck iterations than in the step.
+        noisy_gradients[:] = private_gradients(x, y)
 
     @tf.function
     def forward_backward(x, y):
@@ -412,9 +441,11 @@ def _breakdown_pieces(model, x, y) -> dict:
         return _probe(model.variables)
 
     forward_backward_xla = tf.function(forward_backward.python_function, jit_compile=True)
-    return {"forward+backward": lambda: forward_backward(x, y), "bound pass": bound_pass,
-            "noise": lambda: noise(sensitivities), "optimizer": lambda: optimizer(gradients),
-            "projection": projection, XLA_PIECE: lambda: forward_backward_xla(x, y)}
+    fresh_noisy_gradients()
+    calls = {"forward+backward": lambda: forward_backward(x, y), "bound pass": bound_pass,
+             "noise": lambda: noise(sensitivities), "optimizer": lambda: optimizer(noisy_gradients),
+             "projection": projection, XLA_PIECE: lambda: forward_backward_xla(x, y)}
+    return calls, {"optimizer": fresh_noisy_gradients}
 
 
 # --------------------------------------------------------------------- workers
@@ -424,13 +455,17 @@ def _timed(call) -> float:
     return time.perf_counter() - start
 
 
-def _warm_up(call, budget) -> float:
-    """Tracing, then up to WARMUP steps within the budget; returns the seconds after tracing."""
+def _warm_up(call, budget, prepare=None) -> float:
+    """Tracing, then up to WARMUP steps within the budget; returns the seconds after tracing.
+    ``prepare`` (untimed) runs before each call."""
+    prepare = prepare or (lambda: None)
+    prepare()
     call().numpy()
     spent = 0.0
     for _ in range(WARMUP):
         if spent > budget:
             break
+        prepare()
         spent += _timed(call)
     return spent
 
@@ -441,7 +476,7 @@ def paired_worker(model_name, batch, configs, rounds, budget) -> dict:
 
     tf.keras.utils.set_random_seed(0)
     x, y = _data(batch)
-    calls, spent, results, notes = {}, {}, {}, {}
+    calls, spent, results, notes, pieces, prepare = {}, {}, {}, {}, [], {}
     for config in configs:
         before = _rss_mib()
         step, model = _build(model_name, config, batch)
@@ -451,26 +486,36 @@ def paired_worker(model_name, batch, configs, rounds, budget) -> dict:
         if config == "tf-privacy-model":
             notes[config] = _tf_privacy_path(model)
         if config == "clipless":
-            for piece, call in _breakdown_pieces(model, x, y).items():
+            # The pieces get a model of their own: their optimizer piece moves the weights
+            # without projecting them, which must not reach the clipless step's bound pass.
+            piece_model = _build(model_name, config, batch)[1]
+            piece_calls, prepare = _breakdown_pieces(piece_model, x, y)
+            for piece, call in piece_calls.items():
+                pieces.append(piece)
                 calls[piece] = call
-                spent[piece] = _warm_up(call, budget)
+                spent[piece] = _warm_up(call, budget, prepare.get(piece))
     times = {name: [] for name in calls}  # per round, None once the budget is spent
+    whole_steps = [name for name in calls if name not in pieces]
     for round_index in range(rounds):
-        order = list(calls) if round_index % 2 == 0 else list(reversed(calls))
+        # The pieces always run in step order: their bound pass, like the step's, sees weights
+        # that the last projection left (the near-orthogonal certificate's case).
+        order = (whole_steps if round_index % 2 == 0 else list(reversed(whole_steps))) + pieces
         for name in order:
             if times[name] and spent[name] > budget:
                 times[name].append(None)
                 continue
+            if name in prepare:
+                prepare[name]()
             times[name].append(_timed(calls[name]))
             spent[name] += times[name][-1]
-    pieces = {}
+    piece_figures = {}
     for name, series in times.items():
         figures = _summary(series, times)
         if name in results:
             results[name].update(figures)
         else:
-            pieces[name] = figures
-    return {"configs": results, "pieces": pieces, "notes": notes}
+            piece_figures[name] = figures
+    return {"configs": results, "pieces": piece_figures, "notes": notes}
 
 
 def _summary(series, times) -> dict:
