@@ -104,6 +104,22 @@ def _print_table(rows, header):
                                for i, (c, w) in enumerate(zip(row, widths))))
 
 
+def _sampler(metadata) -> str:
+    if metadata.sampling.value == "poisson":
+        return (f"Poisson (each example in each step with probability q = "
+                f"{metadata.sampling_rate:.4g})")
+    return ("shuffled fixed batches (NOT what the accountant assumes: epsilon is the "
+            "literature's heuristic, not a proof)")
+
+
+def _radius_label(radius: float) -> str:
+    """``0.1412 (36/255)`` for radii that are whole multiples of 1/255, else ``0.1``."""
+    pixels = round(radius * 255)
+    if pixels and abs(radius * 255 - pixels) < 1e-9 and pixels % 255:
+        return f"{radius:.4g} ({pixels}/255)"
+    return f"{radius:g}"
+
+
 def _train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     _section("Config")
@@ -112,7 +128,7 @@ def _train(args) -> int:
     # Heavy imports only once the config is known to be valid.
     from lipdp import accounting, certify
     from lipdp.bounds import gradient_bounds, lipschitz_bound
-    from lipdp.config import build_from_config
+    from lipdp.config import build_from_config, certification_target
 
     _section("Data")
     model, ds_train, ds_test, metadata, fit_kwargs = build_from_config(cfg)
@@ -173,7 +189,8 @@ def _train(args) -> int:
 
     radii = cfg["certification"]["radii"]
     all_radii = [0.0] + [r for r in radii if r != 0.0]
-    certified = certify.certified_accuracy(model, ds_test, all_radii)
+    network, test_inputs = certification_target(cfg, model, ds_test)
+    certified = certify.certified_accuracy(network, test_inputs, all_radii)
     eps_final = accounting.epsilon_spent(model)
     epochs_run = len(history.history.get("epsilon", []))
 
@@ -183,15 +200,21 @@ def _train(args) -> int:
           + ("" if budget is None else f"  [budget {budget:g}]"))
     for line in model.privacy_ledger.describe(delta).splitlines()[:-1]:
         print(f"ledger             : {line}")
-    print(f"test accuracy      : {certified[0.0]:.4f}")
+    print(f"sampler            : {_sampler(metadata)}; seed {cfg['dataset']['seed']}")
+    print("accountant         : RDP (autodp), Poisson-subsampled Gaussian, converted to "
+          "(epsilon, delta)")
+    print(f"test accuracy      : {certified[0.0]:.4f} (final epoch)")
     print(f"certified accuracy : L2 radius in input space (Lipschitz constant "
-          f"{float(lipschitz_bound(model)):.4g})")
-    _print_table([[f"{r:g}", f"{certified[r]:.4f}"] for r in radii], ["radius", "accuracy"])
+          f"{float(lipschitz_bound(network)):.4g})")
+    _print_table([[_radius_label(r), f"{certified[r]:.4f}"] for r in radii],
+                 ["radius", "accuracy"])
 
     path = cfg["output"]["save_model"]
     if path is not None:
         model.save(path)
-        print(f"model saved to {path}")
+        print(f"model saved to {path}" + ("" if network is model else
+              " (the head alone: it takes the scattering features; lipdp.config."
+              "build_front_end(config['model'], input_bound) rebuilds the front end)"))
     return EXIT_OK
 
 

@@ -22,11 +22,14 @@ Schema (defaults shown)::
       nb_samples_train: null   # int: train on the first n examples only
       data_dir: null           # directory holding the files (see lipdp.data)
     model:
-      architecture: mlp        # mlp | cnn
+      architecture: mlp        # mlp | cnn | scatternet
       widths: [1024]           # mlp: hidden widths (each dense layer followed by GroupSort2)
       conv_filters: [32, 64]   # cnn: filters of the 3x3 conv blocks (conv, GroupSort2, L2 pool 2x2)
       dense_width: 512         # cnn: width of the hidden dense layer
       use_bias: false          # biases in every dense / conv layer
+      scattering_J: 2          # scatternet: scales of the wavelet scattering (subsampling 2^J)
+      scattering_order_weights: [1.0, 1.0, 1.0]  # scatternet: weights of orders 0, 1, 2
+      feature_bound: 3.0       # scatternet: L2 bound of the scattering features
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce
@@ -46,7 +49,9 @@ Schema (defaults shown)::
       private_logs_only: false # true: no training loss/accuracy in the logs (they are
                                #   computed on training data and not covered by epsilon)
     certification:
-      radii: [0.0, 0.1, 0.25, 0.5, 1.0]   # L2 radii in input space; 0 = clean accuracy
+      radii: [0.0, 0.1411764705882353, 0.2823529411764706, 0.4235294117647059, 0.1, 0.25, 0.5]
+                               # L2 radii in input space: 0 (clean accuracy), 36/255, 72/255,
+                               #   108/255, 0.1, 0.25, 0.5
     output:
       save_model: null         # path for model.save(...) after training
 
@@ -58,6 +63,14 @@ Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
   [DP_QuickSpectralConv2D(f, 3x3), DP_GroupSort(2), DP_ScaledL2NormPooling2D(2)]
   for f in conv_filters, DP_Flatten, DP_QuickSpectralDense(dense_width),
   DP_GroupSort(2), DP_QuickSpectralDense(nb_classes)``. Needs image inputs.
+- ``scatternet`` (Tramèr & Boneh's ScatterNet features, a Lipschitz head): the fixed front end
+  ``DP_BoundedInput(X0), DP_Scattering(scattering_J, order_weights=...)`` (no variables, no
+  data: its Lipschitz constant is computed, `lipdp.layers.scattering`) is applied once to
+  every image by `lipdp.data.load_dataset(feature_map=...)`; the DP model trained is the head
+  ``DP_BoundedInput(feature_bound), DP_Flatten, [DP_QuickSpectralDense(w), DP_GroupSort(2)]
+  for w in widths, DP_QuickSpectralDense(nb_classes)`` on the features. Certified radii are
+  those of front end + head, in pixel space (`certification_target`). Needs image inputs and
+  kymatio (``pip install lipdp[scatternet]``).
 
 The training budget: with ``epochs: null`` the run lasts ``get_max_epochs(epsilon_budget,
 model)`` epochs (at least one: if the budget allows less than an epoch, the
@@ -79,9 +92,11 @@ __all__ = [
     "DEFAULT_CONFIG",
     "apply_overrides",
     "build_from_config",
+    "build_front_end",
     "build_loss",
     "build_model",
     "build_optimizer",
+    "certification_target",
     "load_config",
     "planned_epochs",
     "validate_config",
@@ -109,6 +124,9 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "conv_filters": [32, 64],
         "dense_width": 512,
         "use_bias": False,
+        "scattering_J": 2,
+        "scattering_order_weights": [1.0, 1.0, 1.0],
+        "feature_bound": 3.0,
     },
     "loss": {"name": "tau_cce", "tau": 10.0, "min_margin": 1.0, "alpha": 10.0},
     "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9},
@@ -119,7 +137,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "epsilon_budget": 3.0,
     },
     "training": {"epochs": None, "private_logs_only": False},
-    "certification": {"radii": [0.0, 0.1, 0.25, 0.5, 1.0]},
+    "certification": {"radii": [0.0, 36 / 255, 72 / 255, 108 / 255, 0.1, 0.25, 0.5]},
     "output": {"save_model": None},
 }
 
@@ -235,6 +253,13 @@ def _dataset_name(key, value):
 _POSITIVE = _number(low=0, low_open=True, expected="a finite positive number")
 _NON_NEGATIVE = _number(low=0, expected="a finite non-negative number")
 
+
+def _order_weights(key, value):
+    if not isinstance(value, list) or len(value) not in (2, 3):
+        raise _invalid(key, "a list of 2 or 3 positive numbers (weights of the scattering orders "
+                 "0, 1 and 2; 2 numbers: orders 0 and 1 only)", value)
+    return [_POSITIVE(key, v) for v in value]
+
 _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
     "dataset": {
         "name": _dataset_name,
@@ -247,11 +272,14 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "data_dir": _optional_str,
     },
     "model": {
-        "architecture": _choice("mlp", "cnn"),
+        "architecture": _choice("mlp", "cnn", "scatternet"),
         "widths": _int_list,
         "conv_filters": lambda k, v: _int_list(k, v, allow_empty=False),
         "dense_width": _positive_int,
         "use_bias": _bool,
+        "scattering_J": _positive_int,
+        "scattering_order_weights": _order_weights,
+        "feature_bound": _POSITIVE,
     },
     "loss": {
         "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
@@ -409,7 +437,7 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
     use_bias = model_cfg["use_bias"]
     stack: List[Any] = [layers.DP_BoundedInput(input_shape=metadata.input_shape,
                                                upper_bound=metadata.max_norm)]
-    if model_cfg["architecture"] == "mlp":
+    if model_cfg["architecture"] in ("mlp", "scatternet"):  # scatternet: the head
         stack.append(layers.DP_Flatten())
         for width in model_cfg["widths"]:
             stack += [layers.DP_QuickSpectralDense(width, use_bias=use_bias),
@@ -427,6 +455,54 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
                   layers.DP_GroupSort(2)]
     stack.append(layers.DP_QuickSpectralDense(metadata.nb_classes, use_bias=use_bias))
     return DP_Sequential(layers=stack, dp_parameters=dp_parameters, dataset_metadata=metadata)
+
+
+def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
+    """The fixed front end of ``scatternet``, ``DP_BoundedInput(input_bound)`` then
+    `DP_Scattering` (a Keras Sequential without variables, built on its first call), or None
+    for the other architectures.
+
+    Raises:
+        ConfigError: invalid scattering arguments.
+    """
+    if model_cfg["architecture"] != "scatternet":
+        return None
+    import tensorflow as tf
+
+    from lipdp import layers
+
+    weights = model_cfg["scattering_order_weights"]
+    try:
+        return tf.keras.Sequential([
+            layers.DP_BoundedInput(input_bound),
+            layers.DP_Scattering(J=model_cfg["scattering_J"], max_order=len(weights) - 1,
+                                 order_weights=weights)])
+    except ValueError as e:
+        raise ConfigError(f"Cannot build the scattering front end: {e}") from None
+
+
+def certification_target(cfg: Dict[str, Dict[str, Any]], model, ds_test):
+    """``(network, test data)`` that certified radii are computed on, in the dataset's input
+    space: ``(model, ds_test)``, or for ``scatternet`` the front end followed by ``model``'s
+    layers (shared, trained weights: a Keras Sequential of DP layers mapping images to
+    logits, whose certified Lipschitz constant includes the front end's) with the test images
+    bounded by ``dataset.input_bound`` (the front end has no variables: the one built here
+    computes what the training features were computed with)."""
+    d = cfg["dataset"]
+    front = build_front_end(cfg["model"], d["input_bound"])
+    if front is None:
+        return model, ds_test
+    import tensorflow as tf
+
+    from lipdp.data import load_dataset
+
+    bound_key = "bound_clip_value" if d["bound"] == "clip" else "bound_normalize"
+    _, images, metadata = load_dataset(d["name"], d["batch_size"], data_dir=d["data_dir"],
+                                       nb_samples_train=d["nb_samples_train"],
+                                       **{bound_key: d["input_bound"]})
+    network = tf.keras.Sequential([tf.keras.layers.Input(metadata.input_shape)]
+                                  + front.layers + list(model.layers))
+    return network, images
 
 
 def build_loss(loss_cfg: Dict[str, Any]):
@@ -501,7 +577,11 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
 
     cfg = validate_config(cfg)
     d = cfg["dataset"]
-    bound = {"bound_clip_value" if d["bound"] == "clip" else "bound_normalize": d["input_bound"]}
+    bound_key = "bound_clip_value" if d["bound"] == "clip" else "bound_normalize"
+    bound = {bound_key: d["input_bound"]}
+    front = build_front_end(cfg["model"], d["input_bound"])
+    if front is not None:
+        bound = {bound_key: cfg["model"]["feature_bound"], "feature_map": front}
     try:
         ds_train, ds_test, metadata = load_dataset(
             d["name"], d["batch_size"], sampling=d["sampling"], seed=d["seed"],

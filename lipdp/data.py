@@ -56,7 +56,7 @@ import struct
 import sys
 import warnings
 import zlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -636,6 +636,18 @@ def _check_positive_int(value, argname):
     return int(value)
 
 
+def _as_float(x: np.ndarray) -> np.ndarray:
+    """Inputs as the pipelines feed them: uint8 images scaled to [0, 1], float32."""
+    return x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+
+
+def _mapped(feature_map, x: np.ndarray, batch_size: int = 1000) -> np.ndarray:
+    """``feature_map`` of every example of ``x``, in batches, as one float32 array."""
+    mapped = [np.asarray(feature_map(tf.constant(_as_float(x[i:i + batch_size]))), np.float32)
+              for i in range(0, len(x), batch_size)]
+    return np.concatenate(mapped)
+
+
 def _make_transform(bound: InputBound, nb_classes: int):
     def transform(x, y):
         if x.dtype == tf.uint8:
@@ -696,6 +708,7 @@ def load_dataset(
     seed: Optional[int] = None,
     nb_samples_train: Optional[int] = None,
     download: bool = True,
+    feature_map: Optional[Callable[[tf.Tensor], tf.Tensor]] = None,
 ) -> Tuple[tf.data.Dataset, tf.data.Dataset, DatasetMetadata]:
     """Loads a dataset as bounded `tf.data` pipelines and its public metadata.
 
@@ -721,6 +734,13 @@ def load_dataset(
         seed: makes the sampling reproducible; every epoch still draws anew.
         nb_samples_train: use only the first n training examples.
         download: allow ``tf.keras.datasets.<name>.load_data()`` as last resort.
+        feature_map: a fixed map of a batch of inputs (float32, images scaled to [0, 1])
+            to features, e.g. `lipdp.layers.DP_Scattering` behind a `DP_BoundedInput`,
+            computed once here for every example, then bounded (``bound_clip_value`` /
+            ``bound_normalize`` bound the *features*; ``metadata.input_shape`` is their
+            shape). It must treat each example on its own and depend on no data: each
+            feature vector is then a function of its example alone, and the privacy
+            analysis of the model trained on the features is unchanged.
 
     Returns:
         ``(ds_train, ds_test, metadata)``. Both datasets yield ``(x, y)`` with
@@ -763,8 +783,12 @@ def load_dataset(
             )
         x_train, y_train = x_train[:nb_samples_train], y_train[:nb_samples_train]
 
+    x_test = raw.x_test
+    if feature_map is not None:
+        x_train, x_test = _mapped(feature_map, x_train), _mapped(feature_map, x_test)
+
     metadata = DatasetMetadata(
-        input_shape=raw.input_shape,
+        input_shape=tuple(x_train.shape[1:]),
         nb_classes=raw.nb_classes,
         nb_samples_train=int(len(y_train)),
         nb_samples_test=int(len(raw.y_test)),
@@ -787,7 +811,7 @@ def load_dataset(
         ds_train = _index_pipeline(x_tr, y_tr, indices, transform)
     ds_train = ds_train.prefetch(tf.data.AUTOTUNE)
 
-    x_te, y_te = tf.constant(raw.x_test), tf.constant(raw.y_test)
+    x_te, y_te = tf.constant(x_test), tf.constant(raw.y_test)
     test_indices = tf.data.Dataset.range(metadata.nb_samples_test).batch(batch_size)
     ds_test = _index_pipeline(x_te, y_te, test_indices, transform).prefetch(tf.data.AUTOTUNE)
     return ds_train, ds_test, metadata

@@ -13,6 +13,7 @@ import tensorflow as tf
 import yaml
 
 from lipdp import cli, config, data
+from lipdp.bounds import lipschitz_bound
 from lipdp.config import ConfigError, load_config
 from tests.test_data import make_mnist_dir
 
@@ -64,7 +65,7 @@ def test_shipped_main_config_has_the_measured_settings():
     assert cfg["privacy"] == {"noise_multiplier": 3.0, "delta": 1e-5,
                               "noisify_strategy": "global", "epsilon_budget": 3.0}
     assert cfg["training"]["epochs"] is None
-    assert cfg["certification"]["radii"] == [0.0, 0.1, 0.25, 0.5, 1.0]
+    assert cfg["certification"]["radii"] == [0.0, 36 / 255, 72 / 255, 108 / 255, 0.1, 0.25, 0.5]
     cnn = load_config(os.path.join(REPO, "configs", "fashion_mnist_cnn.yaml"))
     assert cnn["model"]["architecture"] == "cnn" and cnn["model"]["conv_filters"] == [32, 64]
     assert cnn["model"]["dense_width"] == 512
@@ -303,3 +304,34 @@ def test_train_stops_at_the_budget(fake_fashion, tmp_path, capsys):
     assert eps <= 1.3
     rows = [line.split() for line in summary.splitlines() if line.startswith("  ")]
     assert [r[0] for r in rows] == ["radius", "0.1"]
+
+
+def test_train_scatternet_end_to_end(fake_fashion, tmp_path, capsys):
+    cfg = load_config(None, [
+        "dataset.batch_size=10", "dataset.nb_samples_train=40", "dataset.input_bound=28.0",
+        "model.architecture=scatternet", "model.widths=[]",
+        "model.scattering_order_weights=[0.5, 1.0, 4.0]", "model.feature_bound=2.0",
+        "training.epochs=1", "privacy.epsilon_budget=null"])
+    model, _, ds_test, metadata, _ = config.build_from_config(cfg)
+    # The DP model is the head, on 7 x 7 x 81 scattering features bounded by feature_bound.
+    assert metadata.input_shape == (7, 7, 81) and metadata.max_norm == 2.0
+    assert [type(layer).__name__ for layer in model.layers] == [
+        "DP_BoundedInput", "DP_Flatten", "DP_QuickSpectralDense"]
+    network, images = config.certification_target(cfg, model, ds_test)
+    front = network.layers[1]
+    assert type(front).__name__ == "DP_Scattering" and network.input_shape == (None, 28, 28, 1)
+    head_lip = float(lipschitz_bound(model))
+    assert float(lipschitz_bound(network)) == pytest.approx(
+        front.lipschitz_constant * head_lip, rel=1e-6)
+    x, _ = next(iter(images))
+    # The certified network computes on images what the head computes on their features.
+    features = front(x)
+    assert float(tf.reduce_max(tf.abs(network(x) - model(features)))) < 1e-5
+
+    path = write_yaml(tmp_path / "scat.yaml", cfg)
+    assert cli.main(["train", path]) == 0
+    summary = capsys.readouterr().out.split("=== Summary ===")[1]
+    assert "test accuracy" in summary and "sampler            : Poisson" in summary
+    lip = float(summary.split("Lipschitz constant")[1].split(")")[0])
+    assert lip == pytest.approx(front.lipschitz_constant * head_lip, rel=1e-3)
+    assert "0.1412 (36/255)" in summary

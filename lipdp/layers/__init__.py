@@ -11,6 +11,7 @@ from lipdp.layers.pooling import DP_GlobalL2NormPooling2D, DP_MaxPool2D
 from lipdp.layers.reshaping import DP_Patches, DP_Permute, DP_Reshape
 from lipdp.layers.residual import (DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual,
                                    make_residuals)
+from lipdp.layers.scattering import DP_Scattering
 
 __all__ = [
     "DPLayer",
@@ -31,6 +32,7 @@ __all__ = [
     "DP_ReLU",
     "DP_Reshape",
     "DP_ScaledL2NormPooling2D",
+    "DP_Scattering",
     "DP_Sigmoid",
     "DP_Softplus",
     "DP_SpectralConv2D",
