@@ -1,4 +1,5 @@
-"""Command line: ``lipdp train CONFIG [--set section.field=value ...]``.
+"""Command line: ``lipdp train CONFIG [--set section.field=value ...]`` and
+``lipdp sweep CONFIG --grid section.field=[v1,v2] [...] [--output runs.jsonl]``.
 
 ``lipdp train`` loads a YAML config (`lipdp.config`), builds the data, the model
 and the privacy accountant, trains with ``model.fit`` (one line per epoch with
@@ -12,7 +13,10 @@ line or config (a one-paragraph message, no traceback).
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import logging
+import statistics
 import sys
 import time
 from typing import Optional, Sequence
@@ -63,6 +67,21 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", metavar="CONFIG", help="path of the YAML config file")
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.FIELD=VALUE", help=_OVERRIDE_HELP)
+    sweep = sub.add_parser(
+        "sweep", help="train every combination of a grid of config values, recording each run",
+        description="Train one run per combination of the --grid values (cartesian product) "
+                    "on top of CONFIG and --set, append each run's config and results as one "
+                    "JSON line to --output, and print a table with the mean and standard "
+                    "deviation. Tuning on private data costs privacy: see the README.",
+        epilog="example:\n  lipdp sweep configs/breast_cancer.yaml --grid dataset.seed=[0,1,2,3,4]",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sweep.add_argument("config", metavar="CONFIG", help="path of the YAML config file")
+    sweep.add_argument("--grid", action="append", default=[], metavar="SECTION.FIELD=[V1,V2]",
+                       help="one axis of the grid (repeatable; values parsed as YAML)")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="SECTION.FIELD=VALUE", help=_OVERRIDE_HELP)
+    sweep.add_argument("--output", default="sweep.jsonl",
+                       help="JSON-lines file the runs are appended to (default sweep.jsonl)")
     return parser
 
 
@@ -120,8 +139,9 @@ def _radius_label(radius: float) -> str:
     return f"{radius:g}"
 
 
-def _train(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+def _train(cfg) -> dict:
+    """One training run of a loaded config, printed section by section; returns its results
+    (the row a sweep records)."""
     _section("Config")
     print(_format_config(cfg))
 
@@ -204,10 +224,16 @@ def _train(args) -> int:
     print("accountant         : RDP (autodp), Poisson-subsampled Gaussian, converted to "
           "(epsilon, delta)")
     print(f"test accuracy      : {certified[0.0]:.4f} (final epoch)")
-    print(f"certified accuracy : L2 radius in input space (Lipschitz constant "
-          f"{float(lipschitz_bound(network)):.4g})")
+    lip = float(lipschitz_bound(network))
+    print(f"certified accuracy : L2 radius in input space (Lipschitz constant {lip:.4g})")
     _print_table([[_radius_label(r), f"{certified[r]:.4f}"] for r in radii],
                  ["radius", "accuracy"])
+    auroc = None
+    if metadata.nb_classes == 2:
+        from lipdp.evaluation import binary_scores, roc_auc
+
+        auroc = roc_auc(*binary_scores(network, test_inputs))
+        print(f"test AUROC         : {auroc:.4f} (final epoch)")
 
     path = cfg["output"]["save_model"]
     if path is not None:
@@ -215,6 +241,50 @@ def _train(args) -> int:
         print(f"model saved to {path}" + ("" if network is model else
               " (the head alone: it takes the scattering features; lipdp.config."
               "build_front_end(config['model'], input_bound) rebuilds the front end)"))
+    return {"epsilon": eps_final, "delta": delta, "test_accuracy": certified[0.0],
+            "test_auroc": auroc, "certified_accuracy": {str(r): certified[r] for r in radii},
+            "lipschitz_constant": lip, "epochs": epochs_run,
+            "steps": int(model.dp_steps_taken), "train_seconds": wall,
+            "sampling": metadata.sampling.value, "seed": cfg["dataset"]["seed"]}
+
+
+def _grid(assignments):
+    """``["a.b=[1, 2]", "c.d=[x]"]`` -> every combination, as lists of override strings."""
+    axes = []
+    for text in assignments:
+        key, _, raw = text.partition("=")
+        values = yaml.safe_load(raw) if raw else None
+        if not key or not isinstance(values, list) or not values:
+            raise ConfigError(f"Invalid grid axis {text!r}: expected section.field=[v1, v2, ...], "
+                              "e.g. dataset.seed=[0,1,2].")
+        axes.append([f"{key.strip()}={yaml.safe_dump(v, default_flow_style=True).strip()}"
+                     .replace("\n...", "") for v in values])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def _sweep(args) -> int:
+    """Every combination of the grid, one training run each, appended to a JSON-lines file."""
+    combos = _grid(args.grid)
+    configs = [load_config(args.config, args.overrides + combo) for combo in combos]  # all valid
+    rows = []
+    for index, (combo, cfg) in enumerate(zip(combos, configs), 1):
+        print(f"\n##### sweep run {index}/{len(combos)}: {' '.join(combo) or '(base config)'}")
+        row = {"config_file": args.config, "overrides": args.overrides, "grid_point": combo,
+               "config": cfg, **_train(cfg)}
+        rows.append(row)
+        with open(args.output, "a") as out:  # one line per finished run: nothing lost on a crash
+            out.write(json.dumps(row) + "\n")
+    _section(f"Sweep: {len(rows)} runs, recorded in {args.output}")
+    metric = "test_auroc" if rows[0]["test_auroc"] is not None else "test_accuracy"
+    _print_table([[" ".join(r["grid_point"]), f"{r['epsilon']:.4g}", f"{r[metric]:.4f}"]
+                  for r in rows], ["grid point", "epsilon", metric])
+    values = [r[metric] for r in rows]
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    print(f"{metric}: mean {statistics.mean(values):.4f}, standard deviation {spread:.4f} over "
+          f"{len(values)} runs")
+    print("Choosing among these runs by their test scores spends privacy beyond each run's "
+          "epsilon unless the data they were tuned on is public (README, 'Tuning costs "
+          "privacy').")
     return EXIT_OK
 
 
@@ -234,7 +304,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logger.setLevel(logging.INFO)
     logger.propagate = False  # no duplicates through handlers the root logger may have
     try:
-        return _train(args)
+        if args.command == "sweep":
+            return _sweep(args)
+        _train(load_config(args.config, args.overrides))
+        return EXIT_OK
     except ConfigError as e:
         print(f"lipdp: invalid config: {e}", file=sys.stderr)
         return EXIT_CONFIG

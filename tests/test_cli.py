@@ -6,6 +6,7 @@ IDX dataset written to a temporary directory and found through
 that fails).
 """
 
+import json
 import os
 
 import pytest
@@ -335,3 +336,39 @@ def test_train_scatternet_end_to_end(fake_fashion, tmp_path, capsys):
     lip = float(summary.split("Lipschitz constant")[1].split(")")[0])
     assert lip == pytest.approx(front.lipschitz_constant * head_lip, rel=1e-3)
     assert "0.1412 (36/255)" in summary
+
+
+def test_binary_dataset_reports_auroc(no_download, tmp_path, capsys):
+    path = write_yaml(tmp_path / "bc.yaml", {
+        "dataset": {"name": "breast_cancer", "batch_size": 100, "input_bound": 2.5, "seed": 0},
+        "model": {"widths": [], "use_bias": True},
+        "privacy": {"epsilon_budget": None}, "training": {"epochs": 2},
+        "certification": {"radii": [0.0, 0.1]}})
+    assert cli.main(["train", path]) == 0
+    summary = capsys.readouterr().out.split("=== Summary ===")[1]
+    auroc = float(summary.split("test AUROC")[1].split(":")[1].split()[0])
+    assert 0.0 <= auroc <= 1.0
+
+
+def test_sweep_records_every_grid_point(fake_fashion, tmp_path, capsys):
+    path = write_yaml(tmp_path / "tiny.yaml", {
+        "dataset": {"batch_size": 10, "nb_samples_train": 40},
+        "model": {"widths": [8]}, "privacy": {"epsilon_budget": None},
+        "training": {"epochs": 1}, "certification": {"radii": [0.0, 0.1]}})
+    output = tmp_path / "runs.jsonl"
+    assert cli.main(["sweep", path, "--grid", "dataset.seed=[0, 1]", "--grid",
+                     "optimizer.learning_rate=[0.01]", "--set", "loss.tau=5",
+                     "--output", str(output)]) == 0
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["grid_point"] for r in rows] == [
+        ["dataset.seed=0", "optimizer.learning_rate=0.01"],
+        ["dataset.seed=1", "optimizer.learning_rate=0.01"]]
+    for seed, row in enumerate(rows):
+        assert row["config"]["dataset"]["seed"] == seed and row["config"]["loss"]["tau"] == 5
+        assert row["steps"] == 4 and row["test_auroc"] is None
+        assert 0 <= row["certified_accuracy"]["0.1"] <= row["test_accuracy"] <= 1
+    out = capsys.readouterr().out
+    assert "Sweep: 2 runs" in out and "test_accuracy: mean" in out
+    assert cli.main(["sweep", path, "--grid", "dataset.seed=3", "--output",
+                     str(output)]) == 2  # not a list
+    assert "expected section.field=[v1, v2, ...]" in capsys.readouterr().err
