@@ -61,7 +61,7 @@ def test_shipped_main_config_has_the_measured_settings():
                               "nb_samples_train": None, "data_dir": None}
     assert cfg["model"]["architecture"] == "mlp" and cfg["model"]["widths"] == [1024]
     assert cfg["model"]["use_bias"] is False
-    assert (cfg["loss"]["name"], cfg["loss"]["tau"]) == ("tau_cce", 10.0)
+    assert (cfg["loss"]["name"], cfg["loss"]["tau"]) == ("tau_cce", 5.0)
     assert (cfg["optimizer"]["name"], cfg["optimizer"]["learning_rate"]) == ("adam", 0.001)
     assert cfg["privacy"] == {"noise_multiplier": 3.0, "delta": 1e-5,
                               "noisify_strategy": "global", "epsilon_budget": 3.0}
