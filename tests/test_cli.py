@@ -372,3 +372,12 @@ def test_sweep_records_every_grid_point(fake_fashion, tmp_path, capsys):
     assert cli.main(["sweep", path, "--grid", "dataset.seed=3", "--output",
                      str(output)]) == 2  # not a list
     assert "expected section.field=[v1, v2, ...]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(REPO, "configs"))
+                                        if f.endswith(".yaml")))
+def test_every_shipped_config_is_valid(name):
+    cfg = load_config(os.path.join(REPO, "configs", name))
+    # Every shipped row states its budget and samples as the accountant assumes.
+    assert cfg["privacy"]["epsilon_budget"] is not None
+    assert cfg["dataset"]["sampling"] == "poisson"
