@@ -107,6 +107,8 @@ def test_bounds_and_certification_of_a_scatternet_classifier():
         tf.keras.layers.Input((16, 16, 1)), DP_BoundedInput(16.0), layer,
         DP_BoundedInput(3.0), DP_Flatten(), DP_QuickSpectralDense(10, use_bias=False)])
     assert layer.propagate_inputs(2.0) == pytest.approx(2.0 * layer.lipschitz_constant)
+    assert layer.propagate_inputs(2.0) == pytest.approx(
+        2.0 * layer.lipschitz_constant + layer.rounding_error(2.0), rel=1e-12)
     lip = float(lipschitz_bound(model))
     assert lip == pytest.approx(layer.lipschitz_constant, rel=1e-5)  # head projected: norm ~1
     error = float_error_bound(model)

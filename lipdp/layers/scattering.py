@@ -36,12 +36,14 @@ A test holds this constant against power iteration on the Jacobian and gradient 
 ``||S x - S y|| / ||x - y||`` (`tests/test_scattering.py`). Channels are scattered
 independently (disjoint blocks): the constant is the same for any number of channels.
 
-**Rounding** (for certified radii; privacy never depends on it, the next `DP_BoundedInput`
-bounds what the head sees): the float64 evaluation is taken to be within ``2^-30 Lip ||x||``
+**Rounding**: the float64 evaluation is taken to be within ``2^-30 Lip ||x||``
 of the exact operator (a stated arithmetic model, like lipdp's accuracy of tanh: each path
 runs about 15 FFT, product, mean and modulus stages, each within ``2^-45`` normwise for
 float64 FFTs of these sizes by Higham's Theorem 24.2, amplified by stage constants of order
-1), and the cast to float32 adds at most ``2^-24`` of the output's norm.
+1), and the cast to float32 adds at most ``2^-24`` of the output's norm. Certified radii use
+this bound (`rounding_error`), and so does the output-norm bound (`propagate_inputs` adds it),
+which gradient bounds use when no `DP_BoundedInput` follows; the configs put one after the
+front end, and then privacy does not depend on the arithmetic model at all.
 
 kymatio is an optional dependency (``pip install lipdp[scatternet]``; kymatio 0.3 needs
 ``scipy<1.15``).
@@ -152,8 +154,8 @@ class DP_Scattering(tf.keras.layers.Layer, DPLayer):
     ``1 + J L`` for 1), the coefficients of order m multiplied by ``order_weights[m]``
     (fixed rescalings: order-2 coefficients are about 10x smaller than order-0 ones on
     images, and a linear head sees them better scaled up; any weights keep the constant
-    computed). ``X_out = Lip X_in``, ``G_in = Lip G`` with Lip from `scattering_lipschitz`
-    (module docstring); no variables.
+    computed). ``X_out = (1 + r) Lip X_in`` (r the relative rounding bound),
+    ``G_in = Lip G``, with Lip from `scattering_lipschitz` (module docstring); no variables.
 
     Args:
         J: number of scales (subsampling ``2^J``).
@@ -216,7 +218,11 @@ class DP_Scattering(tf.keras.layers.Layer, DPLayer):
         return self._lipschitz
 
     def propagate_inputs(self, input_bound):
-        return self._lipschitz * input_bound
+        """``Lip X`` plus the rounding bound: the norm of the float32 output."""
+        return self._lipschitz * input_bound * (1.0 + self._relative_rounding())
+
+    def _relative_rounding(self) -> float:
+        return _FLOAT64_EVALUATION_ERROR + UNIT_ROUNDOFF * (1.0 + _FLOAT64_EVALUATION_ERROR)
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return self._lipschitz * gradient_bound
@@ -225,9 +231,7 @@ class DP_Scattering(tf.keras.layers.Layer, DPLayer):
         """``(2^-30 + 2^-24 (1 + 2^-30)) Lip X``: float64 evaluation (arithmetic model of the
         module docstring), then the cast to float32 of an output of norm
         ``<= (1 + 2^-30) Lip X``."""
-        output_bound = self._lipschitz * float(input_bound)
-        return (_FLOAT64_EVALUATION_ERROR
-                + UNIT_ROUNDOFF * (1.0 + _FLOAT64_EVALUATION_ERROR)) * output_bound
+        return self._relative_rounding() * self._lipschitz * float(input_bound)
 
     def get_config(self):
         config = super().get_config()
