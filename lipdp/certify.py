@@ -192,7 +192,9 @@ def _check_radii(radii) -> Tuple[float, ...]:
     return tuple(checked)
 
 
-def _batches(dataset_or_xy, batch_size) -> Iterable[Tuple[np.ndarray, np.ndarray]]:
+def labelled_batches(dataset_or_xy, batch_size) -> Iterable[Tuple[np.ndarray, np.ndarray]]:
+    """``(x, y)`` numpy batches of a batched dataset of pairs, or of an ``(x, y)`` pair of
+    arrays cut into `batch_size` pieces (checked: pairs, equal lengths)."""
     if isinstance(dataset_or_xy, tf.data.Dataset):
         for element in dataset_or_xy:
             if not isinstance(element, (tuple, list)) or len(element) < 2:
@@ -248,7 +250,7 @@ def certified_accuracy(model, dataset_or_xy, radii, batch_size: int = 1024) -> D
     error = float_error_bound(model)
     counts = np.zeros(len(radii), np.int64)
     total = 0
-    for x, y in _batches(dataset_or_xy, batch_size):
+    for x, y in labelled_batches(dataset_or_xy, batch_size):
         logits = _logits(model, x, batch_size)
         correct = _correct(logits, y)
         radius = _radii_from_margins(margins(logits), logits.shape[1], lip, error)

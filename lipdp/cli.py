@@ -100,15 +100,19 @@ class _StdoutHandler(logging.StreamHandler):
         pass
 
 
+def _yaml_flow(value) -> str:
+    """`value` as one line of YAML flow style (what `--set` parses back)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+    return text[:-3].strip() if text.endswith("\n...") else text  # scalar doc end
+
+
 def _format_config(cfg) -> str:
     """One ``section:`` per line, then ``  field: value`` (values in YAML flow style)."""
     lines = []
     for section, fields in cfg.items():
         lines.append(f"{section}:")
         for field, value in fields.items():
-            text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
-            text = text[:-3].strip() if text.endswith("\n...") else text  # scalar doc end
-            lines.append(f"  {field}: {text}")
+            lines.append(f"  {field}: {_yaml_flow(value)}")
     return "\n".join(lines)
 
 
@@ -257,8 +261,7 @@ def _grid(assignments):
         if not key or not isinstance(values, list) or not values:
             raise ConfigError(f"Invalid grid axis {text!r}: expected section.field=[v1, v2, ...], "
                               "e.g. dataset.seed=[0,1,2].")
-        axes.append([f"{key.strip()}={yaml.safe_dump(v, default_flow_style=True).strip()}"
-                     .replace("\n...", "") for v in values])
+        axes.append([f"{key.strip()}={_yaml_flow(v)}" for v in values])
     return [list(combo) for combo in itertools.product(*axes)]
 
 

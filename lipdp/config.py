@@ -481,6 +481,11 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
         raise ConfigError(f"Cannot build the scattering front end: {e}") from None
 
 
+def _bound_argument(dataset_cfg: Dict[str, Any], max_norm: float) -> Dict[str, float]:
+    """`lipdp.data.load_dataset`'s keyword for the ``dataset.bound`` mode, set to max_norm."""
+    return {"bound_clip_value" if dataset_cfg["bound"] == "clip" else "bound_normalize": max_norm}
+
+
 def certification_target(cfg: Dict[str, Dict[str, Any]], model, ds_test):
     """``(network, test data)`` that certified radii are computed on, in the dataset's input
     space: ``(model, ds_test)``, or for ``scatternet`` the front end followed by ``model``'s
@@ -496,10 +501,9 @@ def certification_target(cfg: Dict[str, Dict[str, Any]], model, ds_test):
 
     from lipdp.data import load_dataset
 
-    bound_key = "bound_clip_value" if d["bound"] == "clip" else "bound_normalize"
     _, images, metadata = load_dataset(d["name"], d["batch_size"], data_dir=d["data_dir"],
                                        nb_samples_train=d["nb_samples_train"],
-                                       **{bound_key: d["input_bound"]})
+                                       **_bound_argument(d, d["input_bound"]))
     network = tf.keras.Sequential([tf.keras.layers.Input(metadata.input_shape)]
                                   + front.layers + list(model.layers))
     return network, images
@@ -577,11 +581,10 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
 
     cfg = validate_config(cfg)
     d = cfg["dataset"]
-    bound_key = "bound_clip_value" if d["bound"] == "clip" else "bound_normalize"
-    bound = {bound_key: d["input_bound"]}
+    bound = _bound_argument(d, d["input_bound"])
     front = build_front_end(cfg["model"], d["input_bound"])
     if front is not None:
-        bound = {bound_key: cfg["model"]["feature_bound"], "feature_map": front}
+        bound = {**_bound_argument(d, cfg["model"]["feature_bound"]), "feature_map": front}
     try:
         ds_train, ds_test, metadata = load_dataset(
             d["name"], d["batch_size"], sampling=d["sampling"], seed=d["seed"],

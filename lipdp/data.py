@@ -636,23 +636,22 @@ def _check_positive_int(value, argname):
     return int(value)
 
 
-def _as_float(x: np.ndarray) -> np.ndarray:
+def _as_float(x) -> tf.Tensor:
     """Inputs as the pipelines feed them: uint8 images scaled to [0, 1], float32."""
-    return x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+    x = tf.convert_to_tensor(x)
+    return tf.cast(x, tf.float32) / 255.0 if x.dtype == tf.uint8 else tf.cast(x, tf.float32)
 
 
 def _mapped(feature_map, x: np.ndarray, batch_size: int = 1000) -> np.ndarray:
     """``feature_map`` of every example of ``x``, in batches, as one float32 array."""
-    mapped = [np.asarray(feature_map(tf.constant(_as_float(x[i:i + batch_size]))), np.float32)
+    mapped = [np.asarray(feature_map(_as_float(x[i:i + batch_size])), np.float32)
               for i in range(0, len(x), batch_size)]
     return np.concatenate(mapped)
 
 
 def _make_transform(bound: InputBound, nb_classes: int):
     def transform(x, y):
-        if x.dtype == tf.uint8:
-            x = tf.cast(x, tf.float32) / 255.0
-        x = bound.apply_batch(tf.cast(x, tf.float32))
+        x = bound.apply_batch(_as_float(x))
         return x, tf.one_hot(y, nb_classes, dtype=tf.float32)
 
     return transform

@@ -14,12 +14,15 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
+from lipdp.certify import labelled_batches
+
 __all__ = ["binary_scores", "roc_auc"]
 
 
-def binary_scores(model, dataset_or_xy) -> Tuple[np.ndarray, np.ndarray]:
+def binary_scores(model, dataset_or_xy, batch_size: int = 1024) -> Tuple[np.ndarray, np.ndarray]:
     """``(scores, labels)`` of a one- or two-output model on a dataset of ``(x, y)`` batches
-    or an ``(x, y)`` pair of arrays; labels are 0/1 (one-hot or index labels).
+    or an ``(x, y)`` pair of arrays (cut into `batch_size` pieces); labels are 0/1 (one-hot or
+    index labels).
 
     Raises:
         ValueError: the model has more than two outputs.
@@ -27,11 +30,9 @@ def binary_scores(model, dataset_or_xy) -> Tuple[np.ndarray, np.ndarray]:
     outputs = int(model.output_shape[-1])
     if outputs > 2:
         raise ValueError(f"An AUROC needs a binary classifier; the model has {outputs} outputs.")
-    batches = ([dataset_or_xy] if isinstance(dataset_or_xy, tuple) else dataset_or_xy)
     scores, labels = [], []
-    for x, y in batches:
+    for x, y in labelled_batches(dataset_or_xy, batch_size):
         logits = np.asarray(model(tf.convert_to_tensor(x), training=False), np.float64)
-        y = np.asarray(y)
         scores.append(logits[:, 0] if outputs == 1 else logits[:, 1] - logits[:, 0])
         labels.append(y.argmax(axis=-1) if y.ndim == 2 and y.shape[-1] == 2
                       else y.reshape(-1) > 0)
