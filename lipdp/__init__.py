@@ -9,7 +9,7 @@ mode="clipped", ...)``, `lipdp.clipping`) for comparison.
 
 from lipdp import bounds, certify, clipping, data, layers, ledger, losses, records
 from lipdp.accounting import get_eps_delta, get_max_epochs
-from lipdp.callbacks import DP_Accountant
+from lipdp.callbacks import BoundMonitor, DP_Accountant, SignalToNoise
 from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
                             NormEngine, Sampling)
 from lipdp.model import DP_Model, DP_Sequential
@@ -19,6 +19,7 @@ from lipdp import zoo  # noqa: I001 (after lipdp.model, which it builds on)
 __version__ = "0.1.0"
 
 __all__ = [
+    "BoundMonitor",
     "Clipping",
     "DP_Accountant",
     "DP_Model",
@@ -29,6 +30,7 @@ __all__ = [
     "NoiseStrategy",
     "NormEngine",
     "Sampling",
+    "SignalToNoise",
     "bounds",
     "certify",
     "clipping",

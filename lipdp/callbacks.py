@@ -5,19 +5,31 @@ stops training before the step that would exceed it. It only reads python
 attributes of the model (``dp_parameters``, ``dataset_metadata``,
 ``privacy_ledger``, ``step_mechanism``, ``dp_steps_taken``) and calls
 `lipdp.accounting` / `lipdp.ledger`; it never touches tensors.
+
+`BoundMonitor` and `SignalToNoise` look at exact per-example gradients of a
+sample of examples at the end of every epoch (`lipdp.bounds.tightness`, through
+`lipdp.per_example`): the first checks the one invariant of lipdp (every
+per-example gradient norm within the bound the noise is calibrated to) and logs
+how tight the bounds are, the second compares the gradients with the noise.
+**Neither is private** when given training data: they compute on the records
+outside the noisy gradient, and epsilon does not cover what they log.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Union
+import math
+from typing import Callable, Dict, Optional, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from lipdp import accounting
-from lipdp.metadata import Sampling
+from lipdp.bounds import tightness, variable_names
+from lipdp.certify import labelled_batches
+from lipdp.metadata import DPMode, Sampling
 
-__all__ = ["DP_Accountant"]
+__all__ = ["BoundMonitor", "BoundViolationError", "DP_Accountant", "SignalToNoise"]
 
 _LOGGER = logging.getLogger("lipdp")
 
@@ -177,3 +189,223 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     @classmethod
     def from_config(cls, config: dict) -> "DP_Accountant":
         return cls(**config)
+
+
+# --------------------------------------------------------------------------- #
+# Per-example gradients of a sample: bound monitor and signal-to-noise.
+# --------------------------------------------------------------------------- #
+class BoundViolationError(RuntimeError):
+    """An exact per-example gradient norm exceeded the bound the noise is calibrated to:
+    the privacy guarantee lipdp reports does not hold for this model."""
+
+
+def _check_positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"Received an invalid value for `{name}`, expected a positive integer. "
+                         f"Received: {name}={value!r}")
+    return int(value)
+
+
+class _SampledGradients(tf.keras.callbacks.Callback):
+    """Shared by `BoundMonitor` and `SignalToNoise`: the sample of an epoch and the
+    tightness report (`lipdp.bounds.tightness`) of the model's current weights on it."""
+
+    def __init__(self, data, sample_size: int = 256, seed: int = 0, chunk_size: int = 64):
+        super().__init__()
+        self.sample_size = _check_positive_int(sample_size, "sample_size")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError("Received an invalid value for `seed`, expected a non-negative "
+                             f"integer. Received: seed={seed!r}")
+        self.seed = int(seed)
+        self.chunk_size = _check_positive_int(chunk_size, "chunk_size")
+        if isinstance(data, tf.data.Dataset):
+            self._data = data
+        elif isinstance(data, (tuple, list)) and len(data) == 2:
+            x, y = (np.asarray(a) for a in data)
+            if len(x) != len(y) or len(x) == 0:
+                raise ValueError(f"`data` must hold as many labels as inputs, at least one: "
+                                 f"received {len(x)} inputs and {len(y)} labels.")
+            self._data = (x, y)
+        else:
+            raise TypeError("`data` must be an (x, y) pair of arrays or a batched "
+                            f"tf.data.Dataset of (x, y). Received: {type(data).__name__}")
+
+    def sample(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The examples looked at after epoch `epoch` (0-based).
+
+        Arrays: ``min(sample_size, n)`` distinct examples drawn uniformly by
+        ``np.random.default_rng([seed, epoch])`` (the same on every run, a new draw
+        each epoch). A dataset: its first `sample_size` examples, from a new
+        iterator (its own shuffling, if any, decides which).
+        """
+        if isinstance(self._data, tuple):
+            x, y = self._data
+            rng = np.random.default_rng([self.seed, int(epoch)])
+            index = np.sort(rng.choice(len(x), size=min(self.sample_size, len(x)),
+                                       replace=False))
+            return x[index], y[index]
+        xs, ys, count = [], [], 0
+        for x, y in labelled_batches(self._data, None):
+            xs.append(x)
+            ys.append(y)
+            count += len(x)
+            if count >= self.sample_size:
+                break
+        if count == 0:
+            raise ValueError("The monitored dataset yielded no examples.")
+        return (np.concatenate(xs)[:self.sample_size], np.concatenate(ys)[:self.sample_size])
+
+    def _check_model(self):
+        model = self.model
+        parameters = getattr(model, "dp_parameters", None)
+        if parameters is None or getattr(model, "dp_loss", None) is None:
+            raise ValueError(f"{type(self).__name__} needs a DP model compiled with a DP loss.")
+        if parameters.mode is DPMode.CLIPPED:
+            raise ValueError(
+                f"{type(self).__name__} looks at analytic gradient bounds (clipless mode); in "
+                "clipped mode the clipping enforces the bound and there is nothing to monitor.")
+
+    def on_train_begin(self, logs=None):
+        self._check_model()
+
+    def tightness_report(self, epoch: int) -> Dict[str, Dict[str, float]]:
+        """`lipdp.bounds.tightness` of the current weights on ``sample(epoch)``, with
+        the loss the model was compiled with: per variable name, the bound the train
+        step computes at these weights and the max / mean of the exact per-example
+        gradient norm divided by it."""
+        x, y = self.sample(epoch)
+        return tightness(self.model, (x, y), loss=self.model.dp_loss,
+                         chunk_size=self.chunk_size)
+
+    def _base_config(self) -> dict:
+        # `data` is not serialisable; a config records the settings (for run reports).
+        return {"sample_size": self.sample_size, "seed": self.seed,
+                "chunk_size": self.chunk_size}
+
+
+class BoundMonitor(_SampledGradients):
+    """Checks the invariant ``||grad_v loss(f(x), y)|| <= bound(v)`` after every epoch.
+
+    At the end of each epoch, on a sample of examples (`sample`), the exact
+    per-example gradient norm of every trainable variable v (vectorised
+    per-example gradients, `lipdp.per_example`) is divided by ``bound(v)``, the
+    per-example bound that backpropagation for bounds gives with the compiled
+    loss, both at the epoch's final weights (those the next step starts from):
+    the bound the train step divides by its batch denominator and calibrates its
+    noise to (`lipdp.bounds.tightness` calls the step's own
+    `lipdp.bounds.backpropagate_bounds`). This is the empirical check the paper's
+    appendix D.6 calls for: the whole privacy guarantee rests on these bounds.
+
+    If some ratio exceeds ``1 + rtol`` it raises `BoundViolationError`, naming
+    every violating variable (worst first) with its ratio, observed norm and
+    bound, which stops `fit`. ``rtol`` (default 1e-4) only absorbs float32
+    rounding of the gradients and of the bound (relative ~1e-6: where the tests
+    attain a bound, the ratio is 1 to within 1e-6); a wrong constant in a
+    layer's bound is off by far more (a missing sqrt(s) of a 3x3 window: 3x).
+
+    Being a sample, a pass does not prove the invariant (only the layers' proofs
+    and tests do); a violation disproves it.
+
+    Logs, per variable name ``<var>`` (`lipdp.bounds.variable_names`, e.g.
+    ``dense/kernel``), into the epoch's logs (``History``):
+
+    - ``tightness_max/<var>``: max over the sample of ``||grad_v|| / bound(v)``;
+    - ``tightness_mean/<var>``: the mean of the same ratio;
+    - ``gradient_bound/<var>``: ``bound(v)``, per example (not divided by the batch).
+
+    The last report is kept in `last_report` (``{var: {"bound", "max_ratio",
+    "mean_ratio", "examples"}}``). **Not private** on training data (module
+    docstring). Clipless mode only.
+
+    Args:
+        data: ``(x, y)`` arrays or a batched `tf.data.Dataset` of ``(x, y)``: the
+            training data (or any data inside the declared input bound; inputs
+            are clipped by the model anyway).
+        sample_size: examples per epoch (default 256).
+        seed: seed of the sample of array data.
+        rtol: relative tolerance for float32 rounding, ``>= 0`` (default 1e-4).
+        chunk_size: examples whose per-example gradients are held at once.
+    """
+
+    def __init__(self, data, sample_size: int = 256, seed: int = 0, rtol: float = 1e-4,
+                 chunk_size: int = 64):
+        super().__init__(data, sample_size, seed, chunk_size)
+        if isinstance(rtol, bool) or not isinstance(rtol, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(float(rtol)) or rtol < 0:
+            raise ValueError("Received an invalid value for `rtol`, expected a finite "
+                             f"non-negative number. Received: rtol={rtol!r}")
+        self.rtol = float(rtol)
+        self.last_report: Optional[Dict[str, Dict[str, float]]] = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        report = self.tightness_report(epoch)
+        self.last_report = report
+        if logs is not None:
+            for name, row in report.items():
+                logs[f"tightness_max/{name}"] = row["max_ratio"]
+                logs[f"tightness_mean/{name}"] = row["mean_ratio"]
+                logs[f"gradient_bound/{name}"] = row["bound"]
+        violations = sorted(((row["max_ratio"], name, row) for name, row in report.items()
+                             if not row["max_ratio"] <= 1.0 + self.rtol), reverse=True)
+        if violations:
+            self.model.stop_training = True
+            details = "; ".join(
+                f"'{name}': ratio {ratio:.6g} (gradient norm {ratio * row['bound']:.6g} > bound "
+                f"{row['bound']:.6g})" for ratio, name, row in violations)
+            raise BoundViolationError(
+                f"Gradient bound violated after epoch {epoch + 1}, on a sample of "
+                f"{violations[0][2]['examples']} examples (tolerance rtol={self.rtol:g}): "
+                f"{details}. The noise is calibrated to these bounds, so the reported privacy "
+                "guarantee does not hold for this model.")
+
+    def get_config(self) -> dict:
+        return {**self._base_config(), "rtol": self.rtol}
+
+
+class SignalToNoise(_SampledGradients):
+    """Logs, per variable, the mean per-example gradient norm against the noise std.
+
+    At the end of each epoch, on a sample of examples (`sample`), with the
+    current weights:
+
+    - ``grad_norm_mean/<var>``: mean over the sample of the exact per-example
+      gradient norm ``||grad_v loss(f(x_i), y_i)||`` (`lipdp.bounds.tightness`:
+      ``mean_ratio * bound``);
+    - ``noise_std/<var>``: the standard deviation, per coordinate, of the Gaussian
+      noise the train step adds to the averaged gradient of v, from the step's own
+      code (``model._noise_stddevs(model.sensitivities())``): ``sigma * Delta_v``
+      with the per-layer strategy, ``sigma * sqrt(sum_u Delta_u^2)`` with the
+      global one, ``Delta_v = bound(v) / D``;
+    - ``signal_to_noise/<var>``: ``grad_norm_mean / (D * noise_std)``, with D the
+      step's public batch denominator. The averaged gradient is ``sum_i g_i / D``,
+      so ``D * noise_std`` is the noise std on the *sum* of per-example gradients,
+      the scale one example's gradient enters with. With the per-layer strategy
+      this is ``tightness_mean / sigma``.
+
+    Names ``<var>`` as in `BoundMonitor`. **Not private** on training data
+    (module docstring). Clipless mode only.
+
+    Args:
+        data, sample_size, seed, chunk_size: as for `BoundMonitor`.
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:  # nowhere to write: skip the per-example gradients
+            return
+        report = self.tightness_report(epoch)
+        model = self.model
+        names = variable_names(model)
+        stddevs = model._noise_stddevs(model.sensitivities())  # the train step's noise
+        denominator = float(model.step_mechanism.batch_size)
+        for v, std in zip(model.trainable_variables, stddevs):
+            name = names[v.ref()]
+            row = report[name]
+            mean_norm = row["mean_ratio"] * row["bound"]
+            std = float(std)
+            logs[f"grad_norm_mean/{name}"] = mean_norm
+            logs[f"noise_std/{name}"] = std
+            logs[f"signal_to_noise/{name}"] = (mean_norm / (denominator * std) if std > 0
+                                               else math.inf)
+
+    def get_config(self) -> dict:
+        return self._base_config()

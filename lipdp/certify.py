@@ -1,4 +1,4 @@
-"""Certified robustness of Lipschitz classifiers: radii and certified accuracy.
+"""Certified robustness of Lipschitz classifiers: radii, certified accuracy and AUROC.
 
 Let F be the exact-arithmetic network on the stored float32 weights: it is
 ``Lip``-Lipschitz w.r.t. the L2 norm, where ``Lip = lipdp.bounds.lipschitz_bound(model)``
@@ -58,6 +58,7 @@ lipdp's certified bounds, taken as they are (`lipdp.bounds`).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Dict, Iterable, Tuple
 
 import numpy as np
@@ -66,7 +67,8 @@ import tensorflow as tf
 from lipdp.bounds import dp_layers, lipschitz_bound
 from lipdp.layers.base import chain_rounding_error, operator_norm_cache
 
-__all__ = ["certified_radii", "certified_accuracy", "float_error_bound", "margins"]
+__all__ = ["CertifiableAccuracy", "certified_accuracy", "certified_auroc", "certified_radii",
+           "certified_radius", "float_error_bound", "margins"]
 
 # Relative slack on the float64 radius arithmetic (see the module docstring).
 _FLOAT64_SLACK = 2.0 ** -50
@@ -179,6 +181,12 @@ def certified_radii(model, x, batch_size: int = 1024) -> np.ndarray:
     return _radii_from_margins(margins(logits), logits.shape[1], lip, error)
 
 
+#: The per-example certified radius ``r(x)``: the same function as `certified_radii`
+#: (one radius per row of `x`, same theorem and rounding treatment), under the name
+#: of issue 11's API.
+certified_radius = certified_radii
+
+
 def _check_radii(radii) -> Tuple[float, ...]:
     if isinstance(radii, (int, float, np.integer, np.floating)):
         radii = [radii]
@@ -212,12 +220,24 @@ def labelled_batches(dataset_or_xy, batch_size) -> Iterable[Tuple[np.ndarray, np
 
 
 def _correct(logits: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Whether the predicted class is the label (one-hot or integer labels)."""
+    """Whether the predicted class is the label: one-hot labels ``(n, K)``, integer labels
+    ``(n,)`` or ``(n, 1)`` (the rank Keras gives metrics), or for one output ``y > 0``."""
     y = np.asarray(y)
     if logits.shape[1] == 1:  # binary decision logit > 0, label y > 0
         return (logits[:, 0] > 0) == (y.reshape(len(y), -1)[:, 0] > 0)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
     labels = np.argmax(y, axis=-1) if y.ndim == 2 else y.astype(np.int64)
     return np.argmax(logits, axis=1) == labels
+
+
+def _certified(logits: np.ndarray, y: np.ndarray, radii: Tuple[float, ...], lip: float,
+               error: float) -> np.ndarray:
+    """``(n, len(radii))`` booleans: example i is certified correct at ``radii[j]``
+    (the convention of `certified_accuracy`)."""
+    correct = _correct(logits, y)
+    radius = _radii_from_margins(margins(logits), logits.shape[1], lip, error)
+    return np.stack([correct if r == 0 else correct & (radius > r) for r in radii], axis=1)
 
 
 def certified_accuracy(model, dataset_or_xy, radii, batch_size: int = 1024) -> Dict[float, float]:
@@ -252,10 +272,173 @@ def certified_accuracy(model, dataset_or_xy, radii, batch_size: int = 1024) -> D
     total = 0
     for x, y in labelled_batches(dataset_or_xy, batch_size):
         logits = _logits(model, x, batch_size)
-        correct = _correct(logits, y)
-        radius = _radii_from_margins(margins(logits), logits.shape[1], lip, error)
-        for i, r in enumerate(radii):
-            certified = correct if r == 0 else correct & (radius > r)
-            counts[i] += int(np.sum(certified))
+        counts += np.sum(_certified(logits, y, radii, lip, error), axis=0)
         total += len(logits)
     return {r: (counts[i] / total if total else float("nan")) for i, r in enumerate(radii)}
+
+
+def _worst_case_scores(scores: np.ndarray, labels: np.ndarray, nb_outputs: int, radius: float,
+                       lip: float, error: float) -> np.ndarray:
+    """Lower bounds of the positives' scores and upper bounds of the negatives' scores
+    over ``||delta|| <= radius`` (see `certified_auroc`), rounded outwards."""
+    if radius == 0:  # no perturbation: the score is the model's own float32 answer
+        return scores
+    if nb_outputs == 1:
+        rounding, scale = 2.0 * error, lip
+    else:
+        rounding, scale = 2.0 * math.sqrt(2.0) * error, math.sqrt(2.0) * lip
+    shift = (scale * radius + rounding) * (1.0 + _FLOAT64_SLACK)
+    # The float64 subtraction rounds by at most 2^-53 (|s| + shift); widen by 2^-50 of it.
+    slack = _FLOAT64_SLACK * (np.abs(scores) + shift)
+    sign = np.where(labels.astype(bool), 1.0, -1.0)
+    return scores - sign * (shift + slack)
+
+
+def certified_auroc(model, dataset_or_xy, radii, batch_size: int = 1024) -> Dict[float, float]:
+    """Certified AUROC of a binary classifier: a lower bound of its AUROC under attack.
+
+    The score of an example is what the model thresholds at 0
+    (`lipdp.evaluation.binary_scores`): its logit ``s = F^(x)`` for one output,
+    ``s = F^_1(x) - F^_0(x)`` for two. An adversary may move **every** test example
+    anywhere in its closed ball ``||delta_i|| <= r`` (each its own perturbation).
+
+    **Definition.** The certified AUROC at r is the AUROC (`lipdp.evaluation.roc_auc`,
+    ties count one half) of the worst-case scores
+
+        s_i - (c E + l r)   for positive examples,   s_i + (c E + l r)   for negatives,
+
+    with ``(l, c) = (Lip, 2)`` for one output and ``(sqrt(2) Lip, 2 sqrt(2))`` for
+    two (``Lip = lipdp.bounds.lipschitz_bound(model)``, ``E = float_error_bound(model)``;
+    at ``r = 0`` no shift: the clean AUROC).
+
+    **Guarantee.** For all perturbations with ``||delta_i||_2 <= r`` (x_i and
+    x_i + delta_i of norm <= 2^62), the AUROC of the scores of the perturbed test set
+    is at least the certified AUROC at r. *Proof.* By the chain of the module
+    docstring, ``|s^(x + delta) - s^(x)| <= c E + l ||delta||`` (for two outputs the
+    score is the inner product of the logits with ``e_1 - e_0``, of norm sqrt(2)).
+    The AUROC, ``sum_{i pos, j neg} [1(s_i > s_j) + 1/2 1(s_i = s_j)] / (P N)``, is
+    non-decreasing in every positive's score and non-increasing in every negative's,
+    so it is smallest at the corner above. The float64 arithmetic of the shifted
+    scores is rounded outwards (relative 2^-50, as for the radii; it also covers the
+    float64 difference of two float32 logits). The bound is reached when the score
+    is affine with gradient norm ``l`` on the balls: for a single dense layer,
+    moving each example by ``-+ r w / ||w||`` gives exactly the certified AUROC
+    (`tests/test_certify.py`).
+
+    In particular an example whose worst-case score keeps the sign of its label is
+    one that the decision ``s > 0`` classifies correctly with a certified radius
+    ``> r`` (up to the rounding slack): the certified AUROC extends certified
+    accuracy from the threshold 0 to every threshold.
+
+    Args:
+        model: a DP model with one or two outputs.
+        dataset_or_xy: as for `certified_accuracy`; binary labels, one-hot of
+            shape ``(n, 2)`` or one value per example (positive when ``y > 0``).
+        radii: iterable of non-negative L2 radii (input space).
+        batch_size: inference batch size for array inputs.
+
+    Returns:
+        ``{float(r): certified AUROC}`` in the order of `radii`.
+
+    Raises:
+        ValueError: more than two outputs, or the labels do not hold both classes.
+    """
+    from lipdp.evaluation import binary_scores, roc_auc  # lipdp.evaluation imports this module
+
+    _check_batch_size(batch_size)
+    radii = _check_radii(radii)
+    lip = _lipschitz_constant(model)
+    error = float_error_bound(model)
+    scores, labels = binary_scores(model, dataset_or_xy, batch_size)
+    nb_outputs = int(model.output_shape[-1])
+    return {r: roc_auc(_worst_case_scores(scores, labels, nb_outputs, r, lip, error), labels)
+            for r in radii}
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class CertifiableAccuracy(tf.keras.metrics.Mean):
+    """Keras metric: the fraction of examples certified correct at `radius`.
+
+    The same quantity as ``certified_accuracy(model, data, [radius])`` (same
+    convention: at ``radius = 0`` clean accuracy, above it correct **and**
+    certified radius ``> radius``), accumulated batch by batch in ``fit`` /
+    ``evaluate``: for each batch the certified radii are computed with the
+    model's *current* certified Lipschitz constant ``lipdp.bounds.lipschitz_bound``
+    and float error bound `float_error_bound`, by the code of `certified_radii`
+    (one bound pass on the host per batch, through ``tf.py_function``: in ``fit``
+    that is one more per training step; `certified_accuracy` after training costs
+    one pass in all).
+
+    The metric needs the model whose Lipschitz constant certifies the logits it
+    receives. A DP model's ``compile`` binds the metrics given without one (also
+    when `load_model` re-compiles a saved model); for another model pass it at
+    construction or call `bind` (the metric keeps a weak reference, so that it
+    neither tracks the model's weights nor keeps it alive)::
+
+        model.compile(..., metrics=[CertifiableAccuracy(0.1)])  # a DP model
+
+    Guarantee: in ``evaluate`` and on validation data, the weights are fixed while
+    the metric runs, so the value is exactly the certified accuracy of the model
+    at those weights. In the *training* logs Keras updates metrics after the
+    optimizer step: the logits come from the weights before the step and the
+    Lipschitz constant from the weights after it (and the projection), so the
+    training value is a progress indicator, not a certificate. (Training-set
+    metrics are also not covered by epsilon; see `lipdp.model`.)
+
+    Args:
+        radius: finite non-negative L2 radius (input space).
+        model: the DP model (optional here; then `bind` it before use).
+        name: defaults to ``"certifiable_accuracy_<radius>"``.
+        dtype: of the result.
+    """
+
+    def __init__(self, radius, model=None, name=None, dtype=None):
+        if isinstance(radius, bool) \
+                or not isinstance(radius, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(float(radius)) or radius < 0:
+            raise ValueError("Received an invalid value for `radius`, expected one finite "
+                             f"non-negative number. Received: radius={radius!r}")
+        radius = float(radius)
+        super().__init__(name=name or f"certifiable_accuracy_{radius:g}", dtype=dtype)
+        self.radius = radius
+        self._model_ref = None
+        if model is not None:
+            self.bind(model)
+
+    def bind(self, model) -> "CertifiableAccuracy":
+        """Use `model`'s Lipschitz constant and error bound (returns the metric)."""
+        if not isinstance(model, tf.keras.Model):
+            raise TypeError(f"`model` must be a Keras model. Received: {type(model).__name__}")
+        self._model_ref = weakref.ref(model)
+        return self
+
+    @property
+    def bound_model(self):
+        """The bound model, or None."""
+        return None if self._model_ref is None else self._model_ref()
+
+    def _model_or_raise(self):
+        model = self.bound_model
+        if model is None:
+            raise RuntimeError(
+                f"CertifiableAccuracy '{self.name}' is not bound to a model: construct it with "
+                "CertifiableAccuracy(radius, model) or call metric.bind(model) (a metric "
+                "restored by load_model needs binding again).")
+        return model
+
+    def _certified_values(self, y_true, y_pred):
+        model = self._model_or_raise()
+        logits = np.asarray(y_pred, np.float64)
+        certified = _certified(logits, np.asarray(y_true), (self.radius,),
+                               _lipschitz_constant(model), float_error_bound(model))
+        return certified[:, 0].astype(np.float32)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self._model_or_raise()  # at trace time: a plain error rather than one from the graph
+        y_pred = tf.convert_to_tensor(y_pred)
+        values = tf.py_function(self._certified_values, [y_true, y_pred], tf.float32)
+        values.set_shape(y_pred.shape[:1])
+        return super().update_state(values, sample_weight=sample_weight)
+
+    def get_config(self):
+        return {**super().get_config(), "radius": self.radius}

@@ -175,6 +175,7 @@ class _DPModelMixin:
                 "tf.numpy_function), which XLA cannot compile. (On CPU XLA does not speed up "
                 "lipdp's layers anyway: benchmarks/results.md, breakdown tables.)")
         self._compile_dp(optimizer, loss, metrics, loss_weights, **kwargs)
+        self._bind_certifiable_metrics(metrics)
         if not self.trainable_variables:
             raise ValueError("The model has no trainable variables to train privately (is it "
                              "built? give its first layer an input shape or an Input).")
@@ -183,6 +184,15 @@ class _DPModelMixin:
                                 [v.ref() for v in self.trainable_variables])
         self._step_mechanism = StepMechanism.of(self.dp_parameters, self.dataset_metadata,
                                                 len(self.trainable_variables))
+
+    def _bind_certifiable_metrics(self, metrics):
+        """`lipdp.certify.CertifiableAccuracy` metrics given without a model certify with this
+        one (also when `load_model` re-compiles from a saved config)."""
+        from lipdp.certify import CertifiableAccuracy
+
+        for metric in tf.nest.flatten(metrics or []):
+            if isinstance(metric, CertifiableAccuracy) and metric.bound_model is None:
+                metric.bind(self)
 
     def get_compile_config(self):
         config = super().get_compile_config()

@@ -288,3 +288,187 @@ def test_certified_accuracy_rejects_bad_radii(model, bad):
     x = sample_inputs(3)
     with pytest.raises(ValueError, match="radii"):
         certify.certified_accuracy(model, (x, predict(model, x)), bad)
+
+
+# --------------------------------------------------------------------------- #
+# certified_radius, the CertifiableAccuracy metric, certified AUROC.
+# --------------------------------------------------------------------------- #
+def test_certified_radius_is_certified_radii(model):
+    assert certify.certified_radius is certify.certified_radii
+    x = sample_inputs(5)
+    np.testing.assert_array_equal(certify.certified_radius(model, x),
+                                  certify.certified_radii(model, x))
+
+
+def _labelled(model, n, seed):
+    """Inputs and one-hot labels, 70% of them the model's prediction (so that some examples
+    are certified correct at each radius and some are wrong)."""
+    x = sample_inputs(n, seed=seed)
+    rng = np.random.RandomState(seed + 1)
+    labels = np.where(rng.uniform(size=n) < 0.7, predict(model, x),
+                      rng.randint(0, NB_CLASSES, size=n))
+    return x, labels
+
+
+RADII = [0.0, 0.02, 0.1, 0.3]
+
+
+def test_certifiable_accuracy_metric_equals_certified_accuracy():
+    """In `evaluate` the metric is certified_accuracy on the same data: same numbers for
+    one-hot and integer labels (Keras hands integer labels to metrics as (n, 1)) and for
+    several batch sizes. A float32 logit could round differently in another batch shape;
+    the counts here are integers out of 90 and come out equal."""
+    from lipdp.losses import DP_TauCategoricalCrossentropy
+
+    model = make_model(seed=3)
+    metrics = [certify.CertifiableAccuracy(r, model) for r in RADII]
+    model.compile(tf.keras.optimizers.SGD(0.01), DP_TauCategoricalCrossentropy(8.0),
+                  metrics=metrics)
+    x, labels = _labelled(model, 90, seed=8)
+    one_hot = np.eye(NB_CLASSES, dtype=np.float32)[labels]
+    expected = certify.certified_accuracy(model, (x, labels), RADII)
+    assert len(set(expected.values())) == len(RADII)  # the radii tell examples apart
+    for y, batch_size in [(one_hot, 90), (one_hot, 16), (labels, 32)]:
+        result = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+        for r, metric in zip(RADII, metrics):
+            assert result[metric.name] == pytest.approx(expected[r], abs=1e-6), (r, batch_size)
+
+
+@pytest.mark.filterwarnings("ignore:fit received arrays")  # Poisson metadata, array inputs
+def test_certifiable_accuracy_in_fit_follows_the_current_weights():
+    """During `fit` the validation value is computed at the weights of the epoch's end:
+    it equals certified_accuracy of the trained model, which has moved from the start."""
+    from lipdp.losses import DP_TauCategoricalCrossentropy
+
+    model = make_model(seed=4)
+    metric = certify.CertifiableAccuracy(0.05, model)
+    model.compile(tf.keras.optimizers.SGD(0.5), DP_TauCategoricalCrossentropy(8.0),
+                  metrics=[metric])
+    x, labels = _labelled(model, 100, seed=9)
+    x_val, labels_val = _labelled(model, 40, seed=10)
+    before = certify.certified_accuracy(model, (x_val, labels_val), [0.05])[0.05]
+    history = model.fit(x, labels, epochs=1, verbose=0,
+                        validation_data=(x_val, labels_val)).history
+    after = certify.certified_accuracy(model, (x_val, labels_val), [0.05])[0.05]
+    assert history[f"val_{metric.name}"][-1] == pytest.approx(after, abs=1e-6)
+    assert after != before
+    assert 0.0 <= history[metric.name][-1] <= 1.0
+
+
+def test_certifiable_accuracy_binding_config_and_errors(model):
+    metric = certify.CertifiableAccuracy(0.1)
+    assert metric.name == "certifiable_accuracy_0.1" and metric.bound_model is None
+    x = sample_inputs(4)
+    with pytest.raises(RuntimeError, match="not bound"):
+        metric.update_state(predict(model, x), model(x))
+    metric.bind(model).update_state(predict(model, x), model(x))  # eager use, bound
+    assert metric.result().numpy() == pytest.approx(
+        certify.certified_accuracy(model, (x, predict(model, x)), [0.1])[0.1], abs=1e-6)
+    assert not metric.variables or all(v.shape == () for v in metric.variables)  # no weights
+    config = metric.get_config()
+    assert config["radius"] == 0.1 and config["name"] == "certifiable_accuracy_0.1"
+    restored = tf.keras.metrics.deserialize(tf.keras.metrics.serialize(metric))
+    assert isinstance(restored, certify.CertifiableAccuracy) and restored.radius == 0.1
+    assert restored.bound_model is None
+    for bad in (-1.0, float("inf"), [0.1, 0.2]):
+        with pytest.raises(ValueError, match="radius"):
+            certify.CertifiableAccuracy(bad)
+    with pytest.raises(TypeError, match="model"):
+        metric.bind("model")
+
+
+def _binary_data(model, n, seed):
+    x = sample_inputs(n, seed=seed)
+    rng = np.random.RandomState(seed)
+    logits = model(x, training=False).numpy()
+    score = logits[:, 0] if logits.shape[1] == 1 else logits[:, 1] - logits[:, 0]
+    # Labels correlated with the score (AUROC well above 1/2) but not equal to its sign.
+    labels = (score + rng.normal(scale=np.std(score), size=n) > 0).astype(np.int64)
+    return x, labels
+
+
+@pytest.mark.parametrize("nb_outputs", [1, 2])
+def test_certified_auroc_matches_scikit_learn(nb_outputs):
+    """certified_auroc against scikit-learn's roc_auc_score of worst-case scores computed
+    here from the logits, Lip and E: ``s -+ (l r + c E)`` with ``(l, c) = (Lip, 2)`` for one
+    output and ``(sqrt 2 Lip, 2 sqrt 2)`` for two, no shift at r = 0."""
+    from sklearn.metrics import roc_auc_score
+
+    model = make_model(nb_outputs=nb_outputs, seed=6)
+    x, labels = _binary_data(model, 120, seed=11)
+    y = labels if nb_outputs == 1 else np.eye(2, dtype=np.float32)[labels]
+    result = certify.certified_auroc(model, (x, y), RADII, batch_size=50)
+    logits = model(x, training=False).numpy().astype(np.float64)
+    score = logits[:, 0] if nb_outputs == 1 else logits[:, 1] - logits[:, 0]
+    lip, error = float(lipschitz_bound(model)), certify.float_error_bound(model)
+    factor = 1.0 if nb_outputs == 1 else math.sqrt(2.0)
+    values = []
+    for r in RADII:
+        shift = factor * (lip * r + 2.0 * error) if r > 0 else 0.0
+        expected = roc_auc_score(labels, score - np.where(labels == 1, shift, -shift))
+        assert result[r] == pytest.approx(expected, abs=1e-12), r
+        values.append(result[r])
+    assert all(a > b for a, b in zip(values, values[1:]))  # strictly decreasing here
+    assert values[0] > 0.7
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    assert certify.certified_auroc(model, ds, RADII) == result
+
+
+def test_certified_auroc_is_attained_on_a_linear_model():
+    """A single spectrally normalised dense output: the attack moving each positive by
+    ``-r w / ||w||`` and each negative by ``+r w / ||w||`` (inputs kept inside the clipping
+    ball) reaches the worst-case scores, so the attacked AUROC is >= the certified one and
+    within 1% of it."""
+    tf.keras.utils.set_random_seed(12)
+    metadata = DatasetMetadata(input_shape=(DIM,), nb_classes=1, nb_samples_train=100,
+                               nb_samples_test=10, batch_size=10, max_norm=X0)
+    model = DP_Sequential([DP_BoundedInput(input_shape=(DIM,), upper_bound=X0),
+                           DP_QuickSpectralDense(1, use_bias=True)],
+                          dp_parameters=DPParameters(1.0, 1e-5), dataset_metadata=metadata)
+    model.layers[-1].bias.assign([0.1])
+    rng = np.random.RandomState(13)
+    x = rng.normal(size=(200, DIM))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True) * rng.uniform(0.1, 1.2, (200, 1)))
+    x = x.astype(np.float32)  # norms <= 1.2, so x +- 0.3 w/||w|| stays inside X0 = 2
+    score = model(x, training=False).numpy()[:, 0]
+    labels = (score + rng.normal(scale=0.3, size=200) > 0).astype(np.int64)
+    w = model.layers[-1].kernel.numpy()[:, 0]
+    from lipdp.evaluation import roc_auc
+
+    for r in (0.1, 0.3):
+        certified = certify.certified_auroc(model, (x, labels), [r])[r]
+        direction = np.where(labels == 1, -1.0, 1.0)[:, None] * w / np.linalg.norm(w)
+        attacked_x = (x + r * direction).astype(np.float32)
+        attacked = roc_auc(model(attacked_x, training=False).numpy()[:, 0], labels)
+        assert certified <= attacked <= certified + 0.01, (r, certified, attacked)
+        assert attacked < roc_auc(score, labels) - 0.05  # the attack does bite
+
+
+def test_certified_auroc_refuses_multiclass_models(model):
+    x = sample_inputs(4)
+    with pytest.raises(ValueError, match="binary"):
+        certify.certified_auroc(model, (x, np.array([0, 1, 0, 1])), [0.1])
+
+
+def test_certifiable_accuracy_after_load_model(tmp_path):
+    """A DP model's compile binds the metrics given without a model, so the metric works
+    when written as ``CertifiableAccuracy(r)`` in compile and after `load_model` (which
+    re-compiles from the saved config), with the value before saving."""
+    from lipdp.losses import DP_TauCategoricalCrossentropy
+
+    model = make_model(seed=7)
+    metric = certify.CertifiableAccuracy(0.05)
+    model.compile(tf.keras.optimizers.SGD(0.01), DP_TauCategoricalCrossentropy(8.0),
+                  metrics=[metric])
+    assert metric.bound_model is model
+    x, labels = _labelled(model, 30, seed=14)
+    before = model.evaluate(x, labels, verbose=0, return_dict=True)["certifiable_accuracy_0.05"]
+    assert before == pytest.approx(
+        certify.certified_accuracy(model, (x, labels), [0.05])[0.05], abs=1e-6)
+    model.save(str(tmp_path / "model.keras"))
+    loaded = tf.keras.models.load_model(str(tmp_path / "model.keras"))
+    after = loaded.evaluate(x, labels, verbose=0, return_dict=True)["certifiable_accuracy_0.05"]
+    assert after == pytest.approx(before, abs=1e-6)
+    restored = [m for m in tf.nest.flatten(loaded.compiled_metrics._user_metrics)
+                if isinstance(m, certify.CertifiableAccuracy)]
+    assert [m.bound_model for m in restored] == [loaded]
