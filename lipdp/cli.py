@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import numpy as np
 import yaml
 
 from lipdp.config import ConfigError, load_config
@@ -143,28 +144,10 @@ def _radius_label(radius: float) -> str:
     return f"{radius:g}"
 
 
-def _train(cfg) -> dict:
-    """One training run of a loaded config, printed section by section; returns its results
-    (the row a sweep records)."""
-    _section("Config")
-    print(_format_config(cfg))
-
-    # Heavy imports only once the config is known to be valid.
-    from lipdp import accounting, certify
+def _print_bounds(cfg, model, metadata):
+    """Clipless DP-SGD: the certified constants and the gradient bounds at initialisation."""
     from lipdp.bounds import gradient_bounds, lipschitz_bound
-    from lipdp.config import build_from_config, certification_target
 
-    _section("Data")
-    model, ds_train, ds_test, metadata, fit_kwargs = build_from_config(cfg)
-    print(f"{cfg['dataset']['name']}: {metadata.nb_samples_train} train / "
-          f"{metadata.nb_samples_test} test examples of shape {metadata.input_shape}, "
-          f"{metadata.nb_classes} classes; inputs bounded by {cfg['dataset']['bound']} to L2 "
-          f"norm {metadata.max_norm:g}")
-    print(f"sampling: {metadata.sampling.value}, expected batch size {metadata.batch_size} "
-          f"(q = {metadata.sampling_rate:.4g}), {metadata.steps_per_epoch} steps per epoch")
-
-    _section("Model")
-    model.summary(print_fn=print)
     print(f"certified Lipschitz constant (input -> logits): {float(lipschitz_bound(model)):.6g}")
     print(f"loss: {type(model.dp_loss).__name__}, Lipschitz constant w.r.t. logits "
           f"{model.dp_loss.lipschitz(metadata.nb_classes):.6g}")
@@ -182,6 +165,66 @@ def _train(cfg) -> dict:
     else:
         noise = f"noise std (per-layer) = {sigma:g} x the variable's sensitivity"
     print(f"  global per-example bound sqrt(sum b^2) = {total:.6g}; {noise}")
+
+
+def _print_clipping(cfg, metadata):
+    """Classic DP-SGD: the clipping threshold and the noise it calibrates."""
+    p, d = cfg["privacy"], metadata.batch_size
+    print(f"classic DP-SGD: every per-example gradient clipped to L2 norm C = "
+          f"{p['l2_norm_clip']:g}; noise std sigma C / D = {p['noise_multiplier']:g} x "
+          f"{p['l2_norm_clip']:g} / {d} = {p['noise_multiplier'] * p['l2_norm_clip'] / d:.6g} on "
+          "every coordinate")
+
+
+def _evaluate(network, test_inputs, radii):
+    """``(test accuracy, {radius: certified accuracy}, certified Lipschitz constant, None)``, or
+    ``(test accuracy, None, None, the layers without a certified constant)``: nothing is
+    certified through a non-DP layer."""
+    from lipdp import certify
+    from lipdp.bounds import NonDPLayerError, lipschitz_bound
+    from lipdp.clipping.validation import leaf_layers
+    from lipdp.layers import DPLayer
+
+    try:
+        lip = float(lipschitz_bound(network))
+    except NonDPLayerError:
+        unbounded = [f"{x.name} ({type(x).__name__})" for x in leaf_layers(network)
+                     if not isinstance(x, DPLayer)]
+        correct = total = 0
+        for x, y in certify.labelled_batches(test_inputs, 1024):
+            predicted = np.argmax(network.predict_on_batch(x), axis=-1)
+            labels = np.argmax(y, axis=-1) if y.ndim > 1 else y
+            correct, total = correct + int(np.sum(predicted == labels)), total + len(labels)
+        return correct / total, None, None, ", ".join(unbounded)
+    certified = certify.certified_accuracy(network, test_inputs, [0.0] + list(radii))
+    return certified[0.0], certified, lip, None
+
+
+def _train(cfg) -> dict:
+    """One training run of a loaded config, printed section by section; returns its results
+    (the row a sweep records)."""
+    _section("Config")
+    print(_format_config(cfg))
+
+    # Heavy imports only once the config is known to be valid.
+    from lipdp import accounting
+    from lipdp.config import build_from_config, certification_target
+
+    _section("Data")
+    model, ds_train, ds_test, metadata, fit_kwargs = build_from_config(cfg)
+    print(f"{cfg['dataset']['name']}: {metadata.nb_samples_train} train / "
+          f"{metadata.nb_samples_test} test examples of shape {metadata.input_shape}, "
+          f"{metadata.nb_classes} classes; inputs bounded by {cfg['dataset']['bound']} to L2 "
+          f"norm {metadata.max_norm:g}")
+    print(f"sampling: {metadata.sampling.value}, expected batch size {metadata.batch_size} "
+          f"(q = {metadata.sampling_rate:.4g}), {metadata.steps_per_epoch} steps per epoch")
+
+    _section("Model")
+    model.summary(print_fn=print)
+    if cfg["privacy"]["mode"] == "clipped":
+        _print_clipping(cfg, metadata)
+    else:
+        _print_bounds(cfg, model, metadata)
 
     _section("Plan")
     epochs = fit_kwargs["epochs"]
@@ -212,9 +255,8 @@ def _train(cfg) -> dict:
     wall = time.perf_counter() - start
 
     radii = cfg["certification"]["radii"]
-    all_radii = [0.0] + [r for r in radii if r != 0.0]
     network, test_inputs = certification_target(cfg, model, ds_test)
-    certified = certify.certified_accuracy(network, test_inputs, all_radii)
+    accuracy, certified, lip, unbounded = _evaluate(network, test_inputs, radii)
     eps_final = accounting.epsilon_spent(model)
     epochs_run = len(history.history.get("epsilon", []))
 
@@ -227,11 +269,14 @@ def _train(cfg) -> dict:
     print(f"sampler            : {_sampler(metadata)}; seed {cfg['dataset']['seed']}")
     print("accountant         : RDP (autodp), Poisson-subsampled Gaussian, converted to "
           "(epsilon, delta)")
-    print(f"test accuracy      : {certified[0.0]:.4f} (final epoch)")
-    lip = float(lipschitz_bound(network))
-    print(f"certified accuracy : L2 radius in input space (Lipschitz constant {lip:.4g})")
-    _print_table([[_radius_label(r), f"{certified[r]:.4f}"] for r in radii],
-                 ["radius", "accuracy"])
+    print(f"test accuracy      : {accuracy:.4f} (final epoch)")
+    if certified is None:
+        print(f"certified accuracy : none: no certified Lipschitz constant for {unbounded}, so "
+              "no radius is certified")
+    else:
+        print(f"certified accuracy : L2 radius in input space (Lipschitz constant {lip:.4g})")
+        _print_table([[_radius_label(r), f"{certified[r]:.4f}"] for r in radii],
+                     ["radius", "accuracy"])
     auroc = None
     if metadata.nb_classes == 2:
         from lipdp.evaluation import binary_scores, roc_auc
@@ -245,8 +290,10 @@ def _train(cfg) -> dict:
         print(f"model saved to {path}" + ("" if network is model else
               " (the head alone: it takes the scattering features; lipdp.config."
               "build_front_end(config['model'], input_bound) rebuilds the front end)"))
-    return {"epsilon": eps_final, "delta": delta, "test_accuracy": certified[0.0],
-            "test_auroc": auroc, "certified_accuracy": {str(r): certified[r] for r in radii},
+    return {"epsilon": eps_final, "delta": delta, "test_accuracy": accuracy,
+            "test_auroc": auroc,
+            "certified_accuracy": None if certified is None else {str(r): certified[r]
+                                                                  for r in radii},
             "lipschitz_constant": lip, "epochs": epochs_run,
             "steps": int(model.dp_steps_taken), "train_seconds": wall,
             "sampling": metadata.sampling.value, "seed": cfg["dataset"]["seed"]}

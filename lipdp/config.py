@@ -22,7 +22,7 @@ Schema (defaults shown)::
       nb_samples_train: null   # int: train on the first n examples only
       data_dir: null           # directory holding the files (see lipdp.data)
     model:
-      architecture: mlp        # mlp | cnn | scatternet
+      architecture: mlp        # mlp | cnn | scatternet | tanh_cnn (clipped mode only)
       widths: [1024]           # mlp: hidden widths (each dense layer followed by GroupSort2)
       conv_filters: [32, 64]   # cnn: filters of the 3x3 conv blocks (conv, GroupSort2, L2 pool 2x2)
       dense_width: 512         # cnn: width of the hidden dense layer
@@ -30,6 +30,9 @@ Schema (defaults shown)::
       scattering_J: 2          # scatternet: scales of the wavelet scattering (subsampling 2^J)
       scattering_order_weights: [1.0, 1.0, 1.0]  # scatternet: weights of orders 0, 1, 2
       feature_bound: 3.0       # scatternet: L2 bound of the scattering features
+      feature_normalization: none  # scatternet: none | group (per-example group
+                               #   normalisation: accuracy, but NO certified radius)
+      feature_groups: 27       # scatternet, group: number of channel groups
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce
@@ -42,8 +45,11 @@ Schema (defaults shown)::
     privacy:
       noise_multiplier: 3.0    # sigma (0: no noise, not private: epsilon is infinite)
       delta: 1.0e-5
-      noisify_strategy: global # global | per-layer
+      noisify_strategy: global # global | per-layer (clipless only)
       epsilon_budget: 3.0      # null: no budget (then training.epochs is required)
+      mode: clipless           # clipless (Clipless DP-SGD) | clipped (classic DP-SGD:
+                               #   per-example gradients clipped to l2_norm_clip)
+      l2_norm_clip: null       # clipped: the clipping threshold C (required there)
     training:
       epochs: null             # null: the most epochs the budget allows (get_max_epochs)
       private_logs_only: false # true: no training loss/accuracy in the logs (they are
@@ -70,7 +76,19 @@ Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
   ``DP_BoundedInput(feature_bound), DP_Flatten, [DP_QuickSpectralDense(w), DP_GroupSort(2)]
   for w in widths, DP_QuickSpectralDense(nb_classes)`` on the features. Certified radii are
   those of front end + head, in pixel space (`certification_target`). Needs image inputs and
-  kymatio (``pip install lipdp[scatternet]``).
+  kymatio (``pip install lipdp[scatternet]``). ``feature_normalization: group`` appends
+  Tramèr & Boneh's per-example group normalisation to the front end (Keras
+  ``GroupNormalization(feature_groups, center=False, scale=False)``: each group of channels of
+  one image centred and scaled to unit variance, from that image alone, so it costs no privacy).
+  Its epsilon is 1e-5 (theirs). It lifts the small order-2 coefficients, but it is not
+  Lipschitz in any useful sense (its constant is ``1/sqrt(epsilon)``, 316): such a model gets no certified radius, and the summary says so.
+- ``tanh_cnn`` (Papernot et al. 2021, "Tempered sigmoid activations for deep learning with
+  differential privacy", their MNIST / Fashion-MNIST network; for classic clipped DP-SGD,
+  ``privacy.mode: clipped``): plain Keras layers ``Conv2D(16, 8x8, stride 2, same), tanh,
+  MaxPool(2, stride 1), Conv2D(32, 4x4, stride 2, valid), tanh, MaxPool(2, stride 1), Flatten,
+  Dense(32), tanh, Dense(nb_classes)`` (with biases). tanh is their tempered sigmoid
+  ``s * sigmoid(T x) - o`` at (s, T, o) = (2, 2, 1). Not a Lipschitz network: no gradient
+  bound and no certified radius; privacy comes from clipping.
 
 The training budget: with ``epochs: null`` the run lasts ``get_max_epochs(epsilon_budget,
 model)`` epochs (at least one: if the budget allows less than an epoch, the
@@ -127,6 +145,8 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "scattering_J": 2,
         "scattering_order_weights": [1.0, 1.0, 1.0],
         "feature_bound": 3.0,
+        "feature_normalization": "none",
+        "feature_groups": 27,
     },
     "loss": {"name": "tau_cce", "tau": 10.0, "min_margin": 1.0, "alpha": 10.0},
     "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9},
@@ -135,6 +155,8 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "delta": 1.0e-5,
         "noisify_strategy": "global",
         "epsilon_budget": 3.0,
+        "mode": "clipless",
+        "l2_norm_clip": None,
     },
     "training": {"epochs": None, "private_logs_only": False},
     "certification": {"radii": [0.0, 36 / 255, 72 / 255, 108 / 255, 0.1, 0.25, 0.5]},
@@ -272,7 +294,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "data_dir": _optional_str,
     },
     "model": {
-        "architecture": _choice("mlp", "cnn", "scatternet"),
+        "architecture": _choice("mlp", "cnn", "scatternet", "tanh_cnn"),
         "widths": _int_list,
         "conv_filters": lambda k, v: _int_list(k, v, allow_empty=False),
         "dense_width": _positive_int,
@@ -280,6 +302,8 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "scattering_J": _positive_int,
         "scattering_order_weights": _order_weights,
         "feature_bound": _POSITIVE,
+        "feature_normalization": _choice("none", "group"),
+        "feature_groups": _positive_int,
     },
     "loss": {
         "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
@@ -298,6 +322,8 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
                          expected="a number in (0, 1)"),
         "noisify_strategy": _choice("global", "per-layer"),
         "epsilon_budget": lambda k, v: None if v is None else _POSITIVE(k, v),
+        "mode": _choice("clipless", "clipped"),
+        "l2_norm_clip": lambda k, v: None if v is None else _POSITIVE(k, v),
     },
     "training": {"epochs": lambda k, v: None if v is None else _positive_int(k, v),
                  "private_logs_only": _bool},
@@ -378,6 +404,27 @@ def apply_overrides(cfg: Dict[str, Dict[str, Any]], overrides: Sequence[str]):
     return cfg
 
 
+def _check_mode(model, privacy):
+    """The cross-field rules of ``privacy.mode``."""
+    mode, clip = privacy["mode"], privacy["l2_norm_clip"]
+    if mode == "clipped" and clip is None:
+        raise ConfigError("privacy.mode='clipped' (classic DP-SGD) clips every per-example "
+                          "gradient to a threshold: set privacy.l2_norm_clip. Received: "
+                          "privacy.l2_norm_clip=None")
+    if mode == "clipless" and clip is not None:
+        raise ConfigError("privacy.l2_norm_clip only applies to privacy.mode='clipped': Clipless "
+                          "DP-SGD bounds gradients without clipping. Received: "
+                          f"privacy.mode='clipless', privacy.l2_norm_clip={clip!r}")
+    if mode == "clipped" and privacy["noisify_strategy"] != "global":
+        raise ConfigError("The noise of classic DP-SGD is isotropic: privacy.mode='clipped' needs "
+                          "privacy.noisify_strategy='global'. Received: "
+                          f"privacy.noisify_strategy={privacy['noisify_strategy']!r}")
+    if model["architecture"] == "tanh_cnn" and mode != "clipped":
+        raise ConfigError("model.architecture='tanh_cnn' is made of plain Keras layers, whose "
+                          "gradients lipdp cannot bound: train it with privacy.mode='clipped' "
+                          "and privacy.l2_norm_clip. Received: privacy.mode='clipless'")
+
+
 def validate_config(cfg: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Checks every field (and the few cross-field rules); returns a normalised copy.
 
@@ -399,6 +446,7 @@ def validate_config(cfg: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
                           "no step fits in a budget: set privacy.epsilon_budget=null and "
                           "training.epochs. Received: privacy.noise_multiplier=0, "
                           f"privacy.epsilon_budget={privacy['epsilon_budget']!r}")
+    _check_mode(out["model"], privacy)
     dataset = out["dataset"]
     n = dataset["nb_samples_train"]
     if n is not None and dataset["batch_size"] > n:
@@ -434,6 +482,9 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
     from lipdp import layers
     from lipdp.model import DP_Sequential
 
+    if model_cfg["architecture"] == "tanh_cnn":
+        return DP_Sequential(layers=_tanh_cnn(metadata), dp_parameters=dp_parameters,
+                             dataset_metadata=metadata)
     use_bias = model_cfg["use_bias"]
     stack: List[Any] = [layers.DP_BoundedInput(input_shape=metadata.input_shape,
                                                upper_bound=metadata.max_norm)]
@@ -457,10 +508,34 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
     return DP_Sequential(layers=stack, dp_parameters=dp_parameters, dataset_metadata=metadata)
 
 
+def _tanh_cnn(metadata) -> List[Any]:
+    """Papernot et al.'s tempered-sigmoid (tanh) CNN, plain Keras layers (module docstring)."""
+    import tensorflow as tf
+
+    if len(metadata.input_shape) != 3:
+        raise ConfigError("model.architecture='tanh_cnn' needs image inputs (H, W, C); dataset "
+                          f"inputs have shape {metadata.input_shape}.")
+    k = tf.keras.layers
+    return [k.Input(metadata.input_shape),
+            k.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
+            k.MaxPooling2D(2, strides=1),
+            k.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
+            k.MaxPooling2D(2, strides=1),
+            k.Flatten(),
+            k.Dense(32, activation="tanh"),
+            k.Dense(metadata.nb_classes)]
+
+
+# Tramèr & Boneh's (PyTorch's) GroupNorm epsilon; Keras's default 1e-3 would swamp the
+# variance of the order-2 scattering groups (about 1e-5 on Fashion-MNIST).
+_GROUP_NORM_EPSILON = 1e-5
+
+
 def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
     """The fixed front end of ``scatternet``, ``DP_BoundedInput(input_bound)`` then
-    `DP_Scattering` (a Keras Sequential without variables, built on its first call), or None
-    for the other architectures.
+    `DP_Scattering` (then, with ``feature_normalization: group``, a per-example
+    ``GroupNormalization`` without variables), a Keras Sequential without variables, built on
+    its first call; None for the other architectures.
 
     Raises:
         ConfigError: invalid scattering arguments.
@@ -473,12 +548,16 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
 
     weights = model_cfg["scattering_order_weights"]
     try:
-        return tf.keras.Sequential([
-            layers.DP_BoundedInput(input_bound),
-            layers.DP_Scattering(J=model_cfg["scattering_J"], max_order=len(weights) - 1,
-                                 order_weights=weights)])
+        stack = [layers.DP_BoundedInput(input_bound),
+                 layers.DP_Scattering(J=model_cfg["scattering_J"], max_order=len(weights) - 1,
+                                      order_weights=weights)]
     except ValueError as e:
         raise ConfigError(f"Cannot build the scattering front end: {e}") from None
+    if model_cfg["feature_normalization"] == "group":
+        stack.append(tf.keras.layers.GroupNormalization(
+            groups=model_cfg["feature_groups"], axis=-1, epsilon=_GROUP_NORM_EPSILON,
+            center=False, scale=False))
+    return tf.keras.Sequential(stack)
 
 
 def _bound_argument(dataset_cfg: Dict[str, Any], max_norm: float) -> Dict[str, float]:
@@ -595,8 +674,10 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
         raise ConfigError(f"Invalid dataset section: {e}") from None
     p = cfg["privacy"]
     try:
+        clipped = {} if p["mode"] == "clipless" else {"mode": "clipped",
+                                                      "l2_norm_clip": p["l2_norm_clip"]}
         dp_parameters = DPParameters(noise_multiplier=p["noise_multiplier"], delta=p["delta"],
-                                     noisify_strategy=p["noisify_strategy"])
+                                     noisify_strategy=p["noisify_strategy"], **clipped)
         model = build_model(cfg["model"], metadata, dp_parameters)
         model.compile(loss=build_loss(cfg["loss"]), optimizer=build_optimizer(cfg["optimizer"]),
                       metrics=["accuracy"],

@@ -9,6 +9,7 @@ that fails).
 import json
 import os
 
+import numpy as np
 import pytest
 import tensorflow as tf
 import yaml
@@ -64,7 +65,8 @@ def test_shipped_main_config_has_the_measured_settings():
     assert (cfg["loss"]["name"], cfg["loss"]["tau"]) == ("tau_cce", 5.0)
     assert (cfg["optimizer"]["name"], cfg["optimizer"]["learning_rate"]) == ("adam", 0.001)
     assert cfg["privacy"] == {"noise_multiplier": 3.0, "delta": 1e-5,
-                              "noisify_strategy": "global", "epsilon_budget": 3.0}
+                              "noisify_strategy": "global", "epsilon_budget": 3.0,
+                              "mode": "clipless", "l2_norm_clip": None}
     assert cfg["training"]["epochs"] is None
     assert cfg["certification"]["radii"] == [0.0, 36 / 255, 72 / 255, 108 / 255, 0.1, 0.25, 0.5]
     cnn = load_config(os.path.join(REPO, "configs", "fashion_mnist_cnn.yaml"))
@@ -105,6 +107,8 @@ def test_defaults_partial_file_and_overrides(tmp_path):
     ("privacy.delta=2", ["(0, 1)", "privacy.delta=2"]),
     ("privacy.noise_multiplier=abc", ["privacy.noise_multiplier='abc'"]),
     ("privacy.noisify_strategy=local", ["'per-layer'", "privacy.noisify_strategy='local'"]),
+    ("privacy.mode=clip", ["'clipless', 'clipped'", "privacy.mode='clip'"]),
+    ("privacy.l2_norm_clip=-1", ["finite positive", "privacy.l2_norm_clip=-1"]),
     ("training.epochs=0", ["training.epochs=0"]),
     ("certification.radii=[0.1, -1]", ["certification.radii=[0.1, -1]"]),
     ("output.save_model=3", ["output.save_model=3"]),
@@ -114,6 +118,18 @@ def test_bad_values_are_echoed(override, fragments):
         load_config(None, [override])
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["privacy.mode=clipped"], "set privacy.l2_norm_clip"),
+    (["privacy.l2_norm_clip=1.0"], "only applies to privacy.mode='clipped'"),
+    (["privacy.mode=clipped", "privacy.l2_norm_clip=1.0", "privacy.noisify_strategy=per-layer"],
+     "needs privacy.noisify_strategy='global'"),
+    (["model.architecture=tanh_cnn"], "train it with privacy.mode='clipped'"),
+])
+def test_clipped_mode_cross_field_rules(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, overrides)
 
 
 def test_unknown_keys_list_the_valid_ones(tmp_path):
@@ -336,6 +352,70 @@ def test_train_scatternet_end_to_end(fake_fashion, tmp_path, capsys):
     lip = float(summary.split("Lipschitz constant")[1].split(")")[0])
     assert lip == pytest.approx(front.lipschitz_constant * head_lip, rel=1e-3)
     assert "0.1412 (36/255)" in summary
+
+
+def test_train_tanh_cnn_with_clipped_dpsgd(fake_fashion, tmp_path, capsys):
+    """Papernot et al.'s tanh CNN, classic DP-SGD: plain Keras layers, clipping, no certificate;
+    epsilon is the Poisson-subsampled Gaussian of the clipped mechanism."""
+    from lipdp.accounting import compute_epsilon
+
+    overrides = ["model.architecture=tanh_cnn", "privacy.mode=clipped",
+                 "privacy.l2_norm_clip=0.5", "privacy.noise_multiplier=1.5",
+                 "dataset.batch_size=20", "privacy.epsilon_budget=null", "training.epochs=2",
+                 "loss.tau=1.0", "optimizer.name=sgd", "optimizer.learning_rate=1.0"]
+    cfg = load_config(None, overrides)
+    model, _, _, _, _ = config.build_from_config(cfg)
+    conv = [(type(x).__name__, getattr(x, "filters", None), getattr(x, "kernel_size", None),
+             getattr(x, "strides", None), getattr(x, "padding", None)) for x in model.layers]
+    assert conv == [("Conv2D", 16, (8, 8), (2, 2), "same"), ("MaxPooling2D", None, None, (1, 1),
+                     "valid"), ("Conv2D", 32, (4, 4), (2, 2), "valid"),
+                    ("MaxPooling2D", None, None, (1, 1), "valid"),
+                    ("Flatten", None, None, None, None), ("Dense", None, None, None, None),
+                    ("Dense", None, None, None, None)]
+    assert [model.layers[i].activation.__name__ for i in (0, 2, 5, 6)] == [
+        "tanh", "tanh", "tanh", "linear"]
+    assert model.dp_parameters.mode.value == "clipped" and model.dp_parameters.l2_norm_clip == 0.5
+
+    path = write_yaml(tmp_path / "tanh.yaml", cfg)
+    assert cli.main(["train", path]) == 0
+    out = capsys.readouterr().out
+    assert "clipped to L2 norm C = 0.5; noise std sigma C / D = 1.5 x 0.5 / 20 = 0.0375" in out
+    summary = out.split("=== Summary ===")[1]
+    assert "(2 epochs, 6 steps)" in summary and "clipped (flat), sigma=1.5" in summary
+    eps = float(summary.split("(epsilon=")[1].split(",")[0])
+    assert eps == pytest.approx(compute_epsilon(1.5, 20 / 60, 6, 1e-5), rel=1e-3)
+    accuracy = float(summary.split("test accuracy      :")[1].split()[0])
+    assert 0.0 <= accuracy <= 1.0
+    assert "certified accuracy : none: no certified Lipschitz constant for conv2d" in summary
+
+
+def test_scatternet_group_normalisation_is_per_example_and_not_certified(fake_fashion, tmp_path,
+                                                                         capsys):
+    cfg = load_config(None, [
+        "dataset.batch_size=10", "dataset.nb_samples_train=40", "dataset.input_bound=28.0",
+        "model.architecture=scatternet", "model.widths=[]", "model.feature_bound=63.0",
+        "model.feature_normalization=group", "model.feature_groups=27",
+        "training.epochs=1", "privacy.epsilon_budget=null"])
+    front = config.build_front_end(cfg["model"], 28.0)
+    x = tf.random.stateless_uniform([3, 28, 28, 1], seed=[4, 2])
+    features = front(x).numpy()
+    raw = front.layers[1](front.layers[0](x)).numpy()  # the scattering features
+    groups = raw.reshape(3, 7 * 7, 27, 3).transpose(0, 2, 1, 3).reshape(3, 27, -1)
+    expected = ((groups - groups.mean(-1, keepdims=True))
+                / np.sqrt(groups.var(-1, keepdims=True) + 1e-5))  # Tramer & Boneh's GroupNorm
+    expected = expected.reshape(3, 27, 7 * 7, 3).transpose(0, 2, 1, 3).reshape(features.shape)
+    assert abs(features - expected).max() < 1e-3 * abs(expected).max()
+    # Per example: an image's features do not depend on the other images of the batch.
+    assert abs(front(x[:1]).numpy() - features[:1]).max() < 1e-5
+    assert front.count_params() == 0
+
+    path = write_yaml(tmp_path / "scat_gn.yaml", cfg)
+    assert cli.main(["train", path]) == 0
+    summary = capsys.readouterr().out.split("=== Summary ===")[1]
+    assert ("certified accuracy : none: no certified Lipschitz constant for group_normalization"
+            in summary)
+    with pytest.raises(ConfigError, match="groups"):
+        config.build_from_config(load_config(path, ["model.feature_groups=4"]))
 
 
 def test_binary_dataset_reports_auroc(no_download, tmp_path, capsys):
