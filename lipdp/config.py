@@ -33,6 +33,8 @@ Schema (defaults shown)::
       feature_normalization: none  # scatternet: none | group (per-example group
                                #   normalisation: accuracy, but NO certified radius)
       feature_groups: 27       # scatternet, group: number of channel groups
+      head: lipschitz          # mlp / scatternet: lipschitz (DP layers) | plain (Keras Dense
+                               #   + tanh, zero-initialised output; clipped mode only)
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce
@@ -82,6 +84,10 @@ Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
   one image centred and scaled to unit variance, from that image alone, so it costs no privacy).
   Its epsilon is 1e-5 (theirs). It lifts the small order-2 coefficients, but it is not
   Lipschitz in any useful sense (its constant is ``1/sqrt(epsilon)``, 316): such a model gets no certified radius, and the summary says so.
+- ``head: plain`` (``mlp`` and ``scatternet``, clipped mode only): the same widths as plain
+  Keras layers, ``Flatten, [Dense(w), tanh] for w in widths, Dense(nb_classes)`` with a
+  zero-initialised output layer, unconstrained: classic DP-SGD's usual model (Tramèr &
+  Boneh's linear ScatterNet classifier with ``widths: []``). No certified radius.
 - ``tanh_cnn`` (Papernot et al. 2021, "Tempered sigmoid activations for deep learning with
   differential privacy", their MNIST / Fashion-MNIST network; for classic clipped DP-SGD,
   ``privacy.mode: clipped``): plain Keras layers ``Conv2D(16, 8x8, stride 2, same), tanh,
@@ -147,6 +153,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "feature_bound": 3.0,
         "feature_normalization": "none",
         "feature_groups": 27,
+        "head": "lipschitz",
     },
     "loss": {"name": "tau_cce", "tau": 10.0, "min_margin": 1.0, "alpha": 10.0},
     "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9},
@@ -304,6 +311,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "feature_bound": _POSITIVE,
         "feature_normalization": _choice("none", "group"),
         "feature_groups": _positive_int,
+        "head": _choice("lipschitz", "plain"),
     },
     "loss": {
         "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
@@ -419,6 +427,13 @@ def _check_mode(model, privacy):
         raise ConfigError("The noise of classic DP-SGD is isotropic: privacy.mode='clipped' needs "
                           "privacy.noisify_strategy='global'. Received: "
                           f"privacy.noisify_strategy={privacy['noisify_strategy']!r}")
+    if model["head"] == "plain" and mode != "clipped":
+        raise ConfigError("model.head='plain' is made of plain Keras layers, whose gradients "
+                          "lipdp cannot bound: train it with privacy.mode='clipped' and "
+                          "privacy.l2_norm_clip. Received: privacy.mode='clipless'")
+    if model["head"] == "plain" and model["architecture"] not in ("mlp", "scatternet"):
+        raise ConfigError("model.head='plain' applies to the mlp and scatternet architectures. "
+                          f"Received: model.architecture={model['architecture']!r}")
     if model["architecture"] == "tanh_cnn" and mode != "clipped":
         raise ConfigError("model.architecture='tanh_cnn' is made of plain Keras layers, whose "
                           "gradients lipdp cannot bound: train it with privacy.mode='clipped' "
@@ -485,6 +500,9 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
     if model_cfg["architecture"] == "tanh_cnn":
         return DP_Sequential(layers=_tanh_cnn(metadata), dp_parameters=dp_parameters,
                              dataset_metadata=metadata)
+    if model_cfg["head"] == "plain":
+        return DP_Sequential(layers=_plain_head(model_cfg, metadata),
+                             dp_parameters=dp_parameters, dataset_metadata=metadata)
     use_bias = model_cfg["use_bias"]
     stack: List[Any] = [layers.DP_BoundedInput(input_shape=metadata.input_shape,
                                                upper_bound=metadata.max_norm)]
@@ -506,6 +524,17 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
                   layers.DP_GroupSort(2)]
     stack.append(layers.DP_QuickSpectralDense(metadata.nb_classes, use_bias=use_bias))
     return DP_Sequential(layers=stack, dp_parameters=dp_parameters, dataset_metadata=metadata)
+
+
+def _plain_head(model_cfg: Dict[str, Any], metadata) -> List[Any]:
+    """``head: plain``: Keras Dense layers with tanh, zero-initialised output (module docstring)."""
+    import tensorflow as tf
+
+    k, use_bias = tf.keras.layers, model_cfg["use_bias"]
+    stack = [k.Input(metadata.input_shape), k.Flatten()]
+    stack += [k.Dense(width, activation="tanh", use_bias=use_bias)
+              for width in model_cfg["widths"]]
+    return stack + [k.Dense(metadata.nb_classes, use_bias=use_bias, kernel_initializer="zeros")]
 
 
 def _tanh_cnn(metadata) -> List[Any]:

@@ -126,6 +126,9 @@ def test_bad_values_are_echoed(override, fragments):
     (["privacy.mode=clipped", "privacy.l2_norm_clip=1.0", "privacy.noisify_strategy=per-layer"],
      "needs privacy.noisify_strategy='global'"),
     (["model.architecture=tanh_cnn"], "train it with privacy.mode='clipped'"),
+    (["model.head=plain"], "train it with privacy.mode='clipped'"),
+    (["model.head=plain", "model.architecture=cnn", "privacy.mode=clipped",
+      "privacy.l2_norm_clip=1.0"], "applies to the mlp and scatternet architectures"),
 ])
 def test_clipped_mode_cross_field_rules(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
@@ -199,6 +202,19 @@ def test_build_cnn_is_the_papers_network(fake_fashion):
     assert type(model.dp_loss).__name__ == "DP_MulticlassHKR"
     assert isinstance(model.optimizer, tf.keras.optimizers.SGD)
     assert fit_kwargs["epochs"] == 1
+
+
+def test_build_plain_head_for_clipped_dpsgd(fake_fashion):
+    cfg = load_config(None, ["model.head=plain", "model.widths=[16]", "model.use_bias=true",
+                             "privacy.mode=clipped", "privacy.l2_norm_clip=0.1",
+                             "dataset.batch_size=20", "privacy.epsilon_budget=null",
+                             "training.epochs=1"])
+    model, _, _, _, _ = config.build_from_config(cfg)
+    assert [type(x).__name__ for x in model.layers] == ["Flatten", "Dense", "Dense"]
+    hidden, output = model.layers[1:]
+    assert hidden.units == 16 and hidden.activation.__name__ == "tanh" and hidden.use_bias
+    assert output.units == 10 and not output.kernel.numpy().any()  # zero-initialised
+    assert model.dp_parameters.mode.value == "clipped"
 
 
 def test_build_rejects_what_the_data_rejects(fake_fashion):
