@@ -44,6 +44,8 @@ Schema (defaults shown)::
       name: adam               # adam | sgd
       learning_rate: 0.001
       momentum: 0.9            # sgd only
+      ema_momentum: null       # float in (0, 1): the final model is the exponential moving
+                               #   average of the iterates (Keras use_ema; post-processing)
     privacy:
       noise_multiplier: 3.0    # sigma (0: no noise, not private: epsilon is infinite)
       delta: 1.0e-5
@@ -156,7 +158,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "head": "lipschitz",
     },
     "loss": {"name": "tau_cce", "tau": 10.0, "min_margin": 1.0, "alpha": 10.0},
-    "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9},
+    "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9, "ema_momentum": None},
     "privacy": {
         "noise_multiplier": 3.0,
         "delta": 1.0e-5,
@@ -281,6 +283,7 @@ def _dataset_name(key, value):
 
 _POSITIVE = _number(low=0, low_open=True, expected="a finite positive number")
 _NON_NEGATIVE = _number(low=0, expected="a finite non-negative number")
+_OPEN_UNIT = _number(low=0, high=1, low_open=True, high_open=True, expected="a number in (0, 1)")
 
 
 def _order_weights(key, value):
@@ -323,6 +326,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "name": _choice("adam", "sgd"),
         "learning_rate": _POSITIVE,
         "momentum": _number(low=0, high=1, high_open=True, expected="a number in [0, 1)"),
+        "ema_momentum": lambda k, v: None if v is None else _OPEN_UNIT(k, v),
     },
     "privacy": {
         "noise_multiplier": _NON_NEGATIVE,
@@ -634,13 +638,23 @@ def build_loss(loss_cfg: Dict[str, Any]):
 
 
 def build_optimizer(optimizer_cfg: Dict[str, Any]):
-    """The Keras optimizer of the ``optimizer`` section."""
+    """The Keras optimizer of the ``optimizer`` section.
+
+    With ``ema_momentum`` m the optimizer keeps ``a <- m a + (1 - m) w`` after every step and
+    `fit` ends by writing ``a`` into the weights (Keras's ``use_ema``): the released model is
+    an average of released iterates, post-processing that costs no privacy. For the DP
+    layers the average is taken before each step's projection, so the final weights may sit
+    slightly outside the Lipschitz set; certified radii use the certified constant of the
+    weights as they are, so they stay proven.
+    """
     import tensorflow as tf
 
+    ema = {} if optimizer_cfg["ema_momentum"] is None else {
+        "use_ema": True, "ema_momentum": optimizer_cfg["ema_momentum"]}
     if optimizer_cfg["name"] == "adam":
-        return tf.keras.optimizers.Adam(learning_rate=optimizer_cfg["learning_rate"])
+        return tf.keras.optimizers.Adam(learning_rate=optimizer_cfg["learning_rate"], **ema)
     return tf.keras.optimizers.SGD(learning_rate=optimizer_cfg["learning_rate"],
-                                   momentum=optimizer_cfg["momentum"])
+                                   momentum=optimizer_cfg["momentum"], **ema)
 
 
 def planned_epochs(cfg: Dict[str, Dict[str, Any]], model) -> int:

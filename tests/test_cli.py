@@ -104,6 +104,7 @@ def test_defaults_partial_file_and_overrides(tmp_path):
     ("loss.name=mse", ["'tau_cce'", "loss.name='mse'"]),
     ("loss.tau=-1", ["loss.tau=-1"]),
     ("optimizer.momentum=1.0", ["[0, 1)", "optimizer.momentum=1.0"]),
+    ("optimizer.ema_momentum=1.0", ["(0, 1)", "optimizer.ema_momentum=1.0"]),
     ("privacy.delta=2", ["(0, 1)", "privacy.delta=2"]),
     ("privacy.noise_multiplier=abc", ["privacy.noise_multiplier='abc'"]),
     ("privacy.noisify_strategy=local", ["'per-layer'", "privacy.noisify_strategy='local'"]),
@@ -215,6 +216,33 @@ def test_build_plain_head_for_clipped_dpsgd(fake_fashion):
     assert hidden.units == 16 and hidden.activation.__name__ == "tanh" and hidden.use_bias
     assert output.units == 10 and not output.kernel.numpy().any()  # zero-initialised
     assert model.dp_parameters.mode.value == "clipped"
+
+
+def test_ema_momentum_releases_the_average_of_the_iterates(fake_fashion):
+    """optimizer.ema_momentum m: after fit the weights are ``a_T`` with ``a_0 = w_0``,
+    ``a_t = m a_{t-1} + (1 - m) w_t`` over the iterates w_t (recorded after every step; a
+    plain head in clipped mode, so no projection moves them after the optimizer)."""
+    cfg = load_config(None, ["model.head=plain", "model.widths=[]", "privacy.mode=clipped",
+                             "privacy.l2_norm_clip=1.0", "dataset.batch_size=20",
+                             "privacy.epsilon_budget=null", "training.epochs=2",
+                             "optimizer.name=sgd", "optimizer.learning_rate=0.5",
+                             "optimizer.ema_momentum=0.6"])
+    model, ds_train, _, _, fit_kwargs = config.build_from_config(cfg)
+    assert model.optimizer.use_ema and model.optimizer.ema_momentum == 0.6
+    average = [v.numpy() for v in model.trainable_variables]
+    iterates = []
+
+    class Record(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            iterates.append([v.numpy() for v in model.trainable_variables])
+
+    model.fit(ds_train, epochs=2, verbose=0, callbacks=[Record()])
+    assert len(iterates) == model.dp_steps_taken == 6
+    for w in iterates:
+        average = [0.6 * a + 0.4 * x for a, x in zip(average, w)]
+    for v, a, last in zip(model.trainable_variables, average, iterates[-1]):
+        np.testing.assert_allclose(v.numpy(), a, rtol=1e-5, atol=1e-6)
+        assert np.abs(v.numpy() - last).max() > 1e-4  # not the last iterate
 
 
 def test_build_rejects_what_the_data_rejects(fake_fashion):
