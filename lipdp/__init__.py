@@ -7,7 +7,7 @@ and Gaussian noise is calibrated to it at every step of `model.fit`. The same
 mode="clipped", ...)``, `lipdp.clipping`) for comparison.
 """
 
-from lipdp import bounds, certify, clipping, data, layers, ledger, losses, records
+from lipdp import audit, bounds, certify, clipping, data, layers, ledger, losses, records
 from lipdp.accounting import get_eps_delta, get_max_epochs
 from lipdp.callbacks import BoundMonitor, DP_Accountant, SignalToNoise
 from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
@@ -31,6 +31,7 @@ __all__ = [
     "NormEngine",
     "Sampling",
     "SignalToNoise",
+    "audit",
     "bounds",
     "certify",
     "clipping",
