@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml | check-python
 	@touch $(STAMP)
 
 data: $(STAMP)
-	@$(VENV)/bin/python -m lipdp.data fashion_mnist || bash scripts/install_fashion_mnist.sh
+	@$(VENV)/bin/lipdp data fashion_mnist || bash scripts/install_fashion_mnist.sh
 
 demo: data
 	$(VENV)/bin/lipdp train $(CONFIG)

@@ -7,6 +7,18 @@ and Gaussian noise is calibrated to it at every step of `model.fit`. The same
 mode="clipped", ...)``, `lipdp.clipping`) for comparison.
 """
 
+import os as _os
+import sys as _sys
+
+# The `lipdp` command shows lipdp's own lines: unless the user set TF_CPP_MIN_LOG_LEVEL,
+# TensorFlow's C++ start-up log (CUDA, cuDNN, TensorRT and CPU-feature lines, among them
+# spurious "Unable to register" errors) is hidden, and `lipdp.cli` lowers its Python logger.
+# This must run before TensorFlow is imported; importing lipdp as a library changes nothing.
+_QUIET_TENSORFLOW = (_os.path.basename((getattr(_sys, "argv", None) or [""])[0]) == "lipdp"
+                    and "TF_CPP_MIN_LOG_LEVEL" not in _os.environ)
+if _QUIET_TENSORFLOW:
+    _os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+
 from lipdp import audit, bounds, certify, clipping, data, layers, ledger, losses, records
 from lipdp.accounting import get_eps_delta, get_max_epochs
 from lipdp.callbacks import BoundMonitor, DP_Accountant, SignalToNoise

@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="one axis of the grid (repeatable; values parsed as YAML)")
     sweep.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.FIELD=VALUE", help=_OVERRIDE_HELP)
+    sub.add_parser("data", add_help=False,
+                   help="check that a dataset can be found or downloaded ('lipdp data --help')")
     sweep.add_argument("--output", default="sweep.jsonl",
                        help="JSON-lines file the runs are appended to (default sweep.jsonl)")
     return parser
@@ -338,8 +340,28 @@ def _sweep(args) -> int:
     return EXIT_OK
 
 
+def _quiet_tensorflow():
+    """Unless the user set ``TF_CPP_MIN_LOG_LEVEL``, TensorFlow's Python warnings are hidden
+    too (its C++ start-up log already is: `lipdp/__init__.py`)."""
+    import lipdp
+
+    if lipdp._QUIET_TENSORFLOW:
+        import tensorflow as tf
+
+        tf.get_logger().setLevel(logging.ERROR)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``lipdp`` command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _quiet_tensorflow()
+    if argv[:1] == ["data"]:
+        from lipdp.data import main as data_main
+
+        try:
+            return data_main(argv[1:], prog="lipdp data")
+        except SystemExit as e:  # --help (0) or a usage error (2)
+            return int(e.code or 0)
     parser = _parser()
     try:
         args = parser.parse_args(argv)

@@ -821,14 +821,15 @@ def load_dataset(
 # ----------------------------------------------------------------------------
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lipdp.data NAME``: checks that a dataset can be loaded.
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m lipdp.data") -> int:
+    """``lipdp data NAME`` (or ``python -m lipdp.data NAME``): checks that a dataset can be
+    loaded.
 
     Loads the arrays only (no pipeline), prints where they came from and
     returns 0; prints why not and returns 1 otherwise.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m lipdp.data",
+        prog=prog,
         description="Check that a lipdp dataset can be found (or downloaded).",
     )
     parser.add_argument("name", choices=DATASET_NAMES)

@@ -462,6 +462,27 @@ def test_scatternet_group_normalisation_is_per_example_and_not_certified(fake_fa
         config.build_from_config(load_config(path, ["model.feature_groups=4"]))
 
 
+def test_data_command_and_a_quiet_console(tmp_path):
+    """`lipdp data NAME` checks a dataset; the `lipdp` command prints lipdp's lines only:
+    no TensorFlow start-up log (CUDA, cuDNN, TensorRT, CPU features) unless the user sets
+    TF_CPP_MIN_LOG_LEVEL, and no runpy warning."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(sys.executable), "lipdp")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run([script, "data", "digits"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("lipdp: digits found: scikit-learn") and done.stderr == ""
+    loud = subprocess.run([script, "data", "digits"], capture_output=True, text=True,
+                          env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=120,
+                          cwd=str(tmp_path))
+    assert loud.returncode == 0 and "tensorflow" in loud.stderr  # the user's setting wins
+    assert cli.main(["data", "breast_cancer"]) == 0
+    assert cli.main(["data", "nosuchdata"]) == 2
+
+
 def test_binary_dataset_reports_auroc(no_download, tmp_path, capsys):
     path = write_yaml(tmp_path / "bc.yaml", {
         "dataset": {"name": "breast_cancer", "batch_size": 100, "input_bound": 2.5, "seed": 0},
