@@ -1,10 +1,13 @@
-"""Command line: ``lipdp train CONFIG [--set section.field=value ...]`` and
-``lipdp sweep CONFIG --grid section.field=[v1,v2] [...] [--output runs.jsonl]``.
+"""Command line: ``lipdp train CONFIG [--set section.field=value ...] [--run-dir DIR]``,
+``lipdp sweep CONFIG --grid section.field=[v1,v2] [...] [--output runs.jsonl]``,
+``lipdp report RUN_DIR`` and ``lipdp data NAME``.
 
 ``lipdp train`` loads a YAML config (`lipdp.config`), builds the data, the model
 and the privacy accountant, trains with ``model.fit`` (one line per epoch with
 loss, accuracy and epsilon) and ends with a summary: training time, the final
-``(epsilon, delta)``, test accuracy and certified accuracy at each radius.
+``(epsilon, delta)``, test accuracy and certified accuracy at each radius, and the
+run folder it wrote (`lipdp.reports`: report.json and plots; ``lipdp report``
+re-draws them). ``lipdp sweep`` trains every point of a grid, one run folder each.
 
 Exit codes: 0 success; 1 the data cannot be found or read; 2 invalid command
 line or config (a one-paragraph message, no traceback).
@@ -16,6 +19,7 @@ import argparse
 import itertools
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -68,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", metavar="CONFIG", help="path of the YAML config file")
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.FIELD=VALUE", help=_OVERRIDE_HELP)
+    train.add_argument("--run-dir", default=None, metavar="DIR",
+                       help="run folder for report.json and the plots (default "
+                            "runs/<config name>-<date>-<time>)")
     sweep = sub.add_parser(
         "sweep", help="train every combination of a grid of config values, recording each run",
         description="Train one run per combination of the --grid values (cartesian product) "
@@ -81,10 +88,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="one axis of the grid (repeatable; values parsed as YAML)")
     sweep.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.FIELD=VALUE", help=_OVERRIDE_HELP)
+    report = sub.add_parser("report", help="re-draw the plots of a run folder from its report.json")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by 'lipdp train'")
     sub.add_parser("data", add_help=False,
                    help="check that a dataset can be found or downloaded ('lipdp data --help')")
     sweep.add_argument("--output", default="sweep.jsonl",
                        help="JSON-lines file the runs are appended to (default sweep.jsonl)")
+    sweep.add_argument("--run-dir", default=None, metavar="DIR",
+                       help="folder holding one run folder per grid point (default "
+                            "runs/<config name>-<date>-<time>)")
     return parser
 
 
@@ -202,9 +214,33 @@ def _evaluate(network, test_inputs, radii):
     return certified[0.0], certified, lip, None
 
 
-def _train(cfg) -> dict:
-    """One training run of a loaded config, printed section by section; returns its results
-    (the row a sweep records)."""
+def _default_run_dir(config_path: str) -> str:
+    stem = os.path.splitext(os.path.basename(config_path))[0]
+    return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _write_run(run_dir: str, cfg, history, results, model, ds_train):
+    """The run folder: report.json (config, versions, epsilon and accuracies per epoch, the
+    results, per-example gradient norms against their bounds) and its plots (`lipdp.reports`)."""
+    from lipdp import reports
+
+    norms = None
+    if not cfg["training"]["private_logs_only"]:  # computed on training data, outside epsilon
+        norms = reports.gradient_norm_sample(model, ds_train, seed=cfg["dataset"]["seed"] or 0)
+    report = reports.build_report(cfg, history, results, gradient_norms=norms)
+    try:
+        reports.write_run(run_dir, report)
+    except ImportError as e:
+        print(f"run folder         : {run_dir} (report.json only: {e}; 'lipdp report "
+              f"{run_dir}' draws the plots once matplotlib is installed)")
+        return
+    print(f"run folder         : {run_dir} (report.json and plots; 'lipdp report {run_dir}' "
+          "re-draws them)")
+
+
+def _train(cfg, run_dir: str) -> dict:
+    """One training run of a loaded config, printed section by section, its report written
+    to `run_dir`; returns its results (the row a sweep records)."""
     _section("Config")
     print(_format_config(cfg))
 
@@ -292,13 +328,15 @@ def _train(cfg) -> dict:
         print(f"model saved to {path}" + ("" if network is model else
               " (the head alone: it takes the scattering features; lipdp.config."
               "build_front_end(config['model'], input_bound) rebuilds the front end)"))
-    return {"epsilon": eps_final, "delta": delta, "test_accuracy": accuracy,
-            "test_auroc": auroc,
-            "certified_accuracy": None if certified is None else {str(r): certified[r]
-                                                                  for r in radii},
-            "lipschitz_constant": lip, "epochs": epochs_run,
-            "steps": int(model.dp_steps_taken), "train_seconds": wall,
-            "sampling": metadata.sampling.value, "seed": cfg["dataset"]["seed"]}
+    results = {"epsilon": eps_final, "delta": delta, "test_accuracy": accuracy,
+               "test_auroc": auroc,
+               "certified_accuracy": None if certified is None else {str(r): certified[r]
+                                                                     for r in radii},
+               "lipschitz_constant": lip, "epochs": epochs_run,
+               "steps": int(model.dp_steps_taken), "train_seconds": wall,
+               "sampling": metadata.sampling.value, "seed": cfg["dataset"]["seed"]}
+    _write_run(run_dir, cfg, history, results, model, ds_train)
+    return {**results, "run_dir": run_dir}
 
 
 def _grid(assignments):
@@ -319,10 +357,11 @@ def _sweep(args) -> int:
     combos = _grid(args.grid)
     configs = [load_config(args.config, args.overrides + combo) for combo in combos]  # all valid
     rows = []
+    root = args.run_dir or _default_run_dir(args.config)
     for index, (combo, cfg) in enumerate(zip(combos, configs), 1):
         print(f"\n##### sweep run {index}/{len(combos)}: {' '.join(combo) or '(base config)'}")
         row = {"config_file": args.config, "overrides": args.overrides, "grid_point": combo,
-               "config": cfg, **_train(cfg)}
+               "config": cfg, **_train(cfg, os.path.join(root, f"run-{index:03d}"))}
         rows.append(row)
         with open(args.output, "a") as out:  # one line per finished run: nothing lost on a crash
             out.write(json.dumps(row) + "\n")
@@ -337,6 +376,20 @@ def _sweep(args) -> int:
     print("Choosing among these runs by their test scores spends privacy beyond each run's "
           "epsilon unless the data they were tuned on is public (README, 'Tuning costs "
           "privacy').")
+    return EXIT_OK
+
+
+def _report(run_dir: str) -> int:
+    """``lipdp report RUN_DIR``: re-draws the plots from report.json."""
+    from lipdp import reports
+
+    try:
+        paths = reports.redraw(run_dir)
+    except reports.ReportError as e:
+        print(f"lipdp: {e}", file=sys.stderr)
+        return EXIT_DATA
+    print(f"lipdp: {len(paths)} plots drawn in {run_dir}: "
+          + ", ".join(os.path.basename(p) for p in paths))
     return EXIT_OK
 
 
@@ -378,7 +431,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "sweep":
             return _sweep(args)
-        _train(load_config(args.config, args.overrides))
+        if args.command == "report":
+            return _report(args.run_dir)
+        cfg = load_config(args.config, args.overrides)
+        _train(cfg, args.run_dir or _default_run_dir(args.config))
         return EXIT_OK
     except ConfigError as e:
         print(f"lipdp: invalid config: {e}", file=sys.stderr)

@@ -27,6 +27,12 @@ def write_yaml(path, content):
     return str(path)
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_dir(tmp_path, monkeypatch):
+    """Runs in a fresh directory: the default run folders (runs/...) are written there."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def no_download(tmp_path, monkeypatch):
     """No dataset reachable by accident (empty env dir, Keras home, Debian root, no network)."""
@@ -341,6 +347,23 @@ def test_train_end_to_end(fake_fashion, tmp_path, capsys):
     test_accuracy = float(summary.split("test accuracy")[1].split(":")[1].split()[0])
     assert test_accuracy == accuracies[0]
     assert saved.exists() and f"model saved to {saved}" in out
+    # the run folder: report.json with the run's numbers, its plots, and 'lipdp report'
+    run_dir = summary.split("run folder         : ")[1].split(" (")[0]
+    assert run_dir.startswith(os.path.join("runs", "tiny-"))
+    report = json.loads((tmp_path / run_dir / "report.json").read_text())
+    assert report["results"]["epsilon"] == pytest.approx(1.1795, abs=1e-4)
+    assert report["per_epoch"]["epoch"] == [1, 2] and len(report["per_epoch"]["epsilon"]) == 2
+    assert report["results"]["certified_accuracy"]["0.5"] == accuracies[2]
+    assert len(report["gradient_norms"]) == 2  # the two kernels
+    assert all(name.endswith("/kernel") for name in report["gradient_norms"])
+    plots = sorted(p.name for p in (tmp_path / run_dir).glob("*.png"))
+    assert plots == ["accuracy_vs_epsilon.png", "certified_accuracy.png",
+                     "gradient_norms.png", "tightness.png"]
+    for p in (tmp_path / run_dir).glob("*.png"):
+        p.unlink()
+    assert cli.main(["report", run_dir]) == 0
+    assert sorted(p.name for p in (tmp_path / run_dir).glob("*.png")) == plots
+    assert cli.main(["report", str(tmp_path / "nothing")]) == 1
 
 
 def test_documented_schema_matches_the_defaults():
