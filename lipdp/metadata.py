@@ -35,11 +35,18 @@ class NoiseStrategy(str, enum.Enum):
 
     - ``GLOBAL``: one isotropic Gaussian of std ``sigma * sqrt(sum_v Delta_v^2)``.
     - ``PER_LAYER``: std ``sigma * Delta_v`` on variable ``v``; accounted as the
-      composition of one Gaussian mechanism per variable.
+      composition of one Gaussian mechanism per variable. ``"local"`` (the paper
+      library's name for it) is accepted as an alias.
     """
 
     GLOBAL = "global"
     PER_LAYER = "per-layer"
+
+    @classmethod
+    def _missing_(cls, value):
+        # "local": the paper library's (lip-dp) earlier name of the per-layer strategy,
+        # still used in its README; accepted so that its scripts run unchanged.
+        return cls.PER_LAYER if value == "local" else None
 
 
 class DPMode(str, enum.Enum):

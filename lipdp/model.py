@@ -579,3 +579,14 @@ class DP_Model(_DPModelMixin, tf.keras.Model):
         functional = tf.keras.Model.from_config(config, custom_objects=custom_objects)
         return cls(functional.inputs, functional.outputs, dp_parameters=dp_parameters,
                    dataset_metadata=metadata, name=functional.name)
+
+
+# --------------------------------------------------------------------------- #
+# The paper library's import path (lip-dp: `from lipdp.model import DP_Accountant,
+# DP_Sequential, DPParameters`): the names live in lipdp.callbacks and lipdp.metadata
+# (imported above) and are re-exported here unchanged. lipdp.callbacks does not import
+# this module, so the import below is not circular.
+# --------------------------------------------------------------------------- #
+from lipdp.callbacks import DP_Accountant  # noqa: E402
+
+__all__ = ["DP_Accountant", "DP_Model", "DP_Sequential", "DPParameters"]
