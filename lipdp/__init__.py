@@ -12,10 +12,12 @@ import sys as _sys
 
 # The `lipdp` command shows lipdp's own lines: unless the user set TF_CPP_MIN_LOG_LEVEL,
 # TensorFlow's C++ start-up log (CUDA, cuDNN, TensorRT and CPU-feature lines, among them
-# spurious "Unable to register" errors) is hidden, and `lipdp.cli` lowers its Python logger.
+# spurious "Unable to register" errors) is hidden, and `lipdp.cli` lowers its Python logger;
+# `lipdp ... --verbose` keeps them.
 # This must run before TensorFlow is imported; importing lipdp as a library changes nothing.
-_QUIET_TENSORFLOW = (_os.path.basename((getattr(_sys, "argv", None) or [""])[0]) == "lipdp"
-                    and "TF_CPP_MIN_LOG_LEVEL" not in _os.environ)
+_ARGV = getattr(_sys, "argv", None) or [""]
+_QUIET_TENSORFLOW = (_os.path.basename(_ARGV[0]) == "lipdp" and "--verbose" not in _ARGV
+                     and "TF_CPP_MIN_LOG_LEVEL" not in _os.environ)
 if _QUIET_TENSORFLOW:
     _os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 

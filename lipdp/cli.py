@@ -34,6 +34,8 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_DATA, EXIT_CONFIG = 0, 1, 2
 
+_VERBOSE_HELP = ("also show TensorFlow's start-up log and warnings (hidden by default unless "
+                 "TF_CPP_MIN_LOG_LEVEL is set)")
 _OVERRIDE_HELP = ("override one config field, e.g. --set training.epochs=5 or "
                   "--set model.widths=[256,256]; the value is parsed as YAML "
                   "(repeatable)")
@@ -72,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", metavar="CONFIG", help="path of the YAML config file")
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.FIELD=VALUE", help=_OVERRIDE_HELP)
+    train.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     train.add_argument("--run-dir", default=None, metavar="DIR",
                        help="run folder for report.json and the plots (default "
                             "runs/<config name>-<date>-<time>)")
@@ -94,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="check that a dataset can be found or downloaded ('lipdp data --help')")
     sweep.add_argument("--output", default="sweep.jsonl",
                        help="JSON-lines file the runs are appended to (default sweep.jsonl)")
+    sweep.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     sweep.add_argument("--run-dir", default=None, metavar="DIR",
                        help="folder holding one run folder per grid point (default "
                             "runs/<config name>-<date>-<time>)")
@@ -219,15 +223,45 @@ def _default_run_dir(config_path: str) -> str:
     return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _write_run(run_dir: str, cfg, history, results, model, ds_train):
+def _first_examples(dataset, count: int):
+    """The first `count` examples (x, y) a dataset yields, as arrays."""
+    from lipdp.certify import labelled_batches
+
+    xs, ys, total = [], [], 0
+    for x, y in labelled_batches(dataset, None):
+        xs.append(x)
+        ys.append(y)
+        total += len(x)
+        if total >= count:
+            break
+    return np.concatenate(xs)[:count], np.concatenate(ys)[:count]
+
+
+def _membership_inference(model, ds_train, ds_test, count: int = 1000):
+    """The loss-threshold attack (`lipdp.audit`) on training examples (one Poisson batch or
+    more: members) against as many test examples (non-members)."""
+    from lipdp.audit import membership_inference
+
+    members = _first_examples(ds_train, count)
+    holdout = _first_examples(ds_test, len(members[0]))
+    members = members[0][:len(holdout[0])], members[1][:len(holdout[0])]
+    return membership_inference(model, members, holdout)
+
+
+def _write_run(run_dir: str, cfg, history, results, model, ds_train, ds_test):
     """The run folder: report.json (config, versions, epsilon and accuracies per epoch, the
     results, per-example gradient norms against their bounds) and its plots (`lipdp.reports`)."""
     from lipdp import reports
 
-    norms = None
+    norms = attacks = None
     if not cfg["training"]["private_logs_only"]:  # computed on training data, outside epsilon
         norms = reports.gradient_norm_sample(model, ds_train, seed=cfg["dataset"]["seed"] or 0)
-    report = reports.build_report(cfg, history, results, gradient_norms=norms)
+        attacks = _membership_inference(model, ds_train, ds_test)
+        print(f"membership inference: {attacks.loss_threshold.summary()} (NOT PRIVATE: "
+              "computed on training data; training.private_logs_only=true omits it)")
+    report = reports.build_report(cfg, history, results, gradient_norms=norms,
+                                  audit=None if attacks is None else
+                                  {"membership_inference": attacks})
     try:
         reports.write_run(run_dir, report)
     except ImportError as e:
@@ -335,7 +369,7 @@ def _train(cfg, run_dir: str) -> dict:
                "lipschitz_constant": lip, "epochs": epochs_run,
                "steps": int(model.dp_steps_taken), "train_seconds": wall,
                "sampling": metadata.sampling.value, "seed": cfg["dataset"]["seed"]}
-    _write_run(run_dir, cfg, history, results, model, ds_train)
+    _write_run(run_dir, cfg, history, results, model, ds_train, ds_test)
     return {**results, "run_dir": run_dir}
 
 

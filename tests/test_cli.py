@@ -354,6 +354,9 @@ def test_train_end_to_end(fake_fashion, tmp_path, capsys):
     assert report["results"]["epsilon"] == pytest.approx(1.1795, abs=1e-4)
     assert report["per_epoch"]["epoch"] == [1, 2] and len(report["per_epoch"]["epsilon"]) == 2
     assert report["results"]["certified_accuracy"]["0.5"] == accuracies[2]
+    mia = report["audit"]["membership_inference"]["loss_threshold"]
+    assert mia["nb_members"] == mia["nb_nonmembers"] == 30 and 0 <= mia["auroc"] <= 1
+    assert "membership inference: loss_threshold: AUROC" in summary
     assert len(report["gradient_norms"]) == 2  # the two kernels
     assert all(name.endswith("/kernel") for name in report["gradient_norms"])
     plots = sorted(p.name for p in (tmp_path / run_dir).glob("*.png"))
@@ -502,6 +505,9 @@ def test_data_command_and_a_quiet_console(tmp_path):
                           env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=120,
                           cwd=str(tmp_path))
     assert loud.returncode == 0 and "tensorflow" in loud.stderr  # the user's setting wins
+    verbose = subprocess.run([script, "train", "--help", "--verbose"], capture_output=True,
+                             text=True, env=env, timeout=120, cwd=str(tmp_path))
+    assert verbose.returncode == 0 and "tensorflow" in verbose.stderr
     assert cli.main(["data", "breast_cancer"]) == 0
     assert cli.main(["data", "nosuchdata"]) == 2
 
