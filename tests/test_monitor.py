@@ -198,3 +198,100 @@ def test_arguments_configs_and_clipped_mode():
         callback.set_model(clipped)
         with pytest.raises(ValueError, match="clipped mode"):
             callback.on_train_begin()
+
+
+# --------------------------------------------------------------------------- #
+# Silent on every real layer and zoo model (issue 11): a short fit with the monitor on.
+# --------------------------------------------------------------------------- #
+# Inputs of norm ~4.6 (8x8 pixels in [0, 1]) are clipped to X0 = 3, so the first layers see
+# inputs on the bound. Every model trains one epoch (2 steps) and is checked after it.
+SILENT_SHAPE, SILENT_CLASSES, X0_SILENT = (8, 8, 1), 4, 3.0
+
+
+def _real_layer_models():
+    """Three small models that hold every trainable and free layer of `lipdp.layers` (the
+    residual layers are in the zoo's ResNet and MLP-Mixer below)."""
+    from lipdp.layers import (DP_AddBias, DP_ClipGradient, DP_Flatten, DP_GlobalL2NormPooling2D,
+                              DP_GroupSort, DP_LayerCentering, DP_MaxPool2D, DP_Patches,
+                              DP_Permute, DP_QuickFrobeniusDense, DP_QuickSpectralConv2D,
+                              DP_ReLU, DP_Reshape, DP_ScaledL2NormPooling2D, DP_Scattering,
+                              DP_Sigmoid, DP_Softplus, DP_SpectralConv2D, DP_SpectralDense,
+                              DP_Tanh)
+    convolutions = [  # 8x8x1 -> ... -> 4 logits
+        DP_QuickSpectralConv2D(4, 3), DP_GroupSort(2),
+        DP_SpectralConv2D(4, 3, use_bias=False), DP_GroupSort(2, pairing="interleaved"),
+        DP_AddBias(0.5), DP_LayerCentering(), DP_MaxPool2D(2),  # 4x4x4
+        DP_QuickSpectralConv2D(6, 3, strides=2), DP_ReLU(),  # 2x2x6
+        DP_ScaledL2NormPooling2D(2), DP_Tanh(), DP_Flatten(),  # 6
+        DP_QuickFrobeniusDense(8), DP_Sigmoid(), DP_SpectralDense(8), DP_Softplus(),
+        DP_QuickSpectralDense(SILENT_CLASSES), DP_ClipGradient(0.5)]
+    tokens = [  # 8x8x1 -> 16 patches of 4 -> ... -> 4 logits
+        DP_Patches(2), DP_QuickSpectralDense(6), DP_GroupSort(None),  # (16, 6)
+        DP_Permute((2, 1)), DP_SpectralDense(16), DP_Permute((2, 1)),  # (16, 6)
+        DP_LayerCentering((1, 2)), DP_Reshape((4, 4, 6)), DP_GlobalL2NormPooling2D(),
+        DP_QuickSpectralDense(SILENT_CLASSES)]
+    scattering = [DP_Scattering(J=2, order_weights=(0.5, 1.0, 2.0)), DP_Flatten(),
+                  DP_QuickSpectralDense(SILENT_CLASSES)]
+    return {"convolutions": convolutions, "tokens": tokens, "scattering": scattering}
+
+
+ZOO_SMALL = {  # every builder of lipdp.zoo, small, across activations, biases and heads
+    "mlp": dict(width=8, depth=2, use_bias=True, activation="tanh"),
+    "vgg": dict(widths=(4, 4), convs_per_block=1, dense_width=8, activation="relu"),
+    "resnet": dict(width=4, stages=2, use_bias=True),
+    "resnet-global-l2": dict(width=4, stages=1, head="global-l2", activation="fullsort"),
+    "mlp_mixer": dict(patch_size=4, hidden_dim=4, centering=True, use_bias=True),
+    "mlp_mixer-global-l2": dict(patch_size=4, hidden_dim=4, head="global-l2",
+                                activation="softplus"),
+}
+SILENT_CASES = ["convolutions", "tokens", "scattering"] + [f"zoo:{k}" for k in ZOO_SMALL]
+
+
+def _silent_case_model(case):
+    import lipdp
+
+    metadata = DatasetMetadata(SILENT_SHAPE, SILENT_CLASSES, 32, 8, 16, X0_SILENT, "shuffle")
+    parameters = DPParameters(1.0, 1e-5)
+    if case.startswith("zoo:"):
+        name = case[4:]
+        return getattr(lipdp.zoo, name.split("-")[0])(
+            SILENT_SHAPE, SILENT_CLASSES, dp_parameters=parameters, dataset_metadata=metadata,
+            **ZOO_SMALL[name])
+    layers = [DP_BoundedInput(X0_SILENT, input_shape=SILENT_SHAPE)] + _real_layer_models()[case]
+    return DP_Sequential(layers, dp_parameters=parameters, dataset_metadata=metadata)
+
+
+@pytest.mark.parametrize("case", SILENT_CASES)
+def test_bound_monitor_silent_on_real_layers_and_zoo_models(case):
+    """No BoundViolationError during one epoch of noisy training, and a tightness entry in
+    (0, 1 + rtol] for every trainable variable in the epoch's logs."""
+    model = _silent_case_model(case)
+    model.compile(tf.keras.optimizers.SGD(0.05), DP_TauCategoricalCrossentropy(4.0))
+    rng = np.random.default_rng(7)
+    x = rng.uniform(size=(32,) + SILENT_SHAPE).astype(np.float32)
+    y = np.eye(SILENT_CLASSES, dtype=np.float32)[rng.integers(0, SILENT_CLASSES, 32)]
+    monitor = BoundMonitor((x, y), sample_size=16, seed=1)
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor]).history
+    bounds = gradient_bounds(model)
+    assert len(bounds) == len(model.trainable_variables) > 0
+    for name in bounds:
+        maximum = history[f"tightness_max/{name}"][-1]
+        assert 0 < history[f"tightness_mean/{name}"][-1] <= maximum <= 1 + 1e-4, (name, maximum)
+        assert monitor.last_report[name]["max_ratio"] == pytest.approx(maximum)
+
+
+def test_silent_cases_hold_every_layer_of_lipdp_layers():
+    """The models above (built, not trained) contain every DP layer class lipdp exports."""
+    import lipdp.layers
+
+    def classes(layers):
+        for layer in layers:
+            yield type(layer)
+            yield from classes(getattr(layer, "branch", []))  # DP_WrappedResidual
+
+    seen = set()
+    for case in SILENT_CASES:
+        seen |= set(classes(_silent_case_model(case).layers))
+    exported = {getattr(lipdp.layers, name) for name in lipdp.layers.__all__}
+    exported = {c for c in exported if isinstance(c, type) and c is not lipdp.layers.DPLayer}
+    assert exported - seen == set()
