@@ -706,7 +706,12 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     bound = _bound_argument(d, d["input_bound"])
     front = build_front_end(cfg["model"], d["input_bound"])
     if front is not None:
-        bound = {**_bound_argument(d, cfg["model"]["feature_bound"]), "feature_map": front}
+        m = cfg["model"]
+        key = ("scatternet", d["input_bound"], m["scattering_J"],
+               tuple(m["scattering_order_weights"]), m["feature_normalization"],
+               m["feature_groups"])  # everything build_front_end reads
+        bound = {**_bound_argument(d, m["feature_bound"]), "feature_map": front,
+                 "feature_cache_key": key}
     try:
         ds_train, ds_test, metadata = load_dataset(
             d["name"], d["batch_size"], sampling=d["sampling"], seed=d["seed"],

@@ -56,7 +56,7 @@ import struct
 import sys
 import warnings
 import zlib
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -649,6 +649,20 @@ def _mapped(feature_map, x: np.ndarray, batch_size: int = 1000) -> np.ndarray:
     return np.concatenate(mapped)
 
 
+_FEATURE_CACHE: Dict[Hashable, Tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _features(feature_map, x_train, x_test, key):
+    """The mapped train and test inputs; the last result is kept under `key` (if not None)."""
+    if key is not None and key in _FEATURE_CACHE:
+        return _FEATURE_CACHE[key]
+    mapped = _mapped(feature_map, x_train), _mapped(feature_map, x_test)
+    if key is not None:
+        _FEATURE_CACHE.clear()  # one entry: features can take gigabytes
+        _FEATURE_CACHE[key] = mapped
+    return mapped
+
+
 def _make_transform(bound: InputBound, nb_classes: int):
     def transform(x, y):
         x = bound.apply_batch(_as_float(x))
@@ -708,6 +722,7 @@ def load_dataset(
     nb_samples_train: Optional[int] = None,
     download: bool = True,
     feature_map: Optional[Callable[[tf.Tensor], tf.Tensor]] = None,
+    feature_cache_key: Optional[Hashable] = None,
 ) -> Tuple[tf.data.Dataset, tf.data.Dataset, DatasetMetadata]:
     """Loads a dataset as bounded `tf.data` pipelines and its public metadata.
 
@@ -740,6 +755,10 @@ def load_dataset(
             shape). It must treat each example on its own and depend on no data: each
             feature vector is then a function of its example alone, and the privacy
             analysis of the model trained on the features is unchanged.
+        feature_cache_key: a hashable naming `feature_map` (e.g. its configuration). The
+            features of the most recent call with the same key, dataset, ``data_dir`` and
+            ``nb_samples_train`` are reused (one entry, in this process): a sweep computes a
+            fixed front end once. The caller vouches that equal keys mean equal maps.
 
     Returns:
         ``(ds_train, ds_test, metadata)``. Both datasets yield ``(x, y)`` with
@@ -784,7 +803,9 @@ def load_dataset(
 
     x_test = raw.x_test
     if feature_map is not None:
-        x_train, x_test = _mapped(feature_map, x_train), _mapped(feature_map, x_test)
+        x_train, x_test = _features(feature_map, x_train, x_test,
+                                    None if feature_cache_key is None else
+                                    (feature_cache_key, name, data_dir, nb_samples_train))
 
     metadata = DatasetMetadata(
         input_shape=tuple(x_train.shape[1:]),

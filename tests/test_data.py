@@ -624,3 +624,35 @@ def test_real_fashion_mnist():
         x = x.numpy()
         lo, hi, n = min(lo, x.min()), max(hi, x.max()), n + len(x)
     assert n == 10000 and lo == 0.0 and hi == 1.0
+
+
+def test_feature_map_is_applied_per_example_and_cached_by_key():
+    """load_dataset(feature_map=...) maps every train and test input (then bounds the
+    features); with a feature_cache_key the features of the last call are reused when the key,
+    the dataset and nb_samples_train are the same, and recomputed otherwise."""
+    from lipdp import data
+
+    calls = []
+
+    def doubled(x):
+        calls.append(int(x.shape[0]))
+        return 2.0 * tf.reshape(x, (-1, 64))
+
+    def load(key, n=100):
+        return data.load_dataset("digits", 50, bound_clip_value=1e6, nb_samples_train=n,
+                                 feature_map=doubled, feature_cache_key=key, seed=0)
+
+    _, ds_test, metadata = load(None)
+    assert metadata.input_shape == (64,) and sum(calls) == 100 + metadata.nb_samples_test
+    raw = data.load_arrays("digits")
+    x, _ = next(iter(ds_test))
+    np.testing.assert_allclose(x.numpy(), 2.0 * raw.x_test[:len(x)].reshape(-1, 64), rtol=1e-6)
+    calls.clear()
+    load(("doubled",))
+    first = sum(calls)
+    load(("doubled",))
+    assert sum(calls) == first  # reused
+    load(("doubled",), n=80)
+    load(("halved",), n=80)
+    assert sum(calls) == first + 2 * (80 + metadata.nb_samples_test)  # recomputed twice
+    data._FEATURE_CACHE.clear()
