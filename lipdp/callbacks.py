@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from lipdp import accounting
 from lipdp.bounds import tightness, variable_names
-from lipdp.certify import labelled_batches
+from lipdp.certify import first_examples
 from lipdp.metadata import DPMode, Sampling
 
 __all__ = ["BoundMonitor", "BoundViolationError", "DP_Accountant", "SignalToNoise"]
@@ -244,16 +244,7 @@ class _SampledGradients(tf.keras.callbacks.Callback):
             index = np.sort(rng.choice(len(x), size=min(self.sample_size, len(x)),
                                        replace=False))
             return x[index], y[index]
-        xs, ys, count = [], [], 0
-        for x, y in labelled_batches(self._data, None):
-            xs.append(x)
-            ys.append(y)
-            count += len(x)
-            if count >= self.sample_size:
-                break
-        if count == 0:
-            raise ValueError("The monitored dataset yielded no examples.")
-        return (np.concatenate(xs)[:self.sample_size], np.concatenate(ys)[:self.sample_size])
+        return first_examples(self._data, self.sample_size)
 
     def _check_model(self):
         model = self.model

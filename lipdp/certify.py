@@ -219,6 +219,25 @@ def labelled_batches(dataset_or_xy, batch_size) -> Iterable[Tuple[np.ndarray, np
         yield x[start:start + batch_size], y[start:start + batch_size]
 
 
+def first_examples(dataset_or_xy, count: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The first `count` examples ``(x, y)`` of a batched dataset of pairs (a new iterator)
+    or of an ``(x, y)`` pair of arrays, as arrays (fewer if there are fewer).
+
+    Raises:
+        ValueError: no example at all.
+    """
+    xs, ys, total = [], [], 0
+    for x, y in labelled_batches(dataset_or_xy, count):
+        xs.append(x)
+        ys.append(y)
+        total += len(x)
+        if total >= count:
+            break
+    if total == 0:
+        raise ValueError("The dataset yielded no examples.")
+    return np.concatenate(xs)[:count], np.concatenate(ys)[:count]
+
+
 def _correct(logits: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Whether the predicted class is the label: one-hot labels ``(n, K)``, integer labels
     ``(n,)`` or ``(n, 1)`` (the rank Keras gives metrics), or for one output ``y > 0``."""

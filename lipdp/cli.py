@@ -223,27 +223,14 @@ def _default_run_dir(config_path: str) -> str:
     return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _first_examples(dataset, count: int):
-    """The first `count` examples (x, y) a dataset yields, as arrays."""
-    from lipdp.certify import labelled_batches
-
-    xs, ys, total = [], [], 0
-    for x, y in labelled_batches(dataset, None):
-        xs.append(x)
-        ys.append(y)
-        total += len(x)
-        if total >= count:
-            break
-    return np.concatenate(xs)[:count], np.concatenate(ys)[:count]
-
-
 def _membership_inference(model, ds_train, ds_test, count: int = 1000):
     """The loss-threshold attack (`lipdp.audit`) on training examples (one Poisson batch or
     more: members) against as many test examples (non-members)."""
     from lipdp.audit import membership_inference
+    from lipdp.certify import first_examples
 
-    members = _first_examples(ds_train, count)
-    holdout = _first_examples(ds_test, len(members[0]))
+    members = first_examples(ds_train, count)
+    holdout = first_examples(ds_test, len(members[0]))
     members = members[0][:len(holdout[0])], members[1][:len(holdout[0])]
     return membership_inference(model, members, holdout)
 
