@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -250,11 +250,13 @@ def _correct(logits: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.argmax(logits, axis=1) == labels
 
 
-def _certified(logits: np.ndarray, y: np.ndarray, radii: Tuple[float, ...], lip: float,
-               error: float) -> np.ndarray:
+def _certified(logits: np.ndarray, y: np.ndarray, radii: Tuple[float, ...],
+               lip: Optional[float], error: Optional[float]) -> np.ndarray:
     """``(n, len(radii))`` booleans: example i is certified correct at ``radii[j]``
     (the convention of `certified_accuracy`)."""
     correct = _correct(logits, y)
+    if not any(r > 0 for r in radii):  # clean accuracy only: no radius needed
+        return np.stack([correct] * len(radii), axis=1)
     radius = _radii_from_margins(margins(logits), logits.shape[1], lip, error)
     return np.stack([correct if r == 0 else correct & (radius > r) for r in radii], axis=1)
 
@@ -273,7 +275,8 @@ def certified_accuracy(model, dataset_or_xy, radii, batch_size: int = 1024) -> D
       could create a tie.
 
     Args:
-        model: a DP model.
+        model: a DP model (for radii ``[0.0]`` alone, any Keras classifier: clean
+            accuracy needs no Lipschitz constant).
         dataset_or_xy: a batched `tf.data.Dataset` yielding ``(x, y)`` (further
             elements are ignored) or a tuple ``(x, y)`` of arrays; ``y`` one-hot
             of shape ``(n, K)`` or integer labels of shape ``(n,)``.
@@ -285,8 +288,9 @@ def certified_accuracy(model, dataset_or_xy, radii, batch_size: int = 1024) -> D
     """
     _check_batch_size(batch_size)
     radii = _check_radii(radii)
-    lip = _lipschitz_constant(model)
-    error = float_error_bound(model)
+    lip = error = None
+    if any(r > 0 for r in radii):
+        lip, error = _lipschitz_constant(model), float_error_bound(model)
     counts = np.zeros(len(radii), np.int64)
     total = 0
     for x, y in labelled_batches(dataset_or_xy, batch_size):

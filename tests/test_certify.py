@@ -275,6 +275,21 @@ def test_certified_accuracy_radius_zero_is_accuracy(model):
         assert result[radius] == pytest.approx(np.mean(correct & (r > radius)), abs=1e-12)
 
 
+def test_clean_accuracy_of_a_model_without_certificate():
+    """Radius 0 alone is clean accuracy: any Keras classifier (no Lipschitz constant needed);
+    a positive radius still needs a DP model."""
+    from lipdp.bounds import NonDPLayerError
+
+    tf.keras.utils.set_random_seed(21)
+    plain = tf.keras.Sequential([tf.keras.layers.Input((DIM,)), tf.keras.layers.Dense(NB_CLASSES)])
+    x = sample_inputs(60, seed=22)
+    labels = np.random.RandomState(23).randint(0, NB_CLASSES, size=60)
+    expected = float(np.mean(np.argmax(plain(x).numpy(), axis=1) == labels))
+    assert certify.certified_accuracy(plain, (x, labels), [0.0]) == {0.0: expected}
+    with pytest.raises(NonDPLayerError):
+        certify.certified_accuracy(plain, (x, labels), [0.0, 0.1])
+
+
 def test_certified_accuracy_strict_at_the_radius(model):
     x = sample_inputs(1, seed=6)
     labels = predict(model, x)
