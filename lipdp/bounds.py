@@ -291,7 +291,7 @@ def tightness(model, dataset, loss=None, max_batches=None,
         ``{name: {"bound", "max_ratio", "mean_ratio", "examples"}}`` with the names
         of `variable_names`.
     """
-    from lipdp.per_example import per_example_gradient_norms, per_example_gradients
+    from lipdp.per_example import chunked_gradient_norms
 
     loss = loss if loss is not None else getattr(model, "dp_loss", None)
     bound_by_ref = {v.ref(): float(b) for v, b in
@@ -299,23 +299,19 @@ def tightness(model, dataset, loss=None, max_batches=None,
     variables = model.trainable_variables
     if isinstance(dataset, (tuple, list)):
         dataset = tf.data.Dataset.from_tensor_slices(tuple(dataset)).batch(256)
-    ratios = [[] for _ in variables]
-    gradient_fn = tf.function(lambda x, y: per_example_gradients(model, loss.call, x, y,
-                                                                 variables)[0],
-                              reduce_retracing=True)
-    for index, (x, y) in enumerate(dataset):
-        if max_batches is not None and index >= max_batches:
-            break
-        for start in range(0, int(tf.shape(x)[0]), chunk_size):  # memory: chunk x parameters
-            gradients = gradient_fn(x[start:start + chunk_size], y[start:start + chunk_size])
-            for bucket, v, n in zip(ratios, variables, per_example_gradient_norms(gradients)):
-                bucket.append(n.numpy() / bound_by_ref[v.ref()])
-    if not ratios or not ratios[0]:
+    if max_batches is not None:
+        dataset = dataset.take(max_batches)
+    norms = chunked_gradient_norms(model, loss.call, dataset, chunk_size, variables)
+    if not norms or not norms[0].size:
         raise ValueError("The dataset yielded no examples.")
-    report = {}
     names = variable_names(model)
-    for v, bucket in zip(variables, ratios):
-        values = np.concatenate(bucket)
-        report[names[v.ref()]] = {"bound": bound_by_ref[v.ref()], "max_ratio": float(values.max()),
-                          "mean_ratio": float(values.mean()), "examples": int(values.size)}
-    return report
+    return {names[v.ref()]: tightness_summary(bound_by_ref[v.ref()], n)
+            for v, n in zip(variables, norms)}
+
+
+def tightness_summary(bound: float, norms) -> Dict[str, float]:
+    """``{"bound", "max_ratio", "mean_ratio", "examples"}`` of per-example gradient norms
+    against their bound (the rows of `tightness`)."""
+    ratios = np.asarray(norms, np.float64) / bound
+    return {"bound": float(bound), "max_ratio": float(ratios.max()),
+            "mean_ratio": float(ratios.mean()), "examples": int(ratios.size)}

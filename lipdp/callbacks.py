@@ -29,7 +29,8 @@ from lipdp.bounds import tightness, variable_names
 from lipdp.certify import first_examples
 from lipdp.metadata import DPMode, Sampling
 
-__all__ = ["BoundMonitor", "BoundViolationError", "DP_Accountant", "SignalToNoise"]
+__all__ = ["BoundMonitor", "BoundViolationError", "DP_Accountant", "SignalToNoise",
+           "sample_examples"]
 
 _LOGGER = logging.getLogger("lipdp")
 
@@ -206,6 +207,46 @@ def _check_positive_int(value, name):
     return int(value)
 
 
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError("Received an invalid value for `seed`, expected a non-negative "
+                         f"integer. Received: seed={seed!r}")
+    return int(seed)
+
+
+def _checked_data(data):
+    """A batched dataset as it is, or an ``(x, y)`` pair as arrays of equal, non-zero length."""
+    if isinstance(data, tf.data.Dataset):
+        return data
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        x, y = (np.asarray(a) for a in data)
+        if len(x) != len(y) or len(x) == 0:
+            raise ValueError(f"`data` must hold as many labels as inputs, at least one: "
+                             f"received {len(x)} inputs and {len(y)} labels.")
+        return x, y
+    raise TypeError("`data` must be an (x, y) pair of arrays or a batched "
+                    f"tf.data.Dataset of (x, y). Received: {type(data).__name__}")
+
+
+def sample_examples(data, sample_size: int, seed: int = 0, epoch: int = 0
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+    """The sample `BoundMonitor` and `SignalToNoise` look at after epoch `epoch` (0-based).
+
+    Arrays ``(x, y)``: ``min(sample_size, n)`` distinct examples drawn uniformly by
+    ``np.random.default_rng([seed, epoch])`` (the same on every run, a new draw each
+    epoch). A batched dataset: its first `sample_size` examples, from a new iterator (its
+    own shuffling, if any, decides which).
+    """
+    data, seed = _checked_data(data), _check_seed(seed)
+    sample_size = _check_positive_int(sample_size, "sample_size")
+    if isinstance(data, tuple):
+        x, y = data
+        rng = np.random.default_rng([seed, int(epoch)])
+        index = np.sort(rng.choice(len(x), size=min(sample_size, len(x)), replace=False))
+        return x[index], y[index]
+    return first_examples(data, sample_size)
+
+
 class _SampledGradients(tf.keras.callbacks.Callback):
     """Shared by `BoundMonitor` and `SignalToNoise`: the sample of an epoch and the
     tightness report (`lipdp.bounds.tightness`) of the model's current weights on it."""
@@ -213,38 +254,13 @@ class _SampledGradients(tf.keras.callbacks.Callback):
     def __init__(self, data, sample_size: int = 256, seed: int = 0, chunk_size: int = 64):
         super().__init__()
         self.sample_size = _check_positive_int(sample_size, "sample_size")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError("Received an invalid value for `seed`, expected a non-negative "
-                             f"integer. Received: seed={seed!r}")
-        self.seed = int(seed)
+        self.seed = _check_seed(seed)
         self.chunk_size = _check_positive_int(chunk_size, "chunk_size")
-        if isinstance(data, tf.data.Dataset):
-            self._data = data
-        elif isinstance(data, (tuple, list)) and len(data) == 2:
-            x, y = (np.asarray(a) for a in data)
-            if len(x) != len(y) or len(x) == 0:
-                raise ValueError(f"`data` must hold as many labels as inputs, at least one: "
-                                 f"received {len(x)} inputs and {len(y)} labels.")
-            self._data = (x, y)
-        else:
-            raise TypeError("`data` must be an (x, y) pair of arrays or a batched "
-                            f"tf.data.Dataset of (x, y). Received: {type(data).__name__}")
+        self._data = _checked_data(data)
 
     def sample(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
-        """The examples looked at after epoch `epoch` (0-based).
-
-        Arrays: ``min(sample_size, n)`` distinct examples drawn uniformly by
-        ``np.random.default_rng([seed, epoch])`` (the same on every run, a new draw
-        each epoch). A dataset: its first `sample_size` examples, from a new
-        iterator (its own shuffling, if any, decides which).
-        """
-        if isinstance(self._data, tuple):
-            x, y = self._data
-            rng = np.random.default_rng([self.seed, int(epoch)])
-            index = np.sort(rng.choice(len(x), size=min(self.sample_size, len(x)),
-                                       replace=False))
-            return x[index], y[index]
-        return first_examples(self._data, self.sample_size)
+        """The examples looked at after epoch `epoch` (0-based): `sample_examples`."""
+        return sample_examples(self._data, self.sample_size, self.seed, epoch)
 
     def _check_model(self):
         model = self.model

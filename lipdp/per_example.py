@@ -1,13 +1,15 @@
 """Exact per-example gradients, vectorised over the batch.
 
 Used where the gradients themselves are wanted, not only their bound: the
-tightness report (`lipdp.bounds.tightness`) and classic clipped DP-SGD.
+tightness report (`lipdp.bounds.tightness`), run reports (`lipdp.reports`) and
+classic clipped DP-SGD.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Iterable, List, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -53,3 +55,28 @@ def per_example_gradient_norms(gradients: Sequence[tf.Tensor]) -> List[tf.Tensor
     """The ``(batch,)`` L2 norm of each per-example gradient tensor."""
     return [tf.sqrt(tf.reduce_sum(tf.square(tf.reshape(g, (tf.shape(g)[0], -1))), axis=1))
             for g in gradients]
+
+
+def chunked_gradient_norms(model: tf.keras.Model, per_example_loss: Callable,
+                           batches: Iterable, chunk_size: int = 64,
+                           variables: Sequence[tf.Variable] = None) -> List[np.ndarray]:
+    """The exact per-example gradient norm of each variable over every example of `batches`.
+
+    Args:
+        model, per_example_loss, variables: as for `per_example_gradients`.
+        batches: an iterable of ``(x, y)`` batches (a `tf.data.Dataset`, a list).
+        chunk_size: examples whose per-example gradients are held in memory at once
+            (memory: chunk x number of parameters).
+
+    Returns:
+        One ``(n,)`` array per variable (aligned with `variables`), n the number of
+        examples; one traced function serves every chunk.
+    """
+    variables = list(model.trainable_variables if variables is None else variables)
+    norms_fn = tf.function(lambda x, y: per_example_gradient_norms(
+        per_example_gradients(model, per_example_loss, x, y, variables)[0]),
+        reduce_retracing=True)
+    chunks = [norms_fn(x[start:start + chunk_size], y[start:start + chunk_size])
+              for x, y in batches for start in range(0, int(tf.shape(x)[0]), chunk_size)]
+    return [np.concatenate([chunk[j].numpy() for chunk in chunks]) if chunks
+            else np.zeros(0) for j in range(len(variables))]

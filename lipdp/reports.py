@@ -114,24 +114,6 @@ def versions() -> Dict[str, Optional[str]]:
     return found
 
 
-def _per_example_norms(model, per_example_loss: Callable, x, y, chunk_size: int
-                       ) -> List[np.ndarray]:
-    """``(n,)`` exact per-example gradient norms of each of ``model.trainable_variables``
-    (vectorised per-example gradients, `lipdp.per_example`), `chunk_size` examples at once
-    (memory: chunk x parameters)."""
-    import tensorflow as tf
-
-    from lipdp.per_example import per_example_gradient_norms, per_example_gradients
-
-    variables = model.trainable_variables
-    norms_fn = tf.function(lambda xs, ys: per_example_gradient_norms(
-        per_example_gradients(model, per_example_loss, xs, ys, variables)[0]),
-        reduce_retracing=True)
-    chunks = [norms_fn(x[start:start + chunk_size], y[start:start + chunk_size])
-              for start in range(0, len(x), chunk_size)]
-    return [np.concatenate([chunk[j].numpy() for chunk in chunks]) for j in range(len(variables))]
-
-
 def gradient_norm_sample(model, data, sample_size: int = 256, seed: int = 0, *,
                          chunk_size: int = 64) -> Optional[Dict[str, dict]]:
     """Exact per-example gradient norms of a sample, beside the bounds the step uses.
@@ -168,8 +150,9 @@ def gradient_norm_sample(model, data, sample_size: int = 256, seed: int = 0, *,
         ValueError: `model` is not a DP model compiled with a DP loss.
     """
     from lipdp.bounds import gradient_bounds, variable_names
-    from lipdp.callbacks import _SampledGradients
+    from lipdp.callbacks import sample_examples
     from lipdp.metadata import DPMode
+    from lipdp.per_example import chunked_gradient_norms
 
     parameters = getattr(model, "dp_parameters", None)
     loss = getattr(model, "dp_loss", None)
@@ -179,10 +162,10 @@ def gradient_norm_sample(model, data, sample_size: int = 256, seed: int = 0, *,
                          + ("" if parameters is None else " without a DP loss"))
     if parameters.mode is DPMode.CLIPPED:
         return None
-    x, y = _SampledGradients(data, sample_size, seed, chunk_size).sample(0)
     bounds = gradient_bounds(model, loss)
     names = variable_names(model)
-    norms = _per_example_norms(model, loss.call, x, y, chunk_size)
+    norms = chunked_gradient_norms(model, loss.call, [sample_examples(data, sample_size, seed)],
+                                   chunk_size)
     return {names[v.ref()]: {"bound": bounds[names[v.ref()]], "norms": n.tolist()}
             for v, n in zip(model.trainable_variables, norms)}
 
@@ -192,15 +175,14 @@ def tightness_from_norms(gradient_norms: Dict[str, dict]) -> Dict[str, Dict[str,
     and the max and mean of ``norm / bound`` over the sample (the format of
     `lipdp.bounds.tightness` and `BoundMonitor.last_report`). Non-finite norms (written
     as null) are left out."""
+    from lipdp.bounds import tightness_summary
+
     summary = {}
     for name, row in gradient_norms.items():
         bound = row["bound"]
-        norms = np.array([n for n in row["norms"] if n is not None], np.float64)
-        if norms.size == 0 or bound is None or not bound > 0:
-            continue
-        ratios = norms / bound
-        summary[name] = {"bound": float(bound), "max_ratio": float(ratios.max()),
-                         "mean_ratio": float(ratios.mean()), "examples": int(norms.size)}
+        norms = [n for n in row["norms"] if n is not None]
+        if norms and bound is not None and bound > 0:
+            summary[name] = tightness_summary(bound, norms)
     return summary
 
 
