@@ -595,7 +595,9 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
 
 def _bound_argument(dataset_cfg: Dict[str, Any], max_norm: float) -> Dict[str, float]:
     """`lipdp.data.load_dataset`'s keyword for the ``dataset.bound`` mode, set to max_norm."""
-    return {"bound_clip_value" if dataset_cfg["bound"] == "clip" else "bound_normalize": max_norm}
+    from lipdp.data import InputBound
+
+    return InputBound(dataset_cfg["bound"], max_norm).load_dataset_keyword()
 
 
 def certification_target(cfg: Dict[str, Dict[str, Any]], model, ds_test):

@@ -163,6 +163,11 @@ class InputBound:
         """Bounds every example of a batch ``x`` of shape ``(B, ...)``."""
         return self._apply(x, batched=True)
 
+    def load_dataset_keyword(self) -> Dict[str, float]:
+        """The `load_dataset` keyword that applies this bound: ``{"bound_clip_value": X0}``
+        or ``{"bound_normalize": X0}``."""
+        return {"bound_clip_value" if self.mode == "clip" else "bound_normalize": self.max_norm}
+
     def __repr__(self):
         return f"InputBound(mode={self.mode!r}, max_norm={self.max_norm!r})"
 

@@ -223,11 +223,9 @@ def load_and_prepare_data(
         shape = data.load_arrays(dataset_name, data_dir=load_dataset_kwargs.get("data_dir"),
                                  download=load_dataset_kwargs.get("download", True)).input_shape
         bound_fct = data.bound_clip_value(_largest_norm(colorspace, shape))
-    bound_arg = {"bound_clip_value" if bound_fct.mode == "clip" else "bound_normalize":
-                 bound_fct.max_norm}
     ds_train, ds_test, metadata = data.load_dataset(
         dataset_name, batch_size, sampling="poisson", feature_map=colour_map,
-        **bound_arg, **load_dataset_kwargs)
+        **bound_fct.load_dataset_keyword(), **load_dataset_kwargs)
     if augmentation_fct is not None:
         ds_train = _augmented(ds_train, augmentation_fct, bound_fct)
     return ds_train, ds_test, metadata

@@ -656,3 +656,8 @@ def test_feature_map_is_applied_per_example_and_cached_by_key():
     load(("halved",), n=80)
     assert sum(calls) == first + 2 * (80 + metadata.nb_samples_test)  # recomputed twice
     data._FEATURE_CACHE.clear()
+
+
+def test_input_bound_names_its_load_dataset_keyword():
+    assert data.InputBound("clip", 3.0).load_dataset_keyword() == {"bound_clip_value": 3.0}
+    assert data.InputBound("normalize", 2.0).load_dataset_keyword() == {"bound_normalize": 2.0}
