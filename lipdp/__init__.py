@@ -21,9 +21,11 @@ _QUIET_TENSORFLOW = (_os.path.basename(_ARGV[0]) == "lipdp" and "--verbose" not 
 if _QUIET_TENSORFLOW:
     _os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
-from lipdp import audit, bounds, certify, clipping, data, layers, ledger, losses, records
+from lipdp import (audit, bounds, certify, checkpoints, clipping, data, layers, ledger, losses,
+                   records)
 from lipdp.accounting import get_eps_delta, get_max_epochs
 from lipdp.callbacks import BoundMonitor, DP_Accountant, SignalToNoise
+from lipdp.checkpoints import load_model
 from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
                             NormEngine, Sampling)
 from lipdp.model import DP_Model, DP_Sequential
@@ -48,12 +50,14 @@ __all__ = [
     "audit",
     "bounds",
     "certify",
+    "checkpoints",
     "clipping",
     "data",
     "get_eps_delta",
     "get_max_epochs",
     "layers",
     "ledger",
+    "load_model",
     "losses",
     "records",
     "zoo",

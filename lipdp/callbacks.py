@@ -74,7 +74,9 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     total number of steps ``max_steps`` such that the ledger followed by more
     steps of the compiled mechanism (``model.step_mechanism``) fits in the
     budget, and raises ``ValueError`` if the ledger already holds that many (or
-    if not even one more call of the train function fits). After each batch, if the next call
+    if not even one more call of the train function fits); it plans again at the first
+    epoch if a callback (``BackupAndRestore``) restored another ledger in between, so a
+    budget holds across restarts whatever the callbacks' order. After each batch, if the next call
     of the train function would take the ledger past ``max_steps`` it sets
     ``model.stop_training = True``; Keras checks that flag right after
     ``on_train_batch_end``, so the step that would exceed the budget never runs
@@ -104,6 +106,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         self._log = _make_log_fn(log_fn)
         self.max_steps: Optional[int] = None
         self._stopped_for_budget = False
+        self._planned_with = None  # the ledger max_steps was computed from, until epoch 1
 
     # ------------------------------------------------------------------ helpers
     def _ledger(self):
@@ -126,8 +129,23 @@ class DP_Accountant(tf.keras.callbacks.Callback):
                 "lipdp: the pipeline shuffles into fixed-size batches; the reported epsilon "
                 "is the Poisson-subsampling epsilon, not a proven guarantee for this pipeline."
             )
-        if self.epsilon_budget is None:
-            return
+        self._planned_with = None
+        if self.epsilon_budget is not None:
+            self._plan()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # A callback listed after this one (tf.keras.callbacks.BackupAndRestore) may have
+        # restored another ledger since on_train_begin: plan again from the restored one.
+        if self._planned_with is not None and self._planned_with != self._ledger_state():
+            self._plan()
+        self._planned_with = None
+
+    def _ledger_state(self):
+        return self.model.dp_steps_taken, self.model.privacy_ledger
+
+    def _plan(self):
+        """``max_steps`` from the model's ledger; raises if not one more call fits."""
+        self._planned_with = self._ledger_state()
         mechanism = self.model.step_mechanism
         sigma, q = mechanism.step_noise_multiplier, mechanism.sampling_rate
         delta = float(self.model.dp_parameters.delta)

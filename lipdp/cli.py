@@ -16,6 +16,7 @@ line or config (a one-paragraph message, no traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -32,6 +33,8 @@ from lipdp.config import ConfigError, load_config
 __all__ = ["main"]
 
 EXIT_OK, EXIT_DATA, EXIT_CONFIG = 0, 1, 2
+# In a run folder: the validated config (written first) and the training checkpoint.
+CONFIG_FILE, CHECKPOINT_DIR = "config.json", "checkpoint"
 
 _VERBOSE_HELP = ("also show TensorFlow's start-up log and warnings (hidden by default unless "
                  "TF_CPP_MIN_LOG_LEVEL is set)")
@@ -66,17 +69,22 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a Lipschitz network with Clipless DP-SGD as described by a YAML\n"
                     "config, then report (epsilon, delta), test accuracy and certified accuracy.\n"
                     "Every field has a default; a config file states only what differs.",
-        epilog=_schema_help() + "\nexample:\n  lipdp train configs/fashion_mnist.yaml "
-               "--set training.epochs=2\n\nexit codes: 0 success, 1 data not found or "
+        epilog=_schema_help() + "\nexamples:\n  lipdp train configs/fashion_mnist.yaml "
+               "--set training.epochs=2\n  lipdp train --resume runs/fashion_mnist-20261124-120000"
+               "\n\nexit codes: 0 success, 1 data not found or "
                "corrupt, 2 invalid command line or config",
     )
-    train.add_argument("config", metavar="CONFIG", help="path of the YAML config file")
+    train.add_argument("config", metavar="CONFIG", nargs="?",
+                       help="path of the YAML config file (not with --resume)")
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.FIELD=VALUE", help=_OVERRIDE_HELP)
     train.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     train.add_argument("--run-dir", default=None, metavar="DIR",
-                       help="run folder for report.json and the plots (default "
-                            "runs/<config name>-<date>-<time>)")
+                       help="run folder for config.json, the checkpoint, report.json and the "
+                            "plots (default runs/<config name>-<date>-<time>)")
+    train.add_argument("--resume", default=None, metavar="RUN_DIR",
+                       help="resume a killed run from the checkpoint of its run folder (its "
+                            "config.json; the privacy ledger continues, budget included)")
     sweep = sub.add_parser(
         "sweep", help="train every combination of a grid of config values, recording each run",
         description="Train one run per combination of the --grid values (cartesian product) "
@@ -254,18 +262,29 @@ def _write_run(run_dir: str, cfg, history, results, model, ds_train, ds_test):
           "re-draws them)")
 
 
-def _train(cfg, run_dir: str) -> dict:
+def _train(cfg, run_dir: str, resume: bool = False) -> dict:
     """One training run of a loaded config, printed section by section, its report written
-    to `run_dir`; returns its results (the row a sweep records)."""
+    to `run_dir`; returns its results (the row a sweep records).
+
+    The run folder holds config.json from the start and a checkpoint after every epoch
+    (`lipdp.checkpoints.BackupAndRestore`, deleted when the run ends), from which
+    ``resume=True`` continues a killed run: same steps, same final epsilon."""
     _section("Config")
     print(_format_config(cfg))
 
     # Heavy imports only once the config is known to be valid.
-    from lipdp import accounting
+    from lipdp import accounting, reports
+    from lipdp.checkpoints import BackupAndRestore, save_model_atomically
     from lipdp.config import build_from_config, certification_target
 
     _section("Data")
     model, ds_train, ds_test, metadata, fit_kwargs = build_from_config(cfg)
+    if not resume:
+        os.makedirs(run_dir, exist_ok=True)
+        reports.atomic_write(os.path.join(run_dir, CONFIG_FILE),
+                             lambda f: f.write(json.dumps(cfg, indent=1).encode()))
+    fit_kwargs["callbacks"] = fit_kwargs["callbacks"] + [
+        BackupAndRestore(os.path.join(run_dir, CHECKPOINT_DIR))]
     print(f"{cfg['dataset']['name']}: {metadata.nb_samples_train} train / "
           f"{metadata.nb_samples_test} test examples of shape {metadata.input_shape}, "
           f"{metadata.nb_classes} classes; inputs bounded by {cfg['dataset']['bound']} to L2 "
@@ -303,16 +322,22 @@ def _train(cfg, run_dir: str) -> dict:
         print("note: the loss and accuracy Keras prints for training are computed on the "
               "training data outside the noisy gradient: NOT PRIVATE (not covered by epsilon). "
               "training.private_logs_only=true omits them; val_* and epsilon are what to share.")
+    print(f"checkpoint after every epoch in {os.path.join(run_dir, CHECKPOINT_DIR)} (a killed "
+          f"run resumes with 'lipdp train --resume {run_dir}')"
+          + ("; resuming from it now" if resume else ""))
     verbose = 1 if sys.stdout.isatty() else 2
     start = time.perf_counter()
     history = model.fit(ds_train, verbose=verbose, **fit_kwargs)
     wall = time.perf_counter() - start
+    with contextlib.suppress(OSError):  # BackupAndRestore leaves its folder empty
+        os.rmdir(os.path.join(run_dir, CHECKPOINT_DIR))
 
     radii = cfg["certification"]["radii"]
     network, test_inputs = certification_target(cfg, model, ds_test)
     accuracy, certified, lip, unbounded = _evaluate(network, test_inputs, radii)
     eps_final = accounting.epsilon_spent(model)
-    epochs_run = len(history.history.get("epsilon", []))
+    # Epochs begun, those before a resume included (a budget stop ends one mid-way).
+    epochs_run = -(-model.dp_steps_taken // metadata.steps_per_epoch)
 
     _section("Summary")
     print(f"training wall time : {wall:.1f} s ({epochs_run} epochs, {model.dp_steps_taken} steps)")
@@ -340,7 +365,7 @@ def _train(cfg, run_dir: str) -> dict:
 
     path = cfg["output"]["save_model"]
     if path is not None:
-        model.save(path)
+        save_model_atomically(model, path)
         print(f"model saved to {path}" + ("" if network is model else
               " (the head alone: it takes the scattering features; lipdp.config."
               "build_front_end(config['model'], input_bound) rebuilds the front end)"))
@@ -353,6 +378,35 @@ def _train(cfg, run_dir: str) -> dict:
                "sampling": metadata.sampling.value, "seed": cfg["dataset"]["seed"]}
     _write_run(run_dir, cfg, history, results, model, ds_train, ds_test)
     return {**results, "run_dir": run_dir}
+
+
+def _resume(args) -> int:
+    """``lipdp train --resume RUN_DIR``: the run of RUN_DIR/config.json, continued from the
+    checkpoint in RUN_DIR/checkpoint."""
+    from lipdp.config import validate_config
+
+    if args.config is not None or args.overrides or args.run_dir is not None:
+        print("lipdp: --resume takes the config of the run folder: give no CONFIG, --set or "
+              "--run-dir with it", file=sys.stderr)
+        return EXIT_CONFIG
+    run_dir = args.resume
+    if os.path.exists(os.path.join(run_dir, "report.json")):
+        print(f"lipdp: {run_dir} holds a finished run (report.json): nothing to resume",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        with open(os.path.join(run_dir, CONFIG_FILE)) as f:
+            cfg = validate_config(json.load(f))
+    except FileNotFoundError:
+        print(f"lipdp: {run_dir} is not a run folder written by 'lipdp train' (no "
+              f"{CONFIG_FILE})", file=sys.stderr)
+        return EXIT_DATA
+    if not os.path.isdir(os.path.join(run_dir, CHECKPOINT_DIR)):
+        print(f"lipdp: no checkpoint in {run_dir}: the run was killed before its first "
+              "epoch ended; start it again", file=sys.stderr)
+        return EXIT_DATA
+    _train(cfg, run_dir, resume=True)
+    return EXIT_OK
 
 
 def _grid(assignments):
@@ -449,6 +503,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _sweep(args)
         if args.command == "report":
             return _report(args.run_dir)
+        if args.resume is not None:
+            return _resume(args)
+        if args.config is None:
+            parser.error("the following arguments are required: CONFIG (or --resume RUN_DIR)")
         cfg = load_config(args.config, args.overrides)
         _train(cfg, args.run_dir or _default_run_dir(args.config))
         return EXIT_OK

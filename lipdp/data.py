@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import pickle
+import secrets
 import struct
 import sys
 import warnings
@@ -64,6 +65,7 @@ import tensorflow as tf
 from lipdp.metadata import DatasetMetadata, Sampling, _parse_enum
 
 __all__ = [
+    "BatchSampler",
     "DATASET_NAMES",
     "DatasetFormatError",
     "InputBound",
@@ -676,25 +678,75 @@ def _make_transform(bound: InputBound, nb_classes: int):
     return transform
 
 
-def _poisson_pipeline(x, y, steps: int, q: float, seed, transform):
-    n = int(x.shape[0])
+class BatchSampler:
+    """How a training pipeline of `load_dataset` draws its batches (``ds_train.lipdp_sampler``).
 
-    def draw(step, pair):
-        del step
+    Poisson sampling: the batch of private step t holds example i iff ``u_i < q``, with
+    ``u = stateless_uniform(N, seed=(seed, t))``: each example joins each step's batch
+    independently with probability q, and the draw of step t is a function of
+    ``(seed, t)`` alone. ``next_step`` is the step the pipeline draws next; a DP
+    model's `fit` sets it to the model's ``dp_steps_taken`` before the first step
+    (after `tf.keras.callbacks.BackupAndRestore` restored the model), so that
+
+    - no draw is ever used twice: a second `fit`, a new pipeline with the same seed,
+      or a run resumed from a checkpoint continues the sequence instead of
+      replaying the batches of the first epochs (replayed batches are not the
+      independent subsampling the accountant's amplification assumes);
+    - a resumed run trains on the same batches as an uninterrupted one;
+    - every worker of a `tf.distribute` strategy draws the same global batch, of
+      which each replica takes its share (``seed`` must then be given: a seed
+      drawn in each process would differ between workers).
+
+    Shuffled batches: one permutation per epoch from ``seed`` (``next_step`` is None).
+
+    Attributes:
+        sampling: `Sampling.POISSON` or `Sampling.SHUFFLE`.
+        seed: the seed given to `load_dataset`, or one drawn from the operating
+            system's secret randomness when none was given.
+        explicit_seed: whether the seed was given.
+        next_step: int64 `tf.Variable` (Poisson), or None.
+    """
+
+    def __init__(self, sampling: Sampling, seed: Optional[int]):
+        self.sampling = sampling
+        self.explicit_seed = seed is not None
+        self.seed = int(seed) if seed is not None else secrets.randbits(62)
+        self.next_step = None
+        if sampling is Sampling.POISSON:
+            if tf.distribute.has_strategy():
+                raise RuntimeError(
+                    "Load the data outside `strategy.scope()`: the Poisson sampler's step "
+                    "counter is the pipeline's own, not a variable mirrored across replicas.")
+            with tf.init_scope():
+                self.next_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                             name="poisson_next_step")
+
+    def start_at(self, step: int) -> None:
+        """The next batch drawn is the one of private step `step`."""
+        if self.next_step is not None:
+            self.next_step.assign(int(step))
+
+    def __repr__(self):
+        seed = self.seed if self.explicit_seed else "secret"
+        return f"BatchSampler({self.sampling.value}, seed={seed})"
+
+
+def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transform):
+    n = int(x.shape[0])
+    seed = tf.constant(sampler.seed, tf.int64)
+
+    def draw(_):
+        step = sampler.next_step.assign_add(1) - 1
         # One uniform per example: example i joins this batch iff u_i < q,
         # independently of the others and of every other step. float64 uniforms
         # lie on a 2^-52 grid, so P(u_i < q) = q up to 2^-52 (float32 would
         # give an inclusion probability up to 2^-23 above q).
-        u = tf.random.stateless_uniform([n], seed=pair, dtype=tf.float64)
-        idx = tf.reshape(tf.where(u < tf.constant(q, tf.float64)), [-1])
-        return tf.gather(x, idx), tf.gather(y, idx)
+        u = tf.random.stateless_uniform([n], seed=tf.stack([seed, step]), dtype=tf.float64)
+        return tf.reshape(tf.where(u < tf.constant(q, tf.float64)), [-1])
 
-    # Dataset.random re-randomizes on each new iteration (each Keras epoch), and
-    # is reproducible when `seed` is given.
-    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
-    ds = tf.data.Dataset.zip((tf.data.Dataset.range(steps), seeds))
-    return ds.map(draw, num_parallel_calls=tf.data.AUTOTUNE).map(
-        transform, num_parallel_calls=tf.data.AUTOTUNE)
+    # The draws run in order (no parallel calls): step t gets the t-th counter value.
+    indices = tf.data.Dataset.range(steps).map(draw)
+    return _index_pipeline(x, y, indices, transform)
 
 
 def _index_pipeline(x, y, indices: tf.data.Dataset, transform):
@@ -750,7 +802,10 @@ def load_dataset(
             accountant counting ``steps_per_epoch`` then over-counts, which is
             conservative).
         data_dir: directory holding the files (see the module docstring).
-        seed: makes the sampling reproducible; every epoch still draws anew.
+        seed: makes the sampling reproducible (`BatchSampler`: Poisson step t draws
+            with ``(seed, t)``); every step still draws anew. Required under a
+            multi-worker `tf.distribute` strategy, where every worker must draw the
+            same batches. Without it, a seed is drawn from the system's secret randomness.
         nb_samples_train: use only the first n training examples.
         download: allow ``tf.keras.datasets.<name>.load_data()`` as last resort.
         feature_map: a fixed map of a batch of inputs (float32, images scaled to [0, 1])
@@ -771,7 +826,8 @@ def load_dataset(
         before bounding for images) and ``y`` one-hot float32 ``(None, K)``.
         ``ds_train`` has ``metadata.steps_per_epoch`` elements with Poisson
         sampling (batches of random size, possibly 0) and draws new batches each
-        time it is iterated (Keras ``fit`` re-iterates every epoch).
+        time it is iterated (Keras ``fit`` re-iterates every epoch);
+        ``ds_train.lipdp_sampler`` is its `BatchSampler`.
     """
     if bound_clip_value is None and bound_normalize is None:
         raise ValueError(
@@ -825,16 +881,18 @@ def load_dataset(
 
     x_tr, y_tr = tf.constant(x_train), tf.constant(y_train)
     n = metadata.nb_samples_train
+    sampler = BatchSampler(sampling, seed)
     if sampling is Sampling.POISSON:
         ds_train = _poisson_pipeline(x_tr, y_tr, metadata.steps_per_epoch,
-                                     metadata.sampling_rate, seed, transform)
+                                     metadata.sampling_rate, sampler, transform)
     else:
         warnings.warn(_SHUFFLE_WARNING, ShuffleSamplingWarning, stacklevel=2)
         indices = (tf.data.Dataset.range(n)
-                   .shuffle(n, seed=seed, reshuffle_each_iteration=True)
+                   .shuffle(n, seed=sampler.seed, reshuffle_each_iteration=True)
                    .batch(batch_size, drop_remainder=drop_remainder))
         ds_train = _index_pipeline(x_tr, y_tr, indices, transform)
     ds_train = ds_train.prefetch(tf.data.AUTOTUNE)
+    ds_train.lipdp_sampler = sampler
 
     x_te, y_te = tf.constant(x_test), tf.constant(raw.y_test)
     test_indices = tf.data.Dataset.range(metadata.nb_samples_test).batch(batch_size)

@@ -11,9 +11,9 @@ the sampling needs a new `compile`, and the first step after it opens a new
 
 The ledger lives in the model's saved state (a variable saved with the weights,
 `.keras` files and checkpoints alike) as one row of numbers per segment:
-``[first step, *StepMechanism.to_row()]``; a segment's length is the distance
-to the next segment's first step, or to the model's step counter for the last
-one. This module is pure Python and numpy: it never touches tensors.
+``[first step, *StepMechanism.to_row()]`` (`EMPTY_STORAGE` before the first); a
+segment's length is the distance to the next segment's first step, or to the model's
+step counter for the last one. This module is pure Python and numpy: it never touches tensors.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ from lipdp import accounting
 from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
                             Sampling)
 
-__all__ = ["StepMechanism", "Segment", "PrivacyLedger", "ROW_SIZE"]
+__all__ = ["StepMechanism", "Segment", "PrivacyLedger", "LedgerMismatchError", "ROW_SIZE",
+           "EMPTY_STORAGE", "segment_rows"]
+
+
+class LedgerMismatchError(ValueError):
+    """A run resumed from a checkpoint would not continue the mechanism its ledger records."""
 
 
 def _code(enum_value) -> float:
@@ -130,6 +135,19 @@ class StepMechanism:
 # ``[first step, *StepMechanism.to_row()]``
 ROW_SIZE = 1 + len(dataclasses.fields(StepMechanism))
 
+#: What a ledger without segments stores: one placeholder row of -1. (A variable holding a
+#: (0, ROW_SIZE) array cannot be broadcast to the workers of a MultiWorkerMirroredStrategy:
+#: TensorFlow 2.15's collective broadcast of an empty tensor crashes the process.)
+EMPTY_STORAGE = np.full((1, ROW_SIZE), -1.0)
+
+
+def segment_rows(stored) -> np.ndarray:
+    """The segment rows of a stored ledger: `stored` without the placeholder of an empty
+    ledger (`EMPTY_STORAGE`); ledgers saved before the placeholder existed store no row."""
+    rows = (np.asarray(stored, dtype=np.float64).reshape(-1, ROW_SIZE) if np.size(stored)
+            else np.zeros((0, ROW_SIZE)))
+    return rows[:0] if np.array_equal(rows, EMPTY_STORAGE) else rows
+
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
@@ -155,8 +173,7 @@ class PrivacyLedger:
             ValueError: rows of the wrong width, first steps not increasing from 0, or
                 steps recorded that no segment covers.
         """
-        rows = np.asarray(rows, dtype=np.float64).reshape(-1, ROW_SIZE) if np.size(rows) else \
-            np.zeros((0, ROW_SIZE))
+        rows = segment_rows(rows)
         starts = [int(r[0]) for r in rows] + [int(steps_taken)]
         if (len(rows) and starts[0] != 0) or any(b < a for a, b in zip(starts, starts[1:])) \
                 or (not len(rows) and steps_taken):
@@ -186,6 +203,30 @@ class PrivacyLedger:
                                           mechanism.step_noise_multiplier,
                                           mechanism.sampling_rate, delta)
         return self.steps + more
+
+    def check_resumes(self, mechanism: StepMechanism) -> None:
+        """Resuming an interrupted run: its next steps must run the mechanism of its last
+        segment.
+
+        Raises:
+            LedgerMismatchError: the ledger holds steps and its last segment ran another
+                mechanism (naming the fields that differ). Training on with other
+                parameters on purpose is allowed by `fit` (a new segment, accounted), but
+                not as a resume.
+        """
+        if not self.steps:
+            return
+        last = self.segments[-1].mechanism
+        if last == mechanism:
+            return
+        differ = [f"{field.name}: {getattr(last, field.name)!r} in the ledger, "
+                  f"{getattr(mechanism, field.name)!r} now"
+                  for field in dataclasses.fields(StepMechanism)
+                  if getattr(last, field.name) != getattr(mechanism, field.name)]
+        raise LedgerMismatchError(
+            f"Cannot resume: the checkpoint's privacy ledger ({self.steps} steps) ran another "
+            f"mechanism than this model is compiled with ({'; '.join(differ)}). Resume with "
+            "the parameters of the interrupted run.")
 
     def describe(self, delta: float) -> str:
         """One line per segment and the composed epsilon."""

@@ -38,7 +38,7 @@ import tensorflow as tf
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
-from lipdp.ledger import ROW_SIZE, PrivacyLedger, StepMechanism
+from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.records import check_finite_arrays, check_finite_dataset
@@ -47,6 +47,26 @@ from lipdp.records import check_finite_arrays, check_finite_dataset
 def _batch_size(x) -> tf.Tensor:
     """Number of examples in a batch of inputs (a tensor or a structure of them), int64."""
     return tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
+
+
+def _once_per_global_batch(draw_noise, like):
+    """The noise ``draw_noise()`` returns (tensors shaped as `like`), on one replica only.
+
+    Under a `tf.distribute` strategy every replica runs the train step on its share
+    of the global batch, and the optimizer *sums* the replicas' gradients (each
+    already divided by the global denominator D). The noise is added once, by the
+    first replica in sync, and the others add zeros: the aggregated update then
+    carries exactly the calibrated noise, whatever the replicas' random streams are
+    (noise added on every replica would carry sqrt(R) times it; noise split as
+    1/sqrt(R) per replica would be exact only if the replicas' draws were
+    independent, which seeded random ops do not promise). Outside a strategy (one
+    replica) this is ``draw_noise()``.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return draw_noise()
+    return tf.cond(tf.equal(context.replica_id_in_sync_group, 0), draw_noise,
+                   lambda: [tf.zeros_like(g) for g in like])
 
 
 class _DPModelMixin:
@@ -58,10 +78,14 @@ class _DPModelMixin:
         self._private_logs_only = False
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
-        self._dp_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="dp_steps_taken")
-        self._dp_ledger = tf.Variable(np.zeros((0, ROW_SIZE)), dtype=tf.float64, trainable=False,
+        # Under tf.distribute every replica runs the step: the step count is taken from the
+        # first replica, the examples seen are summed over replicas.
+        self._dp_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="dp_steps_taken",
+                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._dp_ledger = tf.Variable(EMPTY_STORAGE, dtype=tf.float64, trainable=False,
                                       shape=tf.TensorShape([None, ROW_SIZE]), name="dp_ledger")
-        self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen")
+        self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen",
+                                          aggregation=tf.VariableAggregation.SUM)
 
     @property
     def dp_parameters(self):
@@ -118,9 +142,11 @@ class _DPModelMixin:
         unless the last one has it). Runs eagerly, when the step is traced or called."""
         with tf.init_scope():
             stored = self._dp_ledger.numpy()
+            recorded = segment_rows(stored)
             steps = float(self._dp_steps.numpy())
             row = np.array(self._step_mechanism.to_row(), np.float64)
-            rows = stored[:-1] if len(stored) and stored[-1, 0] == steps else stored  # ran no step
+            rows = (recorded[:-1] if len(recorded) and recorded[-1, 0] == steps
+                    else recorded)  # the last segment ran no step
             if not (len(rows) and np.array_equal(rows[-1, 1:], row)):
                 rows = np.concatenate([rows, [[steps, *row]]])
             if not np.array_equal(rows, stored):
@@ -295,6 +321,9 @@ class _DPModelMixin:
         `DPParameters`). An empty batch (Poisson sampling) gives a zero gradient
         plus the same noise, without running the model on it.
 
+        Under a `tf.distribute` strategy (replica context) the noise is added by the
+        first replica only: the sum over replicas carries it once.
+
         Not a training step: nothing is applied and nothing is recorded in the
         privacy ledger. Noisy gradients released from here (applied by your own
         loop) are outside the epsilon lipdp reports; train with `fit`,
@@ -317,8 +346,10 @@ class _DPModelMixin:
             g, f"Non-finite gradient of {v.name} in a private step")
             for g, v in zip(gradients, self.trainable_variables)]
         sensitivities = self.sensitivities()
-        noisy = [g + tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
-                 for g, std in zip(gradients, self._noise_stddevs(sensitivities))]
+        noise = _once_per_global_batch(lambda: [
+            tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
+            for g, std in zip(gradients, self._noise_stddevs(sensitivities))], gradients)
+        noisy = [g + n for g, n in zip(gradients, noise)]
         return gradients, noisy, sensitivities, per_example, y_pred
 
     def _averaged_gradients(self, x, y):
@@ -436,6 +467,7 @@ class _DPModelMixin:
         if class_weight is not None or sample_weight is not None:
             raise ValueError("class_weight / sample_weight are not supported by DP models: they "
                              "rescale per-example gradients beyond their bounds.")
+        self._check_workers_agree(x)
         if isinstance(x, tf.data.Dataset):
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
             if validate_data:
@@ -444,10 +476,35 @@ class _DPModelMixin:
             batch_size = self._check_arrays(x, batch_size)
             if validate_data:
                 check_finite_arrays(x, y)
-        callbacks = list(callbacks or []) + [_EpochSizeCheck()]
+        # Last, so that they run after a BackupAndRestore restored the model.
+        callbacks = list(callbacks or []) + [_EpochSizeCheck(),
+                                             _StartSampler(getattr(x, "lipdp_sampler", None))]
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, validation_data=validation_data,
                            shuffle=shuffle, **kwargs)
+
+    def _check_workers_agree(self, x):
+        """Under a multi-worker strategy, every worker must draw the same global batch and
+        train on its share of it: only a `lipdp.data.load_dataset` pipeline with an explicit
+        seed, sharded by tf.distribute (not ``AutoShardPolicy.OFF``), guarantees that."""
+        resolver = getattr(self.distribute_strategy, "cluster_resolver", None)
+        spec = resolver.cluster_spec() if resolver is not None else None
+        if spec is None or sum(spec.num_tasks(job) for job in ("chief", "worker")
+                               if job in spec.jobs) <= 1:
+            return
+        sampler = getattr(x, "lipdp_sampler", None)
+        if sampler is None or not sampler.explicit_seed:
+            raise ValueError(
+                "Multi-worker training needs every worker to draw the same global batch (each "
+                "example's inclusion decided once per step), so that tf.distribute gives each "
+                "replica its share of it: train on lipdp.data.load_dataset(..., seed=S) with "
+                "the same S on every worker. Other pipelines (arrays, your own datasets, a seed "
+                "drawn per process) could put one example in two workers' batches and double "
+                "its contribution to the step.")
+        policy = x.options().experimental_distribute.auto_shard_policy
+        if policy == tf.data.experimental.AutoShardPolicy.OFF:
+            raise ValueError("AutoShardPolicy.OFF gives every worker the whole global batch: "
+                             "each example would count once per worker.")
 
     def _check_dataset(self, dataset, steps_per_epoch):
         md = self.dataset_metadata
@@ -516,6 +573,19 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
             raise RuntimeError(
                 f"Epoch {epoch + 1} trained on {seen} examples, but dataset_metadata declares "
                 f"nb_samples_train={md.nb_samples_train}: the reported epsilon would be wrong.")
+
+
+class _StartSampler(tf.keras.callbacks.Callback):
+    """A `lipdp.data.BatchSampler` draws next the batch of the model's next private step
+    (``dp_steps_taken``, read after any checkpoint was restored)."""
+
+    def __init__(self, sampler):
+        super().__init__()
+        self.sampler = sampler
+
+    def on_train_begin(self, logs=None):
+        if self.sampler is not None:
+            self.sampler.start_at(self.model.dp_steps_taken)
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")

@@ -262,7 +262,7 @@ def build_report(cfg: dict, history, results: Optional[dict], *,
 # --------------------------------------------------------------------------- #
 # The run folder.
 # --------------------------------------------------------------------------- #
-def _atomic_write(path: str, write: Callable) -> str:
+def atomic_write(path: str, write: Callable) -> str:
     """Write `path` whole or not at all: `write(file)` fills a temporary file in the same
     folder, which is flushed, fsynced and renamed over `path` (`os.replace`, atomic on
     POSIX and Windows). On failure the temporary file is removed and any previous
@@ -291,7 +291,7 @@ def _atomic_write(path: str, write: Callable) -> str:
 def write_run(run_dir: str, report: dict, plots: bool = True) -> List[str]:
     """Create `run_dir` (if needed) and write ``report.json`` and, with `plots`, the plots.
 
-    ``report.json`` is replaced atomically (`_atomic_write`): a reader never sees half
+    ``report.json`` is replaced atomically (`atomic_write`): a reader never sees half
     a report, and a failed write keeps the previous one. It is written before the plots,
     so a run whose plotting fails (matplotlib missing) keeps its report: `redraw` draws
     the plots later.
@@ -305,7 +305,7 @@ def write_run(run_dir: str, report: dict, plots: bool = True) -> List[str]:
     """
     os.makedirs(run_dir, exist_ok=True)
     text = _dumps(_jsonable(report)) + "\n"
-    written = [_atomic_write(os.path.join(run_dir, REPORT_FILE),
+    written = [atomic_write(os.path.join(run_dir, REPORT_FILE),
                              lambda f: f.write(text.encode("utf-8")))]
     if plots:
         written += draw_plots(report, run_dir)
@@ -539,6 +539,6 @@ def draw_plots(report: dict, run_dir: str) -> List[str]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
             continue
-        written.append(_atomic_write(path, lambda f, figure=figure: figure.savefig(
+        written.append(atomic_write(path, lambda f, figure=figure: figure.savefig(
             f, format="png", dpi=120)))
     return written

@@ -1,0 +1,109 @@
+"""Checkpoints that carry the privacy ledger, and resuming without restarting the count.
+
+A DP model's privacy ledger (`lipdp.ledger`: the step counter and one row per
+segment of training) is made of variables of the model, so every format that
+saves the model's variables saves it: ``tf.train.Checkpoint(model=model)``,
+``model.save_weights`` (TensorFlow checkpoints and HDF5 alike), Keras'
+``ModelCheckpoint`` and ``BackupAndRestore``, and ``model.save`` (``.keras``).
+Restoring any of them continues the epsilon count: `lipdp.DP_Accountant` composes
+the restored ledger with the steps that follow, and an ``epsilon_budget`` holds
+across restarts (it plans from the restored ledger).
+
+Writes are atomic: TensorFlow writes a checkpoint's files under temporary names,
+renames them, and only then points its ``checkpoint`` index at them, so a process
+killed mid-write leaves the previous checkpoint in force, never a half-written one.
+
+What a resumed run discards: the steps taken after the last checkpoint by the
+process that died. Their noisy updates never reach the resumed model, so the
+ledger (and epsilon) count the steps that make up the model, as if the run had
+never passed its last checkpoint. TensorFlow's random ops draw lipdp's noise; a
+process that seeds them (``tf.keras.utils.set_random_seed``) and is restarted draws
+the noise of its first steps again: do not seed the noise of runs you resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+import tensorflow as tf
+
+from lipdp.ledger import LedgerMismatchError
+
+__all__ = ["BackupAndRestore", "LedgerMismatchError", "check_resume", "load_model",
+           "save_model_atomically"]
+
+logger = logging.getLogger("lipdp")
+
+
+def check_resume(model) -> None:
+    """A compiled DP model restored from a checkpoint may resume training: its ledger is
+    empty, or its last segment ran the mechanism the model is now compiled with.
+
+    Raises:
+        LedgerMismatchError: the restored ledger's last mechanism differs (noise
+            multiplier, strategy, batch size, training-set size, sampling, number of
+            noised variables, delta), naming each difference.
+        RuntimeError: the model is not compiled.
+    """
+    if model.step_mechanism is None:
+        raise RuntimeError("Compile the model before resuming: the ledger is checked against "
+                           "the compiled mechanism.")
+    model.privacy_ledger.check_resumes(model.step_mechanism)
+
+
+class BackupAndRestore(tf.keras.callbacks.BackupAndRestore):
+    """Keras' `BackupAndRestore` for DP models: after restoring a backup (model,
+    optimizer, privacy ledger, epoch), refuses to resume if the ledger ran another
+    mechanism than the model is compiled with (`check_resume`).
+
+    Arguments as for `tf.keras.callbacks.BackupAndRestore`; with the default
+    ``save_freq="epoch"``, a run killed mid-epoch resumes at the start of that epoch.
+    """
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        check_resume(self.model)
+
+
+def load_model(path, custom_objects=None, compile=True, **kwargs):
+    """`tf.keras.models.load_model`, reporting the privacy spent by a DP model.
+
+    Logs (logger ``"lipdp"``, level INFO) the number of private steps recorded in
+    the model's ledger, each segment's mechanism and the composed epsilon at the
+    model's delta.
+
+    Returns:
+        The model; for a DP model, ``lipdp.accounting.epsilon_spent(model)`` is the
+        epsilon it was trained with.
+    """
+    model = tf.keras.models.load_model(path, custom_objects=custom_objects, compile=compile,
+                                       **kwargs)
+    if hasattr(model, "privacy_ledger"):
+        delta = float(model.dp_parameters.delta)
+        ledger = model.privacy_ledger
+        logger.info("lipdp: %s was trained with %d private steps:\n%s", path, ledger.steps,
+                    ledger.describe(delta))
+    return model
+
+
+def save_model_atomically(model, path: str) -> str:
+    """``model.save(path)`` whole or not at all: the model is saved under a temporary name
+    in the same folder, then renamed over `path` (``os.replace``, atomic), so a process
+    killed while saving leaves the previous model (or none), never half of one. (A
+    SavedModel directory replacing an existing one is swapped in two renames.)"""
+    folder, name = os.path.split(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    stem, extension = os.path.splitext(name)
+    temporary = tempfile.mkdtemp(prefix=f".{stem}.", suffix=".tmp", dir=folder)
+    saved = os.path.join(temporary, name)
+    try:
+        model.save(saved)
+        if os.path.isdir(saved) and os.path.isdir(path):  # SavedModel over a SavedModel
+            os.replace(path, os.path.join(temporary, "previous"))
+        os.replace(saved, path)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return path

@@ -1,0 +1,187 @@
+"""tf.distribute checks that need a process of their own.
+
+A strategy's devices must be configured before TensorFlow starts, and a
+multi-worker strategy needs one process per worker, so `tests/test_distribute.py`
+runs this module in subprocesses:
+
+    python -m tests._distributed mirrored          # 2 logical CPUs, one process
+    python -m tests._distributed worker            # one worker of a TF_CONFIG cluster
+
+Each run prints one JSON line (its last line of output) with what it measured.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+N_SAMPLER, Q_SAMPLER, STEPS_SAMPLER, SEED_SAMPLER = 200, 0.05, 400, 11
+
+
+def _two_logical_cpus():
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+
+
+class RecordingSGD(tf.keras.optimizers.SGD):
+    """SGD that keeps the last (aggregated) gradient it applied to each variable."""
+
+    def build(self, var_list):
+        super().build(var_list)
+        if not hasattr(self, "recorded"):
+            self.recorded = [tf.Variable(tf.zeros_like(v), trainable=False) for v in var_list]
+
+    def update_step(self, gradient, variable):
+        self.recorded[self._index_dict[self._var_key(variable)]].assign(gradient)
+        super().update_step(gradient, variable)
+
+
+CONFIGS = {
+    "clipless-global": dict(noisify_strategy="global"),
+    "clipless-per-layer": dict(noisify_strategy="per-layer"),
+    "clipped-flat": dict(mode="clipped", clipping="flat", l2_norm_clip=1.0),
+    "clipped-per-layer": dict(mode="clipped", clipping="per-layer", l2_norm_clip=1.0),
+}
+
+
+def _model(config, sigma, learning_rate):
+    from lipdp.losses import DP_TauCategoricalCrossentropy
+    from lipdp.metadata import DPParameters
+    from tests._models import mlp
+
+    model = mlp(nb_classes=3, batch=16)
+    model.dp_parameters = DPParameters(sigma, 1e-5, **CONFIGS[config])
+    model.compile(optimizer=RecordingSGD(learning_rate), loss=DP_TauCategoricalCrossentropy(1.0))
+    return model
+
+
+def _fit(model, x, y, epochs):
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model.fit(ds, epochs=epochs, verbose=0, shuffle=False)
+
+
+def _expected_stddevs(model, config):
+    """Single-device noise std of every variable, from the closed forms of DESIGN.md."""
+    sensitivities = [float(s) for s in model.sensitivities()]
+    sigma = model.dp_parameters.noise_multiplier
+    if config.startswith("clipped"):
+        return [sigma * 1.0 / 16 for _ in sensitivities]  # sigma C / D, C = 1, D = 16
+    if config == "clipless-global":
+        return [sigma * np.sqrt(sum(s * s for s in sensitivities)) for _ in sensitivities]
+    return [sigma * s for s in sensitivities]
+
+
+def _noise_statistic(model, config, steps=40):
+    """sum z^2 / n over the kernel coordinates of the gradients applied in `steps` steps on
+    all-zero inputs, z = gradient / (single-device noise std). The model's learning rate is 0,
+    so its biases keep their zero initialisation: every layer's input is 0, every kernel's
+    gradient is exactly 0, and the applied kernel gradient is the noise alone."""
+    x = np.zeros((16, 10), np.float32)
+    y = tf.one_hot(np.arange(16) % 3, 3).numpy()
+    stds = _expected_stddevs(model, config)
+    squares, count = 0.0, 0
+    for _ in range(steps):  # one step at a time: the optimizer keeps the last gradient
+        model.train_on_batch(x, y)
+        for variable, recorded, std in zip(model.trainable_variables, model.optimizer.recorded,
+                                           stds):
+            if "kernel" in variable.name:
+                z = np.ravel(recorded.numpy()) / std
+                squares += float(np.sum(z * z))
+                count += z.size
+    return squares / count, count
+
+
+def _sampler_pieces(strategy):
+    """Per step, the example indices each replica trains on, and the global draws of a
+    fresh pipeline with the same seed."""
+    from lipdp.data import BatchSampler, _poisson_pipeline
+    from lipdp.metadata import Sampling
+
+    def pipeline():
+        x = tf.range(N_SAMPLER, dtype=tf.float32)[:, None]
+        y = tf.range(N_SAMPLER)
+        return _poisson_pipeline(x, y, STEPS_SAMPLER, Q_SAMPLER,
+                                 BatchSampler(Sampling.POISSON, SEED_SAMPLER), lambda a, b: (a, b))
+
+    reference = [sorted(b[1].numpy().tolist()) for b in pipeline()]
+    pieces = []
+    for batch in strategy.experimental_distribute_dataset(pipeline()):
+        labels = batch[1]
+        values = labels.values if hasattr(labels, "values") else (labels,)
+        pieces.append([v.numpy().tolist() for v in values])
+    return reference, pieces
+
+
+def mirrored():
+    _two_logical_cpus()
+    tf.keras.utils.set_random_seed(0)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.RandomState(0)
+    x = rng.randn(64, 10).astype(np.float32)
+    y = tf.one_hot(rng.randint(0, 3, 64), 3).numpy()
+    results = {}
+    for config in CONFIGS:
+        single = _model(config, 0.0, 0.5)
+        with strategy.scope():
+            replicated = _model(config, 0.0, 0.5)
+        replicated.set_weights(single.get_weights())
+        _fit(single, x, y, 2)
+        _fit(replicated, x, y, 2)
+        weights_diff = max(float(np.max(np.abs(a - b))) for a, b in
+                           zip(single.get_weights(), replicated.get_weights()))
+        gradient_diff = max(float(np.max(np.abs(a.numpy() - b.numpy()))) for a, b in
+                            zip(single.optimizer.recorded, replicated.optimizer.recorded))
+        single_ratio, n = _noise_statistic(_model(config, 2.0, 0.0), config)
+        with strategy.scope():
+            replicated = _model(config, 2.0, 0.0)
+        replicated_ratio, _ = _noise_statistic(replicated, config)
+        results[config] = dict(weights_diff=weights_diff, gradient_diff=gradient_diff,
+                               single_ratio=single_ratio, replicated_ratio=replicated_ratio, n=n,
+                               steps=replicated.dp_steps_taken)
+    reference, pieces = _sampler_pieces(strategy)
+    results["sampler"] = dict(reference=reference, pieces=pieces)
+    return results
+
+
+def worker():
+    import lipdp
+    from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    results = {"task": json.loads(os.environ["TF_CONFIG"])["task"]["index"]}
+    reference, pieces = _sampler_pieces(strategy)
+    results["sampler"] = dict(reference=reference, pieces=pieces)
+
+    mode = sys.argv[2] if len(sys.argv) > 2 else "clipless"
+    unseeded, _, _ = lipdp.data.load_dataset("digits", 128, bound_clip_value=8.0)
+    ds_train, _, metadata = lipdp.data.load_dataset("digits", 128, bound_clip_value=8.0, seed=3)
+    tf.keras.utils.set_random_seed(0)
+    with strategy.scope():
+        parameters = (lipdp.DPParameters(2.0, 1e-5) if mode == "clipless" else
+                      lipdp.DPParameters(2.0, 1e-5, mode="clipped", l2_norm_clip=1.0))
+        model = lipdp.DP_Sequential(
+            [DP_BoundedInput(8.0, input_shape=(64,)), DP_QuickSpectralDense(16),
+             DP_GroupSort(2), DP_QuickSpectralDense(10)],
+            dp_parameters=parameters, dataset_metadata=metadata)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.5),
+                      loss=lipdp.losses.DP_TauCategoricalCrossentropy(8.0))
+    try:
+        model.fit(unseeded, epochs=1, verbose=0)
+        results["unseeded_refused"] = None
+    except ValueError as error:
+        results["unseeded_refused"] = str(error)
+    model.fit(ds_train, epochs=2, verbose=0, callbacks=[lipdp.DP_Accountant()])
+    results.update(weights=[w.tolist() for w in model.get_weights()],
+                   ledger=lipdp.ledger.segment_rows(model._dp_ledger.numpy()).tolist(), steps=model.dp_steps_taken,
+                   epsilon=lipdp.accounting.epsilon_spent(model),
+                   steps_per_epoch=metadata.steps_per_epoch,
+                   sampler_next_step=int(ds_train.lipdp_sampler.next_step.numpy()))
+    return results
+
+
+if __name__ == "__main__":
+    outcome = {"mirrored": mirrored, "worker": worker}[sys.argv[1]]()
+    print(json.dumps(outcome))

@@ -1,0 +1,204 @@
+"""Checkpoints carry the privacy ledger; a resumed run continues the epsilon count.
+
+Every check compares with an independent computation of what the ledger must say: the
+accountant's epsilon for the number of steps an uninterrupted run takes.
+"""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lipdp
+from lipdp.checkpoints import (BackupAndRestore, LedgerMismatchError, load_model,
+                               save_model_atomically)
+from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
+
+BATCH = 256  # digits: 1438 training examples -> 6 Poisson steps per epoch
+
+
+def _data(seed=1):
+    return lipdp.data.load_dataset("digits", BATCH, bound_clip_value=8.0, seed=seed)
+
+
+def _model(metadata, sigma=2.0):
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(8.0, input_shape=(64,)), DP_QuickSpectralDense(16), DP_GroupSort(2),
+         DP_QuickSpectralDense(10)],
+        dp_parameters=lipdp.DPParameters(sigma, 1e-5), dataset_metadata=metadata)
+    model.compile(optimizer=tf.keras.optimizers.Adam(1e-2),
+                  loss=lipdp.losses.DP_TauCategoricalCrossentropy(8.0), metrics=["accuracy"])
+    return model
+
+
+def _expected_epsilon(model, steps):
+    mechanism = model.step_mechanism
+    return lipdp.accounting.compute_epsilon(mechanism.step_noise_multiplier,
+                                            mechanism.sampling_rate, steps, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    ds, _, metadata = _data()
+    model = _model(metadata)
+    model.fit(ds, epochs=2, verbose=0)
+    return model, metadata
+
+
+def _same_ledger(restored, model):
+    assert restored.dp_steps_taken == model.dp_steps_taken == 12
+    np.testing.assert_array_equal(restored._dp_ledger.numpy(), model._dp_ledger.numpy())
+    assert lipdp.accounting.epsilon_spent(restored) == lipdp.accounting.epsilon_spent(model)
+
+
+@pytest.mark.parametrize("fmt", ["tf.train.Checkpoint", "weights-tf", "weights.h5", ".keras"])
+def test_every_format_carries_the_ledger(trained, tmp_path, fmt):
+    model, metadata = trained
+    if fmt == ".keras":
+        path = save_model_atomically(model, str(tmp_path / "model.keras"))
+        restored = tf.keras.models.load_model(path)
+        assert sorted(os.listdir(tmp_path)) == ["model.keras"]  # no temporary left
+    else:
+        restored = _model(metadata)
+        if fmt == "tf.train.Checkpoint":
+            path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+            tf.train.Checkpoint(model=restored).restore(path).expect_partial()
+        else:
+            path = str(tmp_path / ("weights" if fmt == "weights-tf" else "weights.h5"))
+            model.save_weights(path)
+            restored.load_weights(path)
+    _same_ledger(restored, model)
+
+
+def test_model_checkpoint_callback_carries_the_ledger(tmp_path):
+    ds, _, metadata = _data()
+    model = _model(metadata)
+    path = str(tmp_path / "epoch{epoch}.weights.h5")
+    model.fit(ds, epochs=2, verbose=0, callbacks=[
+        tf.keras.callbacks.ModelCheckpoint(path, save_weights_only=True)])
+    restored = _model(metadata)
+    restored.load_weights(str(tmp_path / "epoch2.weights.h5"))
+    _same_ledger(restored, model)
+
+
+def test_training_a_restored_model_continues_the_count(trained, tmp_path):
+    model, metadata = trained
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    ds, _, _ = _data()
+    restored = _model(metadata)
+    tf.train.Checkpoint(model=restored).restore(path).expect_partial()
+    restored.fit(ds, epochs=1, verbose=0)
+    assert restored.dp_steps_taken == 18
+    assert lipdp.accounting.epsilon_spent(restored) == pytest.approx(
+        _expected_epsilon(restored, 18), rel=1e-9)
+
+
+class _Interrupt(tf.keras.callbacks.Callback):
+    """Kills the fit (an exception, as a preempted worker would die) at an epoch's start."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted")
+
+
+def _budget_run(backup_dir, interrupt_at=None, budget=3.0):
+    """A fit of 40 epochs that the budget stops mid-epoch (38 steps: 6 per epoch at sigma 2,
+    q = 256 / 1438, epsilon 3; 7 at epsilon 1.5); the DP_Accountant is listed
+    *before* BackupAndRestore, so it first plans with the ledger of a fresh model."""
+    ds, _, metadata = _data()
+    model = _model(metadata)
+    callbacks = [lipdp.DP_Accountant(epsilon_budget=budget)]
+    if interrupt_at is not None:
+        callbacks.append(_Interrupt(interrupt_at))
+    if backup_dir is not None:
+        callbacks.append(BackupAndRestore(backup_dir))
+    model.fit(ds, epochs=40, verbose=0, callbacks=callbacks)
+    return model
+
+
+def test_backup_and_restore_resumes_with_the_same_steps_and_epsilon(tmp_path):
+    uninterrupted = _budget_run(None)
+    steps = uninterrupted.dp_steps_taken
+    assert steps % 6 != 0, "the budget should stop the run mid-epoch"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _budget_run(str(tmp_path), interrupt_at=3)
+    resumed = _budget_run(str(tmp_path))  # a new process would build the same model
+    assert resumed.dp_steps_taken == steps
+    epsilon = lipdp.accounting.epsilon_spent(resumed)
+    assert epsilon == lipdp.accounting.epsilon_spent(uninterrupted)
+    assert epsilon == pytest.approx(_expected_epsilon(resumed, steps), rel=1e-9)
+    assert epsilon <= 3.0 < _expected_epsilon(resumed, steps + 1)
+
+
+def test_a_spent_budget_stays_spent_after_restore(tmp_path):
+    model = _budget_run(str(tmp_path / "first"), budget=1.5)
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    ds, _, metadata = _data()
+    restored = _model(metadata)
+    tf.train.Checkpoint(model=restored).restore(path).expect_partial()
+    with pytest.raises(ValueError, match="already spent"):
+        restored.fit(ds, epochs=1, verbose=0,
+                     callbacks=[lipdp.DP_Accountant(epsilon_budget=1.5)])
+    assert restored.dp_steps_taken == model.dp_steps_taken
+
+
+def test_budget_plans_from_the_ledger_a_later_callback_restores(tmp_path):
+    """Keras' own BackupAndRestore (no mechanism check) listed after the accountant restores
+    18 steps at sigma 2 into a model compiled at sigma 3: the budget must count them."""
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _budget_run(str(tmp_path), interrupt_at=3)  # 18 steps at sigma 2
+    ds, _, metadata = _data()
+    model = _model(metadata, sigma=3.0)
+    model.fit(ds, epochs=40, verbose=0, callbacks=[
+        lipdp.DP_Accountant(epsilon_budget=3.0),
+        tf.keras.callbacks.BackupAndRestore(str(tmp_path))])
+    first, second = model.privacy_ledger.segments
+    assert (first.steps, first.mechanism.noise_multiplier) == (18, 2.0)
+    assert second.mechanism.noise_multiplier == 3.0
+    # Planned from an empty ledger, the accountant would allow 109 steps at sigma 3 in all.
+    assert 0 < second.steps < 109 - 18
+    assert lipdp.accounting.epsilon_spent(model) <= 3.0
+
+
+def test_resume_refuses_a_ledger_of_another_mechanism(tmp_path):
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _budget_run(str(tmp_path), interrupt_at=1)
+    ds, _, metadata = _data()
+    other = _model(metadata, sigma=1.5)
+    with pytest.raises(LedgerMismatchError, match=r"noise_multiplier: 2\.0 in the ledger, 1\.5 now"):
+        other.fit(ds, epochs=3, verbose=0, callbacks=[BackupAndRestore(str(tmp_path))])
+
+
+def test_load_model_reports_the_epsilon(trained, tmp_path, caplog):
+    model, _ = trained
+    path = save_model_atomically(model, str(tmp_path / "model.keras"))
+    with caplog.at_level(logging.INFO, logger="lipdp"):
+        loaded = lipdp.load_model(path)
+    epsilon = lipdp.accounting.epsilon_spent(loaded)
+    assert epsilon == pytest.approx(_expected_epsilon(model, 12), rel=1e-9)
+    assert "trained with 12 private steps" in caplog.text
+    assert f"epsilon={epsilon:.4g}" in caplog.text
+    assert load_model is lipdp.load_model
+
+
+def test_a_failed_save_leaves_the_previous_model(trained, tmp_path, monkeypatch):
+    model, _ = trained
+    path = save_model_atomically(model, str(tmp_path / "model.keras"))
+    before = open(path, "rb").read()
+
+    def broken_save(target, *args, **kwargs):
+        with open(target, "wb") as f:
+            f.write(b"half a model")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(model, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_model_atomically(model, path)
+    assert open(path, "rb").read() == before
+    assert sorted(os.listdir(tmp_path)) == ["model.keras"]

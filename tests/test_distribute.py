@@ -1,0 +1,210 @@
+"""tf.distribute: the noise of a distributed private step, and Poisson sampling across
+replicas and workers.
+
+The strategies run in subprocesses (`tests/_distributed.py`): a MirroredStrategy over
+2 logical CPU devices, and 2 worker processes on 127.0.0.1 under
+MultiWorkerMirroredStrategy.
+
+The noise test. On all-zero inputs with learning rate 0, every kernel's gradient is
+exactly 0, so the gradient the optimizer applies (recorded after the replicas'
+gradients are summed) is the noise alone. With z = applied gradient / (the
+single-device noise std of DESIGN.md's closed forms), ``T = sum z^2`` over n = 4160
+kernel coordinates (40 steps) is chi-square with n degrees of freedom when the std is
+right: T/n has mean 1 and standard deviation sqrt(2/n) = 0.022. The test accepts
+|T/n - 1| < 4 sqrt(2/n) = 0.088: a false alarm has probability 6e-5 (normal
+approximation; the draws are seeded, so the outcome is fixed). Noise added at full
+scale by each of the 2 replicas gives T/n = 2, noise split in halves 0.5, and the
+1.22x std once measured here T/n = 1.49: each is more than 20 standard deviations
+away (power 1 - 1e-90). Reverting lipdp's once-per-global-batch noise gave T/n = 1.89.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lipdp
+from lipdp.data import BatchSampler, _poisson_pipeline
+from lipdp.metadata import Sampling
+from tests import _distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = list(_distributed.CONFIGS)
+
+
+def _last_json_line(output: str):
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def _run(args, env=None, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    return subprocess.Popen([sys.executable, "-m", "tests._distributed", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process, timeout):
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"distributed run timed out after {timeout} s:\n{err[-3000:]}")
+    assert process.returncode == 0, err[-5000:]
+    return _last_json_line(out)
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return _finish(_run(["mirrored"]), timeout=400)
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module", params=["clipless", "clipped"])
+def workers(request):
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    processes = [_run(["worker", request.param], env={"TF_CONFIG": json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": index}})}) for index in range(2)]
+    try:
+        return [_finish(process, timeout=240) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+
+
+# ----------------------------------------------------------------- the noise
+@pytest.mark.parametrize("config", CONFIGS)
+def test_noise_free_update_equals_single_device(mirrored, config):
+    result = mirrored[config]
+    assert result["gradient_diff"] < 1e-6  # float32 sums in another order
+    assert result["weights_diff"] < 1e-5   # after 8 steps at learning rate 0.5
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_aggregated_noise_has_the_single_device_std(mirrored, config):
+    result = mirrored[config]
+    tolerance = 4 * np.sqrt(2 / result["n"])
+    assert result["steps"] == 40
+    assert abs(result["single_ratio"] - 1) < tolerance  # the statistic itself is calibrated
+    assert abs(result["replicated_ratio"] - 1) < tolerance, result
+
+
+# ------------------------------------------------------------------- sampling
+def _check_sampler(reference, pieces_per_step):
+    """Each step's pieces (one per replica) are disjoint and make up the global draw, and
+    the global draws include each example with frequency q.
+
+    The inclusion count K over N x steps = 80000 (example, step) pairs is Binomial(80000,
+    q = 0.05) when the sampler is right: mean 4000, sd 61.6; the test accepts
+    |K - 4000| < 4 sd (false alarm 6e-5). A rate 10% off (q = 0.055) moves the mean by 400,
+    6.5 sd: detected with probability 0.99."""
+    assert len(reference) == len(pieces_per_step) == _distributed.STEPS_SAMPLER
+    for drawn, pieces in zip(reference, pieces_per_step):
+        merged = [i for piece in pieces for i in piece]
+        assert len(merged) == len(set(merged)), "an example in two replicas' batches"
+        assert sorted(merged) == drawn
+    n, q, steps = _distributed.N_SAMPLER, _distributed.Q_SAMPLER, _distributed.STEPS_SAMPLER
+    count = sum(len(drawn) for drawn in reference)
+    sd = np.sqrt(n * steps * q * (1 - q))
+    assert abs(count - n * steps * q) < 4 * sd, (count, n * steps * q, sd)
+
+
+def test_poisson_batches_split_across_replicas(mirrored):
+    sampler = mirrored["sampler"]
+    assert max(len(p) for p in sampler["pieces"]) == 2
+    _check_sampler(sampler["reference"], sampler["pieces"])
+
+
+def test_poisson_batches_split_across_workers(workers):
+    first, second = workers
+    assert first["sampler"]["reference"] == second["sampler"]["reference"]
+    pieces = [a + b for a, b in zip(first["sampler"]["pieces"], second["sampler"]["pieces"])]
+    _check_sampler(first["sampler"]["reference"], pieces)
+
+
+# --------------------------------------------------------------- multi-worker
+def test_workers_end_with_identical_weights_and_ledger(workers):
+    first, second = workers
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert first["ledger"] == second["ledger"]
+    assert first["steps"] == second["steps"] == 2 * first["steps_per_epoch"]
+    assert first["sampler_next_step"] == first["steps"]
+    # The ledger records one mechanism of the global batch: the accountant is unchanged.
+    mechanism = lipdp.ledger.StepMechanism.from_row(first["ledger"][0][1:])
+    assert mechanism.batch_size == 128
+    expected = lipdp.accounting.compute_epsilon(mechanism.step_noise_multiplier,
+                                                mechanism.sampling_rate, first["steps"], 1e-5)
+    assert first["epsilon"] == second["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_workers_refuse_a_pipeline_without_a_common_seed(workers):
+    for worker in workers:
+        assert "same S on every worker" in worker["unseeded_refused"]
+
+
+# ------------------------------------------------- the sampler's step counter
+def _index_pipeline(sampler, steps=6, n=50, q=0.2):
+    x = tf.range(n, dtype=tf.float32)[:, None]
+    return _poisson_pipeline(x, tf.range(n), steps, q, sampler, lambda a, b: (a, b))
+
+
+def _draws(dataset):
+    return [b[1].numpy().tolist() for b in dataset]
+
+
+def test_poisson_draw_of_a_step_depends_on_seed_and_step_only():
+    first = BatchSampler(Sampling.POISSON, 5)
+    epochs = _draws(_index_pipeline(first)) + _draws(_index_pipeline(first))
+    assert int(first.next_step.numpy()) == 12
+    assert epochs[:6] != epochs[6:]  # the second pass continues the sequence
+    resumed = BatchSampler(Sampling.POISSON, 5)
+    resumed.start_at(6)
+    assert _draws(_index_pipeline(resumed)) == epochs[6:]
+    other_seed = BatchSampler(Sampling.POISSON, 6)
+    assert _draws(_index_pipeline(other_seed)) != epochs[:6]
+
+
+def test_fit_continues_the_sampler_at_the_model_step(tmp_path):
+    """A new pipeline with the same seed, given to a model that already took steps, draws
+    the batches of the following steps: never again those of the first epoch."""
+    ds, _, metadata = lipdp.data.load_dataset("digits", 256, bound_clip_value=8.0, seed=1)
+    model = _digits_model(metadata)
+    model.fit(ds, epochs=1, verbose=0)
+    steps = model.dp_steps_taken
+    assert steps == metadata.steps_per_epoch
+    again, _, _ = lipdp.data.load_dataset("digits", 256, bound_clip_value=8.0, seed=1)
+    model.fit(again, epochs=1, verbose=0)
+    assert int(again.lipdp_sampler.next_step.numpy()) == 2 * steps
+
+
+def _digits_model(metadata):
+    from lipdp.layers import DP_BoundedInput, DP_QuickSpectralDense
+
+    model = lipdp.DP_Sequential([DP_BoundedInput(8.0, input_shape=(64,)),
+                                 DP_QuickSpectralDense(10)],
+                                dp_parameters=lipdp.DPParameters(1.0, 1e-5),
+                                dataset_metadata=metadata)
+    model.compile(optimizer="sgd", loss=lipdp.losses.DP_TauCategoricalCrossentropy(8.0))
+    return model
+
+
+def test_poisson_pipeline_refuses_a_strategy_scope():
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        with pytest.raises(RuntimeError, match="outside `strategy.scope"):
+            lipdp.data.load_dataset("digits", 256, bound_clip_value=8.0)
