@@ -26,8 +26,8 @@ from lipdp import (audit, bounds, certify, checkpoints, clipping, data, layers, 
 from lipdp.accounting import get_eps_delta, get_max_epochs
 from lipdp.callbacks import BoundMonitor, DP_Accountant, SignalToNoise
 from lipdp.checkpoints import load_model
-from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
-                            NormEngine, Sampling)
+from lipdp.metadata import (AdaptiveClipping, Clipping, DatasetMetadata, DPMode, DPParameters,
+                            NoiseStrategy, NormEngine, Sampling)
 from lipdp.model import DP_Model, DP_Sequential
 
 from lipdp import zoo  # noqa: I001 (after lipdp.model, which it builds on)
@@ -35,6 +35,7 @@ from lipdp import zoo  # noqa: I001 (after lipdp.model, which it builds on)
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveClipping",
     "BoundMonitor",
     "Clipping",
     "DP_Accountant",

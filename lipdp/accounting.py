@@ -107,6 +107,7 @@ from lipdp.metadata import DPMode, NoiseStrategy, _parse_enum
 
 __all__ = [
     "step_noise_multiplier",
+    "joint_noise_multiplier",
     "compute_rdp",
     "compute_epsilon",
     "max_steps_for_budget",
@@ -219,6 +220,26 @@ def step_noise_multiplier(strategy, noise_multiplier, nb_noised_variables) -> fl
     if strategy is NoiseStrategy.GLOBAL:
         return sigma
     return sigma / math.sqrt(nb)
+
+
+def joint_noise_multiplier(*noise_multipliers: float) -> float:
+    """Noise multiplier of Gaussian mechanisms run on the same subsample in one step.
+
+    Query j, of sensitivity s_j, gets noise of std ``z_j s_j``. Dividing each block by
+    its std (a fixed bijection) gives unit noise and a joint L2 sensitivity
+    ``sqrt(sum_j z_j^-2)``: the isotropic Gaussian with multiplier
+    ``z = (sum_j z_j^-2)^-1/2``, subsampled once per step (the argument of the
+    per-layer strategy in `step_noise_multiplier`). A noise-free query (z_j = 0) makes
+    the step non-private (0). Used for the count of
+    `lipdp.AdaptiveClipping` (sensitivity 1/2, std sigma_b: z = 2 sigma_b) beside the
+    gradient.
+    """
+    multipliers = [_check_noise_multiplier(z) for z in noise_multipliers]
+    if not multipliers:
+        raise ValueError("Give at least one noise multiplier.")
+    if any(z == 0 for z in multipliers):
+        return 0.0
+    return 1.0 / math.sqrt(sum(1.0 / (z * z) for z in multipliers))
 
 
 # --------------------------------------------------------------------------- #
@@ -558,7 +579,8 @@ def _attr(model, name):
 
 
 def model_step_noise_multiplier(model) -> float:
-    """`step_noise_multiplier` of a model's `DPParameters` and number of noised variables.
+    """`step_noise_multiplier` of a model's `DPParameters` and number of noised variables
+    (joint with the count of an `AdaptiveClipping`, `joint_noise_multiplier`).
 
     Classic DP-SGD (``mode="clipped"``) adds one isotropic Gaussian of std
     ``sigma * Delta`` where ``Delta`` is the L2 sensitivity of the whole clipped
@@ -568,9 +590,14 @@ def model_step_noise_multiplier(model) -> float:
     params = _attr(model, "dp_parameters")
     if getattr(params, "mode", DPMode.CLIPLESS) == DPMode.CLIPPED:
         return _check_noise_multiplier(params.noise_multiplier)
-    return step_noise_multiplier(
+    gradient = step_noise_multiplier(
         params.noisify_strategy, params.noise_multiplier, _attr(model, "nb_noised_variables")
     )
+    clipping = getattr(params, "loss_gradient_clipping", None)
+    if clipping is None:
+        return gradient
+    count = clipping.count_noise_multiplier(_attr(model, "dataset_metadata").batch_size)
+    return joint_noise_multiplier(gradient, 2 * count)
 
 
 def _model_mechanism(model):

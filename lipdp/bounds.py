@@ -206,7 +206,7 @@ def backpropagate_bounds(layers: Sequence[DPLayer], loss_lipschitz) -> List[Tupl
     """
     with _bound_pass(layers):
         return chain_backward(list(layers), tf.constant(float("inf")),
-                              tf.constant(float(loss_lipschitz), tf.float32))[0]
+                              tf.cast(loss_lipschitz, tf.float32))[0]
 
 
 def lipschitz_bound(model) -> tf.Tensor:
@@ -217,7 +217,25 @@ def lipschitz_bound(model) -> tf.Tensor:
         return chain_lipschitz(layers, tf.constant(float("inf")), tf.constant(1.0))
 
 
+def _is_step_loss(model, loss) -> bool:
+    """`loss` is None or the model's compiled DP loss, and the model states what its step
+    differentiates (`per_example_step_loss`, `top_gradient_bound`: AdaptiveClipping)."""
+    compiled = getattr(model, "dp_loss", None)
+    return (compiled is not None and (loss is None or loss is compiled)
+            and callable(getattr(model, "top_gradient_bound", None)))
+
+
+def per_example_loss_of(model, loss=None):
+    """The per-example loss function whose gradients the bounds cover: the step's (the
+    logit-gradient clipping of `AdaptiveClipping` included) for the compiled loss."""
+    if _is_step_loss(model, loss):
+        return model.per_example_step_loss
+    return (loss if loss is not None else model.dp_loss).call
+
+
 def _loss_lipschitz(model, loss):
+    if _is_step_loss(model, loss):
+        return model.top_gradient_bound()  # the compiled step's (AdaptiveClipping included)
     loss = loss if loss is not None else getattr(model, "dp_loss", None)
     if loss is None:
         raise ValueError("Pass `loss=` or compile the model with a DP loss first.")
@@ -293,7 +311,6 @@ def tightness(model, dataset, loss=None, max_batches=None,
     """
     from lipdp.per_example import chunked_gradient_norms
 
-    loss = loss if loss is not None else getattr(model, "dp_loss", None)
     bound_by_ref = {v.ref(): float(b) for v, b in
                     backpropagate_bounds(dp_layers(model), _loss_lipschitz(model, loss))}
     variables = model.trainable_variables
@@ -301,7 +318,8 @@ def tightness(model, dataset, loss=None, max_batches=None,
         dataset = tf.data.Dataset.from_tensor_slices(tuple(dataset)).batch(256)
     if max_batches is not None:
         dataset = dataset.take(max_batches)
-    norms = chunked_gradient_norms(model, loss.call, dataset, chunk_size, variables)
+    norms = chunked_gradient_norms(model, per_example_loss_of(model, loss), dataset, chunk_size,
+                                   variables)
     if not norms or not norms[0].size:
         raise ValueError("The dataset yielded no examples.")
     names = variable_names(model)

@@ -277,8 +277,15 @@ class _SampledGradients(tf.keras.callbacks.Callback):
         self._data = _checked_data(data)
 
     def sample(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
-        """The examples looked at after epoch `epoch` (0-based): `sample_examples`."""
-        return sample_examples(self._data, self.sample_size, self.seed, epoch)
+        """The examples looked at after epoch `epoch` (0-based): `sample_examples`. Training
+        batches of k augmented views per example give their views, one input each (each
+        view's gradient obeys the bound, hence their average)."""
+        x, y = sample_examples(self._data, self.sample_size, self.seed, epoch)
+        metadata = getattr(self.model, "dataset_metadata", None)
+        views = getattr(metadata, "augmentation_multiplicity", 1)
+        if views > 1 and x.shape[1:] == (views,) + tuple(metadata.input_shape):
+            x, y = x.reshape((-1,) + tuple(metadata.input_shape)), np.repeat(y, views, axis=0)
+        return x, y
 
     def _check_model(self):
         model = self.model

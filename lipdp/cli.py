@@ -244,6 +244,8 @@ def _write_run(run_dir: str, cfg, history, results, model, ds_train, ds_test):
     from lipdp import reports
 
     norms = attacks = None
+    if model.dataset_metadata.augmentation_multiplicity > 1:  # the first view of each example
+        ds_train = ds_train.map(lambda x, y: (x[:, 0], y))
     if not cfg["training"]["private_logs_only"]:  # computed on training data, outside epsilon
         norms = reports.gradient_norm_sample(model, ds_train, seed=cfg["dataset"]["seed"] or 0)
         attacks = _membership_inference(model, ds_train, ds_test)

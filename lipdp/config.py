@@ -21,6 +21,9 @@ Schema (defaults shown)::
                                #   amplification by subsampling assumes secret randomness)
       nb_samples_train: null   # int: train on the first n examples only
       data_dir: null           # directory holding the files (see lipdp.data)
+      augmentation: null       # null | shift | shift_flip (images; shifts up to 2 pixels)
+      augmentation_multiplicity: 1  # k views per sampled example, gradients averaged
+                               #   (clipless; same sensitivity and epsilon, k x the compute)
     model:
       architecture: mlp        # mlp | cnn | scatternet | tanh_cnn (clipped mode only)
       widths: [1024]           # mlp: hidden widths (each dense layer followed by GroupSort2)
@@ -54,6 +57,11 @@ Schema (defaults shown)::
       mode: clipless           # clipless (Clipless DP-SGD) | clipped (classic DP-SGD:
                                #   per-example gradients clipped to l2_norm_clip)
       l2_norm_clip: null       # clipped: the clipping threshold C (required there)
+      adaptive_clip_quantile: null  # clipless: clip the loss-logits gradient at this privately
+                               #   estimated quantile (appendix B.5; lipdp.AdaptiveClipping)
+      adaptive_clip_noise: null     # its count's noise std (null: batch_size / 20), accounted
+      adaptive_clip_initial: null   # its initial threshold (null: the loss constant)
+      adaptive_clip_learning_rate: 0.2  # its geometric update rate
     training:
       epochs: null             # null: the most epochs the budget allows (get_max_epochs)
       private_logs_only: false # true: no training loss/accuracy in the logs (they are
@@ -143,6 +151,8 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "seed": None,
         "nb_samples_train": None,
         "data_dir": None,
+        "augmentation": None,
+        "augmentation_multiplicity": 1,
     },
     "model": {
         "architecture": "mlp",
@@ -166,6 +176,10 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "epsilon_budget": 3.0,
         "mode": "clipless",
         "l2_norm_clip": None,
+        "adaptive_clip_quantile": None,
+        "adaptive_clip_noise": None,
+        "adaptive_clip_initial": None,
+        "adaptive_clip_learning_rate": 0.2,
     },
     "training": {"epochs": None, "private_logs_only": False},
     "certification": {"radii": [0.0, 36 / 255, 72 / 255, 108 / 255, 0.1, 0.25, 0.5]},
@@ -302,6 +316,8 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "seed": _optional_int,
         "nb_samples_train": lambda k, v: None if v is None else _positive_int(k, v),
         "data_dir": _optional_str,
+        "augmentation": lambda k, v: None if v is None else _choice("shift", "shift_flip")(k, v),
+        "augmentation_multiplicity": _positive_int,
     },
     "model": {
         "architecture": _choice("mlp", "cnn", "scatternet", "tanh_cnn"),
@@ -336,6 +352,11 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "epsilon_budget": lambda k, v: None if v is None else _POSITIVE(k, v),
         "mode": _choice("clipless", "clipped"),
         "l2_norm_clip": lambda k, v: None if v is None else _POSITIVE(k, v),
+        "adaptive_clip_quantile": lambda k, v: None if v is None else _number(
+            low=0, high=1, low_open=True, high_open=True, expected="a number in (0, 1)")(k, v),
+        "adaptive_clip_noise": lambda k, v: None if v is None else _POSITIVE(k, v),
+        "adaptive_clip_initial": lambda k, v: None if v is None else _POSITIVE(k, v),
+        "adaptive_clip_learning_rate": _POSITIVE,
     },
     "training": {"epochs": lambda k, v: None if v is None else _positive_int(k, v),
                  "private_logs_only": _bool},
@@ -427,6 +448,9 @@ def _check_mode(model, privacy):
         raise ConfigError("privacy.l2_norm_clip only applies to privacy.mode='clipped': Clipless "
                           "DP-SGD bounds gradients without clipping. Received: "
                           f"privacy.mode='clipless', privacy.l2_norm_clip={clip!r}")
+    if mode == "clipped" and privacy["adaptive_clip_quantile"] is not None:
+        raise ConfigError("privacy.adaptive_clip_quantile clips the loss-logits gradient inside "
+                          "Clipless DP-SGD: it needs privacy.mode='clipless'.")
     if mode == "clipped" and privacy["noisify_strategy"] != "global":
         raise ConfigError("The noise of classic DP-SGD is isotropic: privacy.mode='clipped' needs "
                           "privacy.noisify_strategy='global'. Received: "
@@ -701,7 +725,7 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     """
     from lipdp.callbacks import DP_Accountant
     from lipdp.data import DatasetFormatError, load_dataset
-    from lipdp.metadata import DPParameters
+    from lipdp.metadata import AdaptiveClipping, DPParameters
 
     cfg = validate_config(cfg)
     d = cfg["dataset"]
@@ -717,7 +741,9 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     try:
         ds_train, ds_test, metadata = load_dataset(
             d["name"], d["batch_size"], sampling=d["sampling"], seed=d["seed"],
-            nb_samples_train=d["nb_samples_train"], data_dir=d["data_dir"], **bound)
+            nb_samples_train=d["nb_samples_train"], data_dir=d["data_dir"],
+            augmentation=d["augmentation"],
+            augmentation_multiplicity=d["augmentation_multiplicity"], **bound)
     except DatasetFormatError:
         raise
     except ValueError as e:
@@ -726,6 +752,12 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     try:
         clipped = {} if p["mode"] == "clipless" else {"mode": "clipped",
                                                       "l2_norm_clip": p["l2_norm_clip"]}
+        if p["adaptive_clip_quantile"] is not None:
+            clipped["loss_gradient_clipping"] = AdaptiveClipping(
+                target_quantile=p["adaptive_clip_quantile"],
+                noise_multiplier=p["adaptive_clip_noise"],
+                initial_clip=p["adaptive_clip_initial"],
+                learning_rate=p["adaptive_clip_learning_rate"])
         dp_parameters = DPParameters(noise_multiplier=p["noise_multiplier"], delta=p["delta"],
                                      noisify_strategy=p["noisify_strategy"], **clipped)
         model = build_model(cfg["model"], metadata, dp_parameters)

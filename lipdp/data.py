@@ -57,11 +57,12 @@ import struct
 import sys
 import warnings
 import zlib
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
 
+from lipdp.augmentation import AUGMENTATIONS, stack_views
 from lipdp.metadata import DatasetMetadata, Sampling, _parse_enum
 
 __all__ = [
@@ -670,9 +671,19 @@ def _features(feature_map, x_train, x_test, key):
     return mapped
 
 
-def _make_transform(bound: InputBound, nb_classes: int):
+def _make_transform(bound: InputBound, nb_classes: int, augmentation=None,
+                    multiplicity: int = 1):
+    """Scaling, augmentation (k views when `multiplicity` k > 1: ``(B, k, ...)``), the
+    input bound on every view, one-hot labels."""
     def transform(x, y):
-        x = bound.apply_batch(_as_float(x))
+        x = _as_float(x)
+        if multiplicity > 1:
+            views = stack_views(x, augmentation, multiplicity)
+            shape = tf.shape(views)
+            flat = tf.reshape(views, tf.concat([[-1], shape[2:]], axis=0))
+            x = tf.reshape(bound.apply_batch(flat), shape)
+        else:
+            x = bound.apply_batch(x if augmentation is None else augmentation(x))
         return x, tf.one_hot(y, nb_classes, dtype=tf.float32)
 
     return transform
@@ -780,6 +791,8 @@ def load_dataset(
     download: bool = True,
     feature_map: Optional[Callable[[tf.Tensor], tf.Tensor]] = None,
     feature_cache_key: Optional[Hashable] = None,
+    augmentation: Union[None, str, Callable[[tf.Tensor], tf.Tensor]] = None,
+    augmentation_multiplicity: int = 1,
 ) -> Tuple[tf.data.Dataset, tf.data.Dataset, DatasetMetadata]:
     """Loads a dataset as bounded `tf.data` pipelines and its public metadata.
 
@@ -819,6 +832,14 @@ def load_dataset(
             features of the most recent call with the same key, dataset, ``data_dir`` and
             ``nb_samples_train`` are reused (one entry, in this process): a sweep computes a
             fixed front end once. The caller vouches that equal keys mean equal maps.
+        augmentation: training images only: ``"shift"``, ``"shift_flip"``
+            (`lipdp.augmentation`, shifts of up to 2 pixels) or a function of a batch of
+            images ``(B, H, W, C)`` in [0, 1] that transforms each image on its own.
+            Applied before the input bound. Not with `feature_map`.
+        augmentation_multiplicity: k augmented views of every sampled example (needs an
+            `augmentation` when k > 1): ``ds_train`` then yields inputs of shape
+            ``(batch, k) + input_shape`` and ``metadata.augmentation_multiplicity`` is k;
+            a DP model averages each example's k view gradients (clipless mode).
 
     Returns:
         ``(ds_train, ds_test, metadata)``. Both datasets yield ``(x, y)`` with
@@ -852,7 +873,26 @@ def load_dataset(
         raise ValueError("`drop_remainder` only applies to sampling='shuffle'; Poisson "
                          "batches have a random size and are never dropped.")
 
+    augmentation_multiplicity = _check_positive_int(augmentation_multiplicity,
+                                                    "augmentation_multiplicity")
+    if isinstance(augmentation, str):
+        if augmentation not in AUGMENTATIONS:
+            raise ValueError(f"Unknown augmentation {augmentation!r}: expected one of "
+                             f"{sorted(AUGMENTATIONS)} or a function of a batch of images.")
+        augmentation = AUGMENTATIONS[augmentation]()
+    if augmentation is not None and not callable(augmentation):
+        raise TypeError(f"`augmentation` must be a name or a callable. Received: {augmentation!r}")
+    if augmentation_multiplicity > 1 and augmentation is None:
+        raise ValueError("augmentation_multiplicity > 1 needs an `augmentation`: k identical "
+                         "views would only repeat the work.")
+    if augmentation is not None and feature_map is not None:
+        raise ValueError("`augmentation` acts on images, but `feature_map` precomputes fixed "
+                         "features once: give one or the other.")
+
     raw = load_arrays(name, data_dir=data_dir, download=download)
+    if augmentation is not None and len(raw.input_shape) != 3:
+        raise ValueError(f"`augmentation` needs images (H, W, C); {name} has examples of shape "
+                         f"{raw.input_shape}.")
     x_train, y_train = raw.x_train, raw.y_train
     if nb_samples_train is not None:
         if nb_samples_train > len(y_train):
@@ -876,8 +916,9 @@ def load_dataset(
         batch_size=batch_size,
         max_norm=bound.max_norm,
         sampling=sampling,
+        augmentation_multiplicity=augmentation_multiplicity,
     )
-    transform = _make_transform(bound, raw.nb_classes)
+    transform = _make_transform(bound, raw.nb_classes, augmentation, augmentation_multiplicity)
 
     x_tr, y_tr = tf.constant(x_train), tf.constant(y_train)
     n = metadata.nb_samples_train
@@ -896,7 +937,8 @@ def load_dataset(
 
     x_te, y_te = tf.constant(x_test), tf.constant(raw.y_test)
     test_indices = tf.data.Dataset.range(metadata.nb_samples_test).batch(batch_size)
-    ds_test = _index_pipeline(x_te, y_te, test_indices, transform).prefetch(tf.data.AUTOTUNE)
+    ds_test = _index_pipeline(x_te, y_te, test_indices, _make_transform(bound, raw.nb_classes)
+                              ).prefetch(tf.data.AUTOTUNE)
     return ds_train, ds_test, metadata
 
 

@@ -63,6 +63,8 @@ class StepMechanism:
         sampling: Poisson or shuffled batches.
         delta: the delta of `DPParameters` when the step was compiled (informative:
             the ledger's epsilon is converted at the delta asked for).
+        quantile_noise_multiplier: sigma_b of the count an `AdaptiveClipping` step
+            releases (0: no such release).
     """
 
     mode: DPMode
@@ -74,11 +76,13 @@ class StepMechanism:
     nb_samples_train: int
     sampling: Sampling
     delta: float
+    quantile_noise_multiplier: float = 0.0
 
     @classmethod
     def of(cls, dp_parameters: DPParameters, dataset_metadata: DatasetMetadata,
            nb_noised_variables: int) -> "StepMechanism":
         """The mechanism a model compiled with these parameters runs."""
+        clipping = dp_parameters.loss_gradient_clipping
         return cls(mode=dp_parameters.mode,
                    noise_multiplier=float(dp_parameters.noise_multiplier),
                    noisify_strategy=dp_parameters.noisify_strategy,
@@ -87,7 +91,9 @@ class StepMechanism:
                    batch_size=int(dataset_metadata.batch_size),
                    nb_samples_train=int(dataset_metadata.nb_samples_train),
                    sampling=dataset_metadata.sampling,
-                   delta=float(dp_parameters.delta))
+                   delta=float(dp_parameters.delta),
+                   quantile_noise_multiplier=0.0 if clipping is None else float(
+                       clipping.count_noise_multiplier(dataset_metadata.batch_size)))
 
     @property
     def sampling_rate(self) -> float:
@@ -98,27 +104,34 @@ class StepMechanism:
     def step_noise_multiplier(self) -> float:
         """Noise multiplier of the one Gaussian mechanism a step amounts to:
         sigma in clipped mode (isotropic noise, `lipdp.clipping`) and for the global
-        strategy, sigma / sqrt(V) per layer (`lipdp.accounting.step_noise_multiplier`)."""
+        strategy, sigma / sqrt(V) per layer (`lipdp.accounting.step_noise_multiplier`);
+        with an adaptive clipping count (sensitivity 1/2, std sigma_b) released by the same
+        step, the joint Gaussian's (`lipdp.accounting.joint_noise_multiplier`)."""
         if self.mode is DPMode.CLIPPED:
             return self.noise_multiplier
-        return accounting.step_noise_multiplier(self.noisify_strategy, self.noise_multiplier,
-                                                self.nb_noised_variables)
+        gradient = accounting.step_noise_multiplier(self.noisify_strategy, self.noise_multiplier,
+                                                    self.nb_noised_variables)
+        if not self.quantile_noise_multiplier:
+            return gradient
+        return accounting.joint_noise_multiplier(gradient, 2 * self.quantile_noise_multiplier)
 
     def to_row(self) -> Tuple[float, ...]:
         """The mechanism as numbers (the ledger's storage format)."""
         return (_code(self.mode), self.noise_multiplier, _code(self.noisify_strategy),
                 _code(self.clipping), float(self.nb_noised_variables), float(self.batch_size),
-                float(self.nb_samples_train), _code(self.sampling), self.delta)
+                float(self.nb_samples_train), _code(self.sampling), self.delta,
+                self.quantile_noise_multiplier)
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> "StepMechanism":
-        mode, sigma, strategy, clipping, nb_variables, batch, n, sampling, delta = (
+        mode, sigma, strategy, clipping, nb_variables, batch, n, sampling, delta, quantile = (
             float(value) for value in row)
         return cls(mode=_decode(DPMode, mode), noise_multiplier=sigma,
                    noisify_strategy=_decode(NoiseStrategy, strategy),
                    clipping=_decode(Clipping, clipping), nb_noised_variables=int(nb_variables),
                    batch_size=int(batch), nb_samples_train=int(n),
-                   sampling=_decode(Sampling, sampling), delta=delta)
+                   sampling=_decode(Sampling, sampling), delta=delta,
+                   quantile_noise_multiplier=quantile)
 
     def describe(self) -> str:
         """One line: the mode, noise and sampling of the step."""
@@ -127,6 +140,8 @@ class StepMechanism:
         else:
             noise = (f"clipless ({self.noisify_strategy.value}), sigma={self.noise_multiplier:g}, "
                      f"V={self.nb_noised_variables}")
+            if self.quantile_noise_multiplier:
+                noise += f", adaptive logit clipping (count sigma={self.quantile_noise_multiplier:g})"
         return (f"{noise}, step noise multiplier {self.step_noise_multiplier:.4g}, "
                 f"q={self.sampling_rate:.4g} ({self.sampling.value}, D={self.batch_size}, "
                 f"N={self.nb_samples_train})")

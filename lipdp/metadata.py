@@ -143,6 +143,10 @@ class DatasetMetadata:
         max_norm: the L2 bound X0 declared on every input (the `DP_BoundedInput`
             layer clips to it in the forward pass).
         sampling: `Sampling` used by the training pipeline.
+        augmentation_multiplicity: k, the number of augmented views the training
+            pipeline gives each example (`lipdp.augmentation`): its batches hold
+            inputs of shape ``(batch, k) + input_shape`` when k > 1, and the private
+            step uses the average of an example's k view gradients as its gradient.
     """
 
     input_shape: Tuple[int, ...]
@@ -152,11 +156,12 @@ class DatasetMetadata:
     batch_size: int
     max_norm: Optional[float] = None
     sampling: Sampling = Sampling.POISSON
+    augmentation_multiplicity: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
         object.__setattr__(self, "sampling", _parse_enum(Sampling, self.sampling, "sampling"))
-        for name in ("nb_classes", "nb_samples_train", "batch_size"):
+        for name in ("nb_classes", "nb_samples_train", "batch_size", "augmentation_multiplicity"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(
@@ -193,6 +198,56 @@ class DatasetMetadata:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdaptiveClipping:
+    """Loss-logits gradient clipping at a privately estimated quantile (paper appendix B.5,
+    with the geometric quantile tracking of Andrew et al. 2021). Clipless mode only.
+
+    Each example's gradient of the loss w.r.t. the logits is clipped to norm C_t in the
+    backward pass, so the bound pass starts from ``min(L, C_t)`` instead of the loss
+    constant L: the noise shrinks with C_t. After each step, the fraction of the batch
+    whose logit gradient is at most C_t is released by a Gaussian mechanism (the sum of
+    ``1[||g_i|| <= C_t] - 1/2``, sensitivity 1/2, plus ``N(0, noise_multiplier^2)``),
+    divided by the public D and moved back by 1/2, and
+    ``C_{t+1} = C_t exp(-learning_rate (fraction - target_quantile))``. The release is
+    part of the step's mechanism: the ledger composes it with the gradient's (a joint
+    Gaussian with ``z^-2 = z_gradient^-2 + (2 noise_multiplier)^-2``).
+
+    Args:
+        target_quantile: gamma in (0, 1): C_t tracks the gamma-quantile of the
+            examples' logit-gradient norms (the paper: at least 0.9).
+        noise_multiplier: sigma_b > 0 of the count; None means D / 20 (Andrew et al.'s
+            choice: its privacy cost is then small beside the gradient's).
+        initial_clip: C_0 > 0; None starts at the loss constant L (no clipping).
+        learning_rate: eta > 0 of the geometric update.
+    """
+
+    target_quantile: float = 0.9
+    noise_multiplier: Optional[float] = None
+    initial_clip: Optional[float] = None
+    learning_rate: float = 0.2
+
+    def __post_init__(self):
+        if not (_is_real(self.target_quantile) and 0 < self.target_quantile < 1):
+            raise ValueError("Received an invalid value for `target_quantile`, expected a "
+                             f"number in (0, 1). Received: {self.target_quantile!r}")
+        for name in ("noise_multiplier", "initial_clip"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive(value, name)
+                object.__setattr__(self, name, float(value))
+        _check_positive(self.learning_rate, "learning_rate")
+        object.__setattr__(self, "target_quantile", float(self.target_quantile))
+        object.__setattr__(self, "learning_rate", float(self.learning_rate))
+
+    def count_noise_multiplier(self, batch_size: int) -> float:
+        """sigma_b for the public denominator D."""
+        return self.noise_multiplier if self.noise_multiplier is not None else batch_size / 20
+
+    def get_config(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class DPParameters:
     """The privacy mechanism of a run.
 
@@ -223,6 +278,9 @@ class DPParameters:
             It needs per-example gradients: with a ghost engine the step
             falls back to the vectorised engine (with a warning). It does not
             change the sensitivity (clipping comes after it).
+        loss_gradient_clipping: an `AdaptiveClipping` (or its config dict) to clip
+            the loss-logits gradient at a privately estimated quantile (clipless
+            mode); None (default) uses the loss constant.
 
     Raises:
         ValueError: an invalid value; ``noisify_strategy="per-layer"`` in clipped
@@ -239,8 +297,16 @@ class DPParameters:
     l2_norm_clip: Optional[Union[float, Tuple[float, ...]]] = None
     engine: NormEngine = NormEngine.GHOST
     preclip_noise: float = 0.0
+    loss_gradient_clipping: Optional[AdaptiveClipping] = None
 
     def __post_init__(self):
+        if isinstance(self.loss_gradient_clipping, dict):
+            object.__setattr__(self, "loss_gradient_clipping",
+                               AdaptiveClipping(**self.loss_gradient_clipping))
+        if self.loss_gradient_clipping is not None and \
+                not isinstance(self.loss_gradient_clipping, AdaptiveClipping):
+            raise TypeError("`loss_gradient_clipping` must be a lipdp.AdaptiveClipping. "
+                            f"Received: {self.loss_gradient_clipping!r}")
         object.__setattr__(
             self, "noisify_strategy",
             _parse_enum(NoiseStrategy, self.noisify_strategy, "noisify_strategy"),
@@ -280,6 +346,9 @@ class DPParameters:
                 )
 
     def _check_clipped(self):
+        if self.loss_gradient_clipping is not None:
+            raise ValueError("`loss_gradient_clipping` applies to mode='clipless' (it clips the "
+                             "logit gradient inside Clipless DP-SGD's bound pass).")
         if self.noisify_strategy is not NoiseStrategy.GLOBAL:
             raise ValueError(
                 "Received an invalid value for `noisify_strategy` in mode='clipped', expected "
@@ -325,6 +394,8 @@ class DPParameters:
             "l2_norm_clip": list(clip) if isinstance(clip, tuple) else clip,
             "engine": self.engine.value,
             "preclip_noise": float(self.preclip_noise),
+            "loss_gradient_clipping": (None if self.loss_gradient_clipping is None
+                                       else self.loss_gradient_clipping.get_config()),
         }
 
     @classmethod

@@ -4,7 +4,9 @@ One private step (`train_step`):
 
 1. forward pass and per-example losses; the batch loss is their **sum divided by
    the public denominator D** (`DatasetMetadata.batch_size`), never by the
-   realised batch size;
+   realised batch size (with augmentation multiplicity k, each example's k views
+   are inputs of their own and the sum is divided by k D: an example contributes
+   the average of its views' gradients, `lipdp.augmentation`);
 2. gradient of that loss;
 3. per-example gradient bounds of every variable at the *current* weights
    (`lipdp.bounds`), divided by D: the sensitivities Delta_v of the averaged
@@ -49,6 +51,19 @@ def _batch_size(x) -> tf.Tensor:
     return tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
 
 
+def _clip_rows_backward(logits, clip):
+    """Identity forward; backward, each example's cotangent (row) clipped to norm `clip`."""
+    @tf.custom_gradient
+    def identity(x):
+        def clipped(g):
+            norms = tf.norm(tf.reshape(g, [tf.shape(g)[0], -1]), axis=1)
+            scale = tf.minimum(1.0, clip / tf.maximum(norms, 1e-30))
+            return g * tf.reshape(scale, [-1] + [1] * (g.shape.rank - 1))
+        return tf.identity(x), clipped
+
+    return identity(logits)
+
+
 def _once_per_global_batch(draw_noise, like):
     """The noise ``draw_noise()`` returns (tensors shaped as `like`), on one replica only.
 
@@ -75,6 +90,7 @@ class _DPModelMixin:
     def _init_dp(self, dp_parameters, dataset_metadata):
         self.dp_loss = None
         self._step_mechanism = None  # set by compile
+        self._step_views = 1  # augmentation multiplicity, set by compile
         self._private_logs_only = False
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
@@ -86,6 +102,9 @@ class _DPModelMixin:
                                       shape=tf.TensorShape([None, ROW_SIZE]), name="dp_ledger")
         self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen",
                                           aggregation=tf.VariableAggregation.SUM)
+        # C_t of lipdp.AdaptiveClipping, saved with the model (0: not set yet).
+        self._logit_clip = tf.Variable(0.0, trainable=False, name="loss_gradient_clip",
+                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     @property
     def dp_parameters(self):
@@ -210,6 +229,7 @@ class _DPModelMixin:
                                 [v.ref() for v in self.trainable_variables])
         self._step_mechanism = StepMechanism.of(self.dp_parameters, self.dataset_metadata,
                                                 len(self.trainable_variables))
+        self._step_views = self.dataset_metadata.augmentation_multiplicity
 
     def _bind_certifiable_metrics(self, metrics):
         """`lipdp.certify.CertifiableAccuracy` metrics given without a model certify with this
@@ -238,6 +258,11 @@ class _DPModelMixin:
             if nb_outputs != metadata.nb_classes:
                 raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata "
                                  f"declares nb_classes={metadata.nb_classes}.")
+            if metadata.augmentation_multiplicity > 1:
+                raise ValueError(
+                    "Augmentation multiplicity is supported in clipless mode only: classic "
+                    "DP-SGD must clip the average of an example's views, which its per-example "
+                    "norm engines do not group.")
             self._clipped_dpsgd = ClippedDPSGD(self, loss, self.dp_parameters, metadata)
             self.dp_loss = loss
             super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
@@ -266,7 +291,20 @@ class _DPModelMixin:
         self.dp_loss = loss
         self._loss_lipschitz = float(loss.lipschitz(nb_outputs))
         self._check_every_variable_bounded(layers)
+        self._init_adaptive_clipping()
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def _init_adaptive_clipping(self):
+        clipping = self.dp_parameters.loss_gradient_clipping
+        if clipping is None:
+            return
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            raise ValueError("AdaptiveClipping is not supported under a tf.distribute strategy "
+                             "with several replicas yet (its count would need a cross-replica "
+                             "sum before the clipping threshold is updated).")
+        if float(self._logit_clip.numpy()) == 0.0:  # a fresh model; a trained one keeps its C_t
+            self._logit_clip.assign(clipping.initial_clip if clipping.initial_clip is not None
+                                    else self._loss_lipschitz)
 
     def compile_from_config(self, config):
         """Re-compile after `tf.keras.models.load_model` (loss, optimizer, metrics)."""
@@ -298,9 +336,46 @@ class _DPModelMixin:
                                "(clipless) or on the clipping rule (clipped).")
         if self.dp_parameters.mode is DPMode.CLIPPED:
             return self._clipped_dpsgd.variable_sensitivities()
-        bounds = {v.ref(): b for v, b in backpropagate_bounds(dp_layers(self), self._loss_lipschitz)}
+        bounds = {v.ref(): b for v, b in backpropagate_bounds(dp_layers(self),
+                                                              self.top_gradient_bound())}
         denominator = float(self._step_mechanism.batch_size)
         return [bounds[v.ref()] / denominator for v in self.trainable_variables]
+
+    def top_gradient_bound(self):
+        """Bound on each example's gradient of the loss w.r.t. the logits, where the bound
+        pass starts: the loss constant L, or ``min(L, C_t)`` with `AdaptiveClipping`."""
+        if self.dp_parameters.loss_gradient_clipping is None:
+            return self._loss_lipschitz
+        return tf.minimum(tf.constant(self._loss_lipschitz, tf.float32),
+                          self._logit_clip.read_value())
+
+    def per_example_step_loss(self, y_true, y_pred):
+        """The per-example losses the private step differentiates: the DP loss, behind the
+        logit-gradient clipping of `AdaptiveClipping` (identity forward; backward, each
+        example's logit gradient clipped to norm C_t) when the parameters have one."""
+        if self.dp_parameters.loss_gradient_clipping is not None:
+            y_pred = _clip_rows_backward(y_pred, self._logit_clip.read_value())
+        return self.dp_loss.call(y_true, y_pred)
+
+    def _update_logit_clip(self, y, y_pred):
+        """The private count of `AdaptiveClipping` and the geometric update of C_t."""
+        clipping = self.dp_parameters.loss_gradient_clipping
+        clip = self._logit_clip.read_value()
+        logits = tf.stop_gradient(y_pred)
+        with tf.GradientTape() as tape:
+            tape.watch(logits)
+            loss = tf.reduce_sum(self.dp_loss.call(y, logits))
+        norms = tf.norm(tf.reshape(tape.gradient(loss, logits), [tf.shape(logits)[0], -1]),
+                        axis=1)
+        below = tf.cast(norms <= clip, tf.float32)
+        if self._step_views > 1:  # an example's bit: the mean of its views' (in [0, 1])
+            below = tf.reduce_mean(tf.reshape(below, [-1, self._step_views]), axis=1)
+        # Sum of bits - 1/2: sensitivity 1/2 under adding or removing one example.
+        noisy = tf.reduce_sum(below - 0.5) + tf.random.normal(
+            [], stddev=self._step_mechanism.quantile_noise_multiplier)
+        fraction = noisy / float(self._step_mechanism.batch_size) + 0.5
+        self._logit_clip.assign(
+            clip * tf.exp(-clipping.learning_rate * (fraction - clipping.target_quantile)))
 
     def _noise_stddevs(self, sensitivities):
         mechanism = self._step_mechanism
@@ -316,7 +391,9 @@ class _DPModelMixin:
         """Averaged gradient of the batch, its noisy version, and the sensitivities.
 
         The gradient is ``sum_i grad loss_i / D`` (clipless) or ``sum_i clip(grad
-        loss_i) / D`` (clipped), D the public denominator; the noise is Gaussian
+        loss_i) / D`` (clipped), D the public denominator (``/ (k D)`` over the
+        flattened views when ``dataset_metadata.augmentation_multiplicity`` is k > 1:
+        x then holds k consecutive views per example); the noise is Gaussian
         with std ``sigma`` times the sensitivity (global or per variable, see
         `DPParameters`). An empty batch (Poisson sampling) gives a zero gradient
         plus the same noise, without running the model on it.
@@ -354,13 +431,15 @@ class _DPModelMixin:
 
     def _averaged_gradients(self, x, y):
         """``(gradients / D, per-example losses, y_pred)`` of a non-empty batch."""
-        denominator = float(self._step_mechanism.batch_size)
+        # Each example's gradient is the average of its k views' (k = 1 without augmentation
+        # multiplicity): the sum over views is divided by k D.
+        denominator = float(self._step_mechanism.batch_size * self._step_views)
         if self.dp_parameters.mode is DPMode.CLIPPED:
             batch = self._clipped_dpsgd.clipped_batch(self, x, y)
             return ([g / denominator for g in batch.gradient_sums], batch.losses, batch.y_pred)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            per_example = self.dp_loss.call(y, y_pred)
+            per_example = self.per_example_step_loss(y, y_pred)
             loss_sum = tf.debugging.check_numerics(
                 tf.reduce_sum(per_example),
                 "Non-finite loss in a private step (NaN/inf inputs or labels?)")
@@ -414,7 +493,11 @@ class _DPModelMixin:
             with tf.control_dependencies([too_large]):  # before anything uses the batch
                 x = tf.nest.map_structure(tf.identity, x)
         batch = _batch_size(x)
+        x, y = self._flatten_views(x, y)
         _, noisy, _, _, y_pred = self.private_gradients(x, y)
+        if self.dp_parameters.loss_gradient_clipping is not None:
+            with tf.control_dependencies(noisy):  # C_t served this step's bounds first
+                self._update_logit_clip(y, y_pred)
         self.optimizer.apply_gradients(zip(noisy, self.trainable_variables))
         self.project()
         # The ledger depends on the released gradients: in a compiled `fit` over a dataset of
@@ -422,11 +505,32 @@ class _DPModelMixin:
         with tf.control_dependencies(noisy):
             self._dp_steps.assign_add(1)
         self._examples_seen.assign_add(batch)
+        # C_t of AdaptiveClipping is computed from noisy counts only: private to log.
+        clip = ({} if self.dp_parameters.loss_gradient_clipping is None
+                else {"logit_clip": self._logit_clip.read_value()})
         if self._private_logs_only:
-            return {}
+            return clip
         self.compiled_loss(y, y_pred, regularization_losses=self.losses)
         self.compiled_metrics.update_state(y, y_pred)
-        return self.get_metrics_result()
+        return {**self.get_metrics_result(), **clip}
+
+    def _flatten_views(self, x, y):
+        """``(B, k) + input_shape`` views of B examples -> ``(B k) + input_shape`` inputs
+        (example b's views in rows b k ... b k + k - 1) and each label repeated k times.
+        k is `DatasetMetadata.augmentation_multiplicity`, checked against the batch's
+        static shape, so a pipeline and metadata that disagree fail at trace time."""
+        views = self._step_views
+        if views == 1:
+            return x, y
+        shape = tuple(self.dataset_metadata.input_shape)
+        if not isinstance(x, tf.Tensor) or x.shape.rank != len(shape) + 2 or \
+                x.shape[1] != views or not x.shape[2:].is_compatible_with(shape):
+            raise ValueError(
+                f"dataset_metadata.augmentation_multiplicity={views}: the training batches "
+                f"must hold inputs of shape (batch, {views}) + {shape} (k views per example, "
+                f"lipdp.data.load_dataset(..., augmentation_multiplicity={views})); received "
+                f"{getattr(x, 'shape', type(x).__name__)}.")
+        return tf.reshape(x, (-1,) + shape), tf.repeat(y, views, axis=0)
 
     # --------------------------------------------------------------------- fit
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,

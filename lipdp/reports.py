@@ -149,7 +149,7 @@ def gradient_norm_sample(model, data, sample_size: int = 256, seed: int = 0, *,
     Raises:
         ValueError: `model` is not a DP model compiled with a DP loss.
     """
-    from lipdp.bounds import gradient_bounds, variable_names
+    from lipdp.bounds import gradient_bounds, per_example_loss_of, variable_names
     from lipdp.callbacks import sample_examples
     from lipdp.metadata import DPMode
     from lipdp.per_example import chunked_gradient_norms
@@ -164,8 +164,8 @@ def gradient_norm_sample(model, data, sample_size: int = 256, seed: int = 0, *,
         return None
     bounds = gradient_bounds(model, loss)
     names = variable_names(model)
-    norms = chunked_gradient_norms(model, loss.call, [sample_examples(data, sample_size, seed)],
-                                   chunk_size)
+    norms = chunked_gradient_norms(model, per_example_loss_of(model, loss),
+                                   [sample_examples(data, sample_size, seed)], chunk_size)
     return {names[v.ref()]: {"bound": bounds[names[v.ref()]], "norms": n.tolist()}
             for v, n in zip(model.trainable_variables, norms)}
 

@@ -65,14 +65,18 @@ def test_shipped_main_config_has_the_measured_settings():
     cfg = load_config(os.path.join(REPO, "configs", "fashion_mnist.yaml"))
     assert cfg["dataset"] == {"name": "fashion_mnist", "batch_size": 5000, "input_bound": 10.0,
                               "bound": "clip", "sampling": "poisson", "seed": None,
-                              "nb_samples_train": None, "data_dir": None}
+                              "nb_samples_train": None, "data_dir": None,
+                              "augmentation": None, "augmentation_multiplicity": 1}
     assert cfg["model"]["architecture"] == "mlp" and cfg["model"]["widths"] == [1024]
     assert cfg["model"]["use_bias"] is False
     assert (cfg["loss"]["name"], cfg["loss"]["tau"]) == ("tau_cce", 5.0)
     assert (cfg["optimizer"]["name"], cfg["optimizer"]["learning_rate"]) == ("adam", 0.001)
     assert cfg["privacy"] == {"noise_multiplier": 3.0, "delta": 1e-5,
                               "noisify_strategy": "global", "epsilon_budget": 3.0,
-                              "mode": "clipless", "l2_norm_clip": None}
+                              "mode": "clipless", "l2_norm_clip": None,
+                              "adaptive_clip_quantile": None, "adaptive_clip_noise": None,
+                              "adaptive_clip_initial": None,
+                              "adaptive_clip_learning_rate": 0.2}
     assert cfg["training"]["epochs"] is None
     assert cfg["certification"]["radii"] == [0.0, 36 / 255, 72 / 255, 108 / 255, 0.1, 0.25, 0.5]
     cnn = load_config(os.path.join(REPO, "configs", "fashion_mnist_cnn.yaml"))

@@ -1,0 +1,67 @@
+"""Data augmentation with multiplicity (De et al., 2022): k views of each sampled example.
+
+With augmentation multiplicity k, the training pipeline gives every sampled example
+k augmented views, and the private step uses the *average* of the k views' gradients
+as that example's gradient. Each view is an input like any other (the model clips it
+to the input bound), so each view's gradient obeys the per-example bound, and so does
+their average: the sensitivity, the noise and the accountant are unchanged, while the
+example's gradient is a less noisy estimate of its expected gradient under
+augmentation. Adding or removing one example adds or removes its k views together,
+because a view is a function of its own example only.
+
+An augmentation here is a function of a batch of images ``(B, H, W, C)`` (floats,
+before the input bound) that transforms every image independently of the others; its
+randomness needs no secrecy (the privacy analysis holds for any fixed choice of views).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+__all__ = ["AUGMENTATIONS", "random_shift", "random_shift_flip", "stack_views"]
+
+
+def random_shift(max_shift: int = 2) -> Callable[[tf.Tensor], tf.Tensor]:
+    """Translates each image by independent integer offsets in [-max_shift, max_shift]
+    (rows and columns), filling with zeros."""
+    if not isinstance(max_shift, int) or max_shift < 0:
+        raise ValueError(f"`max_shift` must be a non-negative integer. Received: {max_shift!r}")
+
+    def shift(images: tf.Tensor) -> tf.Tensor:
+        batch = tf.shape(images)[0]
+        offsets = tf.cast(tf.random.uniform([batch, 2], -max_shift, max_shift + 1, tf.int32),
+                          tf.float32)
+        ones, zeros = tf.ones([batch, 1]), tf.zeros([batch, 1])
+        # Output pixel (r, c) reads input pixel (r + dy, c + dx): one transform per image.
+        transforms = tf.concat([ones, zeros, offsets[:, :1], zeros, ones, offsets[:, 1:],
+                                zeros, zeros], axis=1)
+        shifted = tf.raw_ops.ImageProjectiveTransformV3(
+            images=images, transforms=transforms, output_shape=tf.shape(images)[1:3],
+            fill_value=0.0, interpolation="NEAREST", fill_mode="CONSTANT")
+        return tf.ensure_shape(shifted, images.shape)
+
+    return shift
+
+
+def random_shift_flip(max_shift: int = 2) -> Callable[[tf.Tensor], tf.Tensor]:
+    """`random_shift`, then a left-right flip of each image with probability 1/2."""
+    shift = random_shift(max_shift)
+
+    def shift_flip(images: tf.Tensor) -> tf.Tensor:
+        shifted = shift(images)
+        flip = tf.random.uniform([tf.shape(images)[0], 1, 1, 1]) < 0.5
+        return tf.where(flip, tf.reverse(shifted, axis=[2]), shifted)
+
+    return shift_flip
+
+
+#: The augmentations a config names (``dataset.augmentation``).
+AUGMENTATIONS = {"shift": random_shift, "shift_flip": random_shift_flip}
+
+
+def stack_views(images: tf.Tensor, augmentation: Callable, multiplicity: int) -> tf.Tensor:
+    """``(B, *shape) -> (B, multiplicity, *shape)``: `multiplicity` independent views of each
+    image, those of example b in row b."""
+    return tf.stack([augmentation(images) for _ in range(multiplicity)], axis=1)

@@ -1,0 +1,148 @@
+"""Augmentation multiplicity: k views per sampled example, their gradients averaged.
+
+The sensitivity claim: an example contributes the average of its k views' gradients, each
+of which obeys the per-example bound, so adding or removing the example moves the
+averaged gradient by at most bound / D. Checked against exact gradients: with k identical
+views the example's contribution equals its single-view gradient (the 1/k is exact), and
+with k random views it stays within the sensitivity. Broken on purpose (the step's k set
+to 1, views summed instead of averaged), both checks fail (4x the single-view gradient).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lipdp
+from lipdp.augmentation import random_shift
+from lipdp.layers import DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralDense
+from lipdp.per_example import per_example_gradients
+from tests.test_data import make_mnist_dir
+
+X0 = 6.0
+K = 4
+
+
+@pytest.fixture
+def fashion_dir(tmp_path):
+    make_mnist_dir(str(tmp_path / "fashion_mnist"), n_train=48, n_test=16)
+    return str(tmp_path)
+
+
+def _load(data_dir, **kwargs):
+    options = dict(bound_clip_value=X0, data_dir=data_dir, download=False, seed=0,
+                   augmentation="shift_flip", augmentation_multiplicity=K)
+    options.update(kwargs)
+    return lipdp.data.load_dataset("fashion_mnist", 8, **options)
+
+
+def _model(metadata, mode="clipless"):
+    parameters = (lipdp.DPParameters(1.0, 1e-5) if mode == "clipless" else
+                  lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0))
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(X0, input_shape=(28, 28, 1)), DP_Flatten(), DP_QuickSpectralDense(16),
+         DP_GroupSort(2), DP_QuickSpectralDense(10)],
+        dp_parameters=parameters, dataset_metadata=metadata)
+    model.compile(optimizer="sgd", loss=lipdp.losses.DP_TauCategoricalCrossentropy(4.0))
+    return model
+
+
+def test_each_example_gets_k_bounded_views_of_itself(fashion_dir):
+    offset = lambda images: images + tf.random.uniform([tf.shape(images)[0], 1, 1, 1], 0, 1e-3)
+    ds, _, metadata = _load(fashion_dir, augmentation=offset, bound_clip_value=1e3,
+                            sampling="shuffle")
+    assert metadata.augmentation_multiplicity == K
+    raw = lipdp.data.load_arrays("fashion_mnist", data_dir=fashion_dir, download=False)
+    originals = raw.x_train.reshape(len(raw.x_train), -1).astype(np.float32) / 255.0
+    for x, y in ds.take(2):
+        assert x.shape[1:] == (K, 28, 28, 1)
+        for views, label in zip(x.numpy(), y.numpy()):
+            flat = views.reshape(K, -1)
+            sources = [int(np.argmin(np.abs(originals - v).max(axis=1))) for v in flat]
+            assert len(set(sources)) == 1  # all k views of a row come from one example
+            assert np.abs(originals[sources[0]] - flat).max() < 1e-3 + 1e-6
+            assert raw.y_train[sources[0]] == np.argmax(label)
+            assert len({round(float(v[0]), 7) for v in flat}) > 1  # the views differ
+    shifted, _, _ = _load(fashion_dir)
+    for x, _ in shifted.take(2):
+        norms = np.linalg.norm(x.numpy().reshape(-1, 28 * 28), axis=1)
+        assert norms.max() <= X0 * (1 + 1e-6)  # the bound applies to every view
+
+
+def _example_contribution(model, views, label):
+    """What one example with these views adds to the noise-free averaged gradient."""
+    x, y = model._flatten_views(tf.constant(views[None]), tf.constant(label[None]))
+    gradients, _, _ = model._averaged_gradients(x, y)
+    return [g.numpy() for g in gradients]
+
+
+def _adversarial_example(seed=0):
+    image = np.random.RandomState(seed).rand(28, 28, 1).astype(np.float32)
+    return image * (X0 / np.linalg.norm(image)), np.eye(10, dtype=np.float32)[3]
+
+
+@pytest.mark.parametrize("views_are", ["identical", "shifted"])
+def test_one_example_moves_the_gradient_by_at_most_its_sensitivity(fashion_dir, views_are):
+    _, _, metadata = _load(fashion_dir)
+    model = _model(metadata)
+    image, label = _adversarial_example()
+    if views_are == "identical":
+        views = np.stack([image] * K)
+    else:
+        tf.random.set_seed(1)
+        views = random_shift(2)(tf.constant(np.stack([image] * K))).numpy()
+    contribution = _example_contribution(model, views, label)
+    sensitivities = [float(s) for s in model.sensitivities()]
+    for g, delta in zip(contribution, sensitivities):
+        assert np.linalg.norm(g) <= delta * (1 + 1e-4)
+    if views_are == "identical":  # the average of k equal gradients is that gradient
+        single, _, _ = per_example_gradients(model, model.dp_loss.call, image[None],
+                                             label[None])
+        for g, s in zip(contribution, single):
+            np.testing.assert_allclose(g, s.numpy()[0] / metadata.batch_size, rtol=1e-5, atol=1e-8)
+        # The example is near the bound: summing the views (k = 1 here) would exceed it.
+        assert max(np.linalg.norm(g) / d for g, d in zip(contribution, sensitivities)) > 1 / K
+
+
+def test_fit_on_k_views_records_the_mechanism_of_one_view(fashion_dir):
+    ds, ds_test, metadata = _load(fashion_dir)
+    model = _model(metadata)
+    model.fit(ds, epochs=2, verbose=0, validation_data=ds_test,
+              callbacks=[lipdp.BoundMonitor(ds, sample_size=8)])
+    plain_ds, _, plain_metadata = _load(fashion_dir, augmentation=None,
+                                        augmentation_multiplicity=1)
+    plain = _model(plain_metadata)
+    plain.fit(plain_ds, epochs=2, verbose=0)
+    assert model.dp_steps_taken == plain.dp_steps_taken == 2 * metadata.steps_per_epoch
+    assert model.privacy_ledger.segments[0].mechanism == plain.privacy_ledger.segments[0].mechanism
+    assert lipdp.accounting.epsilon_spent(model) == lipdp.accounting.epsilon_spent(plain)
+
+
+def test_a_pipeline_that_disagrees_with_the_metadata_is_refused(fashion_dir):
+    single_view, _, _ = _load(fashion_dir, augmentation=None, augmentation_multiplicity=1)
+    _, _, metadata = _load(fashion_dir)
+    model = _model(metadata)
+    with pytest.raises(ValueError, match=r"inputs of shape \(batch, 4\)"):
+        model.fit(single_view, epochs=1, verbose=0)
+
+
+def test_clipped_mode_refuses_multiplicity(fashion_dir):
+    _, _, metadata = _load(fashion_dir)
+    with pytest.raises(ValueError, match="clipless mode only"):
+        _model(metadata, mode="clipped")
+
+
+def test_load_dataset_refuses_what_it_cannot_augment(fashion_dir):
+    with pytest.raises(ValueError, match="needs an `augmentation`"):
+        _load(fashion_dir, augmentation=None)
+    with pytest.raises(ValueError, match="Unknown augmentation"):
+        _load(fashion_dir, augmentation="rotate")
+    with pytest.raises(ValueError, match="needs images"):
+        lipdp.data.load_dataset("digits", 64, bound_clip_value=8.0, augmentation="shift")
+    with pytest.raises(ValueError, match="one or the other"):
+        _load(fashion_dir, feature_map=lambda x: x)
+
+
+def test_metadata_round_trip_keeps_the_multiplicity(fashion_dir):
+    _, _, metadata = _load(fashion_dir)
+    again = lipdp.DatasetMetadata.from_config(metadata.get_config())
+    assert again == metadata and again.augmentation_multiplicity == K
