@@ -210,7 +210,8 @@ class AdaptiveClipping:
     divided by the public D and moved back by 1/2, and
     ``C_{t+1} = C_t exp(-learning_rate (fraction - target_quantile))``. The release is
     part of the step's mechanism: the ledger composes it with the gradient's (a joint
-    Gaussian with ``z^-2 = z_gradient^-2 + (2 noise_multiplier)^-2``).
+    Gaussian with ``z^-2 = z_gradient^-2 + (2 noise_multiplier)^-2``). Under
+    `tf.distribute` the replicas' counts are summed and the count's noise is drawn once.
 
     Args:
         target_quantile: gamma in (0, 1): C_t tracks the gamma-quantile of the

@@ -298,10 +298,6 @@ class _DPModelMixin:
         clipping = self.dp_parameters.loss_gradient_clipping
         if clipping is None:
             return
-        if self.distribute_strategy.num_replicas_in_sync > 1:
-            raise ValueError("AdaptiveClipping is not supported under a tf.distribute strategy "
-                             "with several replicas yet (its count would need a cross-replica "
-                             "sum before the clipping threshold is updated).")
         if float(self._logit_clip.numpy()) == 0.0:  # a fresh model; a trained one keeps its C_t
             self._logit_clip.assign(clipping.initial_clip if clipping.initial_clip is not None
                                     else self._loss_lipschitz)
@@ -370,9 +366,14 @@ class _DPModelMixin:
         below = tf.cast(norms <= clip, tf.float32)
         if self._step_views > 1:  # an example's bit: the mean of its views' (in [0, 1])
             below = tf.reduce_mean(tf.reshape(below, [-1, self._step_views]), axis=1)
-        # Sum of bits - 1/2: sensitivity 1/2 under adding or removing one example.
-        noisy = tf.reduce_sum(below - 0.5) + tf.random.normal(
-            [], stddev=self._step_mechanism.quantile_noise_multiplier)
+        # Sum of bits - 1/2: sensitivity 1/2 under adding or removing one example. Under a
+        # strategy: the replicas' sums are added, with the noise drawn once.
+        local = tf.reduce_sum(below - 0.5)
+        noisy = local + _once_per_global_batch(lambda: [tf.random.normal(
+            [], stddev=self._step_mechanism.quantile_noise_multiplier)], [local])[0]
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            noisy = context.all_reduce(tf.distribute.ReduceOp.SUM, noisy)
         fraction = noisy / float(self._step_mechanism.batch_size) + 0.5
         self._logit_clip.assign(
             clip * tf.exp(-clipping.learning_rate * (fraction - clipping.target_quantile)))

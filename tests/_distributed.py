@@ -141,9 +141,65 @@ def mirrored():
         results[config] = dict(weights_diff=weights_diff, gradient_diff=gradient_diff,
                                single_ratio=single_ratio, replicated_ratio=replicated_ratio, n=n,
                                steps=replicated.dp_steps_taken)
+    results["adaptive"] = _adaptive_clipping(strategy, x, y)
     reference, pieces = _sampler_pieces(strategy)
     results["sampler"] = dict(reference=reference, pieces=pieces)
     return results
+
+
+def _adaptive_model(clipping, learning_rate):
+    from lipdp.losses import DP_TauCategoricalCrossentropy
+    from lipdp.metadata import AdaptiveClipping, DPParameters
+    from tests._models import mlp
+
+    model = mlp(nb_classes=3, batch=16)
+    model.dp_parameters = DPParameters(1.0, 1e-5,
+                                       loss_gradient_clipping=AdaptiveClipping(**clipping))
+    model.compile(optimizer=RecordingSGD(learning_rate), loss=DP_TauCategoricalCrossentropy(1.0))
+    return model
+
+
+COUNT_STEPS, COUNT_SIGMA, COUNT_RATE = 200, 2.0, 1e-3
+
+
+def _count_noise_statistic(model):
+    """sum n_t^2 / (sigma_b^2 N) over N steps, n_t the count noise of step t recovered from
+    C_t: on 16 all-zero inputs (learning rate 0) every logit gradient has the same norm,
+    below C_0 = 10 L, so every bit is 1, the centred sum is 8, and
+    ``log(C_{t+1} / C_t) = -eta (1 + n_t / 16 - gamma)``."""
+    x = np.zeros((16, 10), np.float32)
+    y = tf.one_hot(np.arange(16) % 3, 3).numpy()
+    clips = [float(model._logit_clip.numpy())]
+    for _ in range(COUNT_STEPS):
+        model.train_on_batch(x, y)
+        clips.append(float(model._logit_clip.numpy()))
+    ratios = np.log(np.asarray(clips[1:], np.float64) / np.asarray(clips[:-1], np.float64))
+    noise = 16 * (-ratios / COUNT_RATE - 1 + 0.5)
+    return float(np.mean(noise ** 2) / COUNT_SIGMA ** 2)
+
+
+def _adaptive_clipping(strategy, x, y):
+    """Adaptive clipping across replicas: with a negligible count noise, C_t and the weights
+    follow the single-device run; with sigma_b = 2, the noise on the summed count has the
+    single-device std."""
+    exact = dict(noise_multiplier=1e-9, initial_clip=0.5)
+    single = _adaptive_model(exact, 0.5)
+    with strategy.scope():
+        replicated = _adaptive_model(exact, 0.5)
+    replicated.set_weights(single.get_weights())
+    _fit(single, x, y, 2)
+    _fit(replicated, x, y, 2)
+    weights_diff = max(float(np.max(np.abs(a - b))) for a, b in
+                       zip(single.get_weights(), replicated.get_weights()))
+    noisy = dict(noise_multiplier=COUNT_SIGMA, initial_clip=10 * np.sqrt(2.0),
+                 learning_rate=COUNT_RATE, target_quantile=0.5)
+    single_ratio = _count_noise_statistic(_adaptive_model(noisy, 0.0))
+    with strategy.scope():
+        replicated_ratio = _count_noise_statistic(_adaptive_model(noisy, 0.0))
+    return dict(clip_single=float(single._logit_clip.numpy()),
+                clip_replicated=float(replicated._logit_clip.numpy()),
+                weights_diff=weights_diff, count_single_ratio=single_ratio,
+                count_replicated_ratio=replicated_ratio, n=COUNT_STEPS)
 
 
 def worker():
