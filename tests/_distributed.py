@@ -74,7 +74,7 @@ def _expected_stddevs(model, config):
     return [sigma * s for s in sensitivities]
 
 
-def _noise_statistic(model, config, steps=40):
+def _noise_statistic(model, config, steps=20):
     """sum z^2 / n over the kernel coordinates of the gradients applied in `steps` steps on
     all-zero inputs, z = gradient / (single-device noise std). The model's learning rate is 0,
     so its biases keep their zero initialisation: every layer's input is 0, every kernel's
@@ -159,7 +159,7 @@ def _adaptive_model(clipping, learning_rate):
     return model
 
 
-COUNT_STEPS, COUNT_SIGMA, COUNT_RATE = 200, 2.0, 1e-3
+COUNT_STEPS, COUNT_SIGMA, COUNT_RATE = 100, 2.0, 1e-3
 
 
 def _count_noise_statistic(model):
