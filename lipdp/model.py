@@ -156,6 +156,41 @@ class _DPModelMixin:
         """The mechanism the compiled train step runs (None before `compile`)."""
         return self._step_mechanism
 
+    # ---------------------------------------------------------------- weights
+    def set_weights(self, weights):
+        """Keras `set_weights`; the privacy ledger never loses steps (`_keep_ledger`)."""
+        kept = self._ledger_state()
+        super().set_weights(weights)
+        self._keep_ledger(kept, "set_weights")
+
+    def load_weights(self, *args, **kwargs):
+        """Keras `load_weights`; the privacy ledger never loses steps (`_keep_ledger`)."""
+        kept = self._ledger_state()
+        status = super().load_weights(*args, **kwargs)
+        self._keep_ledger(kept, "load_weights")
+        return status
+
+    def _ledger_state(self):
+        return int(self._dp_steps.numpy()), self._dp_ledger.numpy()
+
+    def _keep_ledger(self, kept, how: str):
+        """The ledger and step counter are among the model's weights (so checkpoints and
+        saved models carry them), but weights loaded into a model that took more private
+        steps than they record must not roll its ledger back: Keras' EarlyStopping
+        (``restore_best_weights=True``) restores an earlier epoch's weights after later
+        epochs ran, and those epochs were released to choose them. The ledger keeps the
+        larger count (conservative when the weights come from elsewhere)."""
+        steps, rows = kept
+        if int(self._dp_steps.numpy()) >= steps:
+            return
+        loaded = int(self._dp_steps.numpy())
+        self._dp_steps.assign(steps)
+        self._dp_ledger.assign(rows)
+        warnings.warn(
+            f"{how} loaded weights whose privacy ledger records {loaded} private steps into a "
+            f"model that took {steps}: the ledger keeps the {steps} steps (weights chosen "
+            "among the iterates of a run cost the whole run's epsilon).", stacklevel=3)
+
     def _open_segment(self):
         """Record that the next steps run the compiled mechanism (a new ledger segment
         unless the last one has it). Runs eagerly, when the step is traced or called."""

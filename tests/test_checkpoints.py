@@ -202,3 +202,42 @@ def test_a_failed_save_leaves_the_previous_model(trained, tmp_path, monkeypatch)
         save_model_atomically(model, path)
     assert open(path, "rb").read() == before
     assert sorted(os.listdir(tmp_path)) == ["model.keras"]
+
+
+def test_early_stopping_restoring_best_weights_keeps_every_step_in_the_ledger():
+    """Keras' EarlyStopping(restore_best_weights=True) sets an earlier epoch's weights, and
+    with them (they are among the weights) that epoch's ledger: the later epochs ran and
+    chose them, so the ledger must keep every step. Without the guard: 6 of 12 steps."""
+    ds, ds_test, metadata = _data()
+    model = _model(metadata)
+
+    class Worsening(tf.keras.callbacks.Callback):
+        """A monitored value that is best after the first epoch, then worse."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            logs["worsening"] = float(epoch)
+
+    stop = tf.keras.callbacks.EarlyStopping(monitor="worsening", mode="min", patience=1,
+                                            restore_best_weights=True)
+    first_epoch = []
+    remember = tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: first_epoch.append(
+        [w.numpy().copy() for w in model.trainable_variables]) if epoch == 0 else None)
+    with pytest.warns(UserWarning, match="the ledger keeps the 12 steps"):
+        model.fit(ds, epochs=10, verbose=0, callbacks=[Worsening(), remember, stop])
+    assert model.dp_steps_taken == 12  # epochs 1 and 2 ran, epoch 1's weights restored
+    for restored, expected in zip(model.trainable_variables, first_epoch[0]):
+        np.testing.assert_array_equal(restored.numpy(), expected)
+    assert lipdp.accounting.epsilon_spent(model) == pytest.approx(_expected_epsilon(model, 12),
+                                                                  rel=1e-9)
+
+
+def test_loading_older_weights_keeps_the_ledger(trained, tmp_path):
+    model, metadata = trained
+    fresh = _model(metadata)
+    path = str(tmp_path / "untrained")  # TensorFlow checkpoint format
+    fresh.save_weights(path)
+    steps = model.dp_steps_taken
+    with pytest.warns(UserWarning, match=f"the ledger keeps the {steps} steps"):
+        model.load_weights(path)
+    assert model.dp_steps_taken == steps
+    np.testing.assert_array_equal(model.layers[1].kernel.numpy(), fresh.layers[1].kernel.numpy())
