@@ -102,6 +102,7 @@ class _DPModelMixin:
                                       shape=tf.TensorShape([None, ROW_SIZE]), name="dp_ledger")
         self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen",
                                           aggregation=tf.VariableAggregation.SUM)
+        self._ledger_high_water = (0, EMPTY_STORAGE)  # see `_note_ledger`
         # C_t of lipdp.AdaptiveClipping, saved with the model (0: not set yet).
         self._logit_clip = tf.Variable(0.0, trainable=False, name="loss_gradient_clip",
                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -148,7 +149,12 @@ class _DPModelMixin:
 
     @property
     def privacy_ledger(self) -> PrivacyLedger:
-        """Every segment of training: its steps and the mechanism they ran (`lipdp.ledger`)."""
+        """Every segment of training: its steps and the mechanism they ran (`lipdp.ledger`).
+
+        Never fewer steps than the model's ledger held at the end of its last `fit` epoch:
+        variables restored behind its back (``tf.train.Checkpoint(model=...).restore`` of
+        an older checkpoint) do not roll the count back (`_keep_ledger`)."""
+        self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
         return PrivacyLedger.from_rows(self._dp_ledger.numpy(), self.dp_steps_taken)
 
     @property
@@ -173,6 +179,13 @@ class _DPModelMixin:
     def _ledger_state(self):
         return int(self._dp_steps.numpy()), self._dp_ledger.numpy()
 
+    def _note_ledger(self):
+        """Remember the ledger if it holds the most steps seen so far (the high-water mark
+        `privacy_ledger` never goes below)."""
+        state = self._ledger_state()
+        if state[0] >= self._ledger_high_water[0]:
+            self._ledger_high_water = state
+
     def _keep_ledger(self, kept, how: str):
         """The ledger and step counter are among the model's weights (so checkpoints and
         saved models carry them), but weights loaded into a model that took more private
@@ -182,14 +195,15 @@ class _DPModelMixin:
         larger count (conservative when the weights come from elsewhere)."""
         steps, rows = kept
         if int(self._dp_steps.numpy()) >= steps:
+            self._note_ledger()
             return
         loaded = int(self._dp_steps.numpy())
         self._dp_steps.assign(steps)
         self._dp_ledger.assign(rows)
         warnings.warn(
-            f"{how} loaded weights whose privacy ledger records {loaded} private steps into a "
-            f"model that took {steps}: the ledger keeps the {steps} steps (weights chosen "
-            "among the iterates of a run cost the whole run's epsilon).", stacklevel=3)
+            f"{how}: the weights loaded record {loaded} private steps in their ledger, but the "
+            f"model took {steps}: the ledger keeps the {steps} steps (weights chosen among the "
+            "iterates of a run cost the whole run's epsilon).", stacklevel=3)
 
     def _open_segment(self):
         """Record that the next steps run the compiled mechanism (a new ledger segment
@@ -618,7 +632,8 @@ class _DPModelMixin:
                 check_finite_arrays(x, y)
         # Last, so that they run after a BackupAndRestore restored the model.
         callbacks = list(callbacks or []) + [_EpochSizeCheck(),
-                                             _StartSampler(getattr(x, "lipdp_sampler", None))]
+                                             _StartSampler(getattr(x, "lipdp_sampler", None)),
+                                             _NoteLedger()]
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, validation_data=validation_data,
                            shuffle=shuffle, **kwargs)
@@ -713,6 +728,16 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
             raise RuntimeError(
                 f"Epoch {epoch + 1} trained on {seen} examples, but dataset_metadata declares "
                 f"nb_samples_train={md.nb_samples_train}: the reported epsilon would be wrong.")
+
+
+class _NoteLedger(tf.keras.callbacks.Callback):
+    """The ledger's high-water mark after every epoch and at the end of training."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model._note_ledger()
+
+    def on_train_end(self, logs=None):
+        self.model._note_ledger()
 
 
 class _StartSampler(tf.keras.callbacks.Callback):

@@ -241,3 +241,19 @@ def test_loading_older_weights_keeps_the_ledger(trained, tmp_path):
         model.load_weights(path)
     assert model.dp_steps_taken == steps
     np.testing.assert_array_equal(model.layers[1].kernel.numpy(), fresh.layers[1].kernel.numpy())
+
+
+def test_restoring_an_older_checkpoint_does_not_roll_the_ledger_back(tmp_path):
+    """`tf.train.Checkpoint.restore` assigns the variables directly (no set_weights): the
+    ledger read afterwards is put back to the most steps it held at a fit epoch's end."""
+    ds, _, metadata = _data()
+    model = _model(metadata)
+    model.fit(ds, epochs=1, verbose=0)
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    model.fit(ds, epochs=1, verbose=0)
+    tf.train.Checkpoint(model=model).restore(path).expect_partial()
+    with pytest.warns(UserWarning, match="the ledger keeps the 12 steps"):
+        ledger = model.privacy_ledger
+    assert ledger.steps == model.dp_steps_taken == 12
+    assert lipdp.accounting.epsilon_spent(model) == pytest.approx(_expected_epsilon(model, 12),
+                                                                  rel=1e-9)
