@@ -151,7 +151,8 @@ class _DPModelMixin:
     def privacy_ledger(self) -> PrivacyLedger:
         """Every segment of training: its steps and the mechanism they ran (`lipdp.ledger`).
 
-        Never fewer steps than the model's ledger held at the end of its last `fit` epoch:
+        Never fewer steps than the model's ledger held at the end of its last `fit` epoch
+        or `train_on_batch` call:
         variables restored behind its back (``tf.train.Checkpoint(model=...).restore`` of
         an older checkpoint) do not roll the count back (`_keep_ledger`)."""
         self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
@@ -175,6 +176,12 @@ class _DPModelMixin:
         status = super().load_weights(*args, **kwargs)
         self._keep_ledger(kept, "load_weights")
         return status
+
+    def train_on_batch(self, *args, **kwargs):
+        """Keras `train_on_batch` (one private step, recorded in the ledger)."""
+        result = super().train_on_batch(*args, **kwargs)
+        self._note_ledger()
+        return result
 
     def _ledger_state(self):
         return int(self._dp_steps.numpy()), self._dp_ledger.numpy()
