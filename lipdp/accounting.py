@@ -181,16 +181,20 @@ def _check_budget(value, argname="epsilon_budget", allow_zero=True):
 # --------------------------------------------------------------------------- #
 # Mechanism of one step.
 # --------------------------------------------------------------------------- #
-def step_noise_multiplier(strategy, noise_multiplier, nb_noised_variables) -> float:
+def step_noise_multiplier(strategy, noise_multiplier, nb_noised_variables,
+                          count_noise_multiplier: float = 0.0) -> float:
     """Noise multiplier of the single Gaussian mechanism that one step amounts to.
 
     Args:
         strategy: a `NoiseStrategy` or its value (``"global"``, ``"per-layer"``).
         noise_multiplier: sigma of `DPParameters` (>= 0).
         nb_noised_variables: V, the number of noised (trainable) variables (>= 1).
+        count_noise_multiplier: sigma_b of the count an `AdaptiveClipping` step releases
+            (sensitivity 1/2); 0 (default) when the step releases none.
 
     Returns:
-        ``sigma`` for ``GLOBAL``; ``sigma / sqrt(V)`` for ``PER_LAYER``.
+        ``sigma`` for ``GLOBAL``; ``sigma / sqrt(V)`` for ``PER_LAYER``; with a count,
+        that multiplier joint with the count's ``2 sigma_b`` (`joint_noise_multiplier`).
 
     Math:
         * ``GLOBAL``: the whole gradient gets isotropic noise of std
@@ -217,9 +221,9 @@ def step_noise_multiplier(strategy, noise_multiplier, nb_noised_variables) -> fl
     strategy = _parse_enum(NoiseStrategy, strategy, "strategy")
     sigma = _check_noise_multiplier(noise_multiplier)
     nb = _check_count(nb_noised_variables, "nb_noised_variables", positive=True)
-    if strategy is NoiseStrategy.GLOBAL:
-        return sigma
-    return sigma / math.sqrt(nb)
+    count = _check_noise_multiplier(count_noise_multiplier, "count_noise_multiplier")
+    gradient = sigma if strategy is NoiseStrategy.GLOBAL else sigma / math.sqrt(nb)
+    return gradient if count == 0 else joint_noise_multiplier(gradient, 2 * count)
 
 
 def joint_noise_multiplier(*noise_multipliers: float) -> float:
@@ -580,7 +584,7 @@ def _attr(model, name):
 
 def model_step_noise_multiplier(model) -> float:
     """`step_noise_multiplier` of a model's `DPParameters` and number of noised variables
-    (joint with the count of an `AdaptiveClipping`, `joint_noise_multiplier`).
+    (with the count of its `AdaptiveClipping`, if any).
 
     Classic DP-SGD (``mode="clipped"``) adds one isotropic Gaussian of std
     ``sigma * Delta`` where ``Delta`` is the L2 sensitivity of the whole clipped
@@ -590,14 +594,11 @@ def model_step_noise_multiplier(model) -> float:
     params = _attr(model, "dp_parameters")
     if getattr(params, "mode", DPMode.CLIPLESS) == DPMode.CLIPPED:
         return _check_noise_multiplier(params.noise_multiplier)
-    gradient = step_noise_multiplier(
-        params.noisify_strategy, params.noise_multiplier, _attr(model, "nb_noised_variables")
-    )
     clipping = getattr(params, "loss_gradient_clipping", None)
-    if clipping is None:
-        return gradient
-    count = clipping.count_noise_multiplier(_attr(model, "dataset_metadata").batch_size)
-    return joint_noise_multiplier(gradient, 2 * count)
+    count = (0.0 if clipping is None else
+             clipping.count_noise_multiplier(_attr(model, "dataset_metadata").batch_size))
+    return step_noise_multiplier(params.noisify_strategy, params.noise_multiplier,
+                                 _attr(model, "nb_noised_variables"), count)
 
 
 def _model_mechanism(model):

@@ -104,16 +104,13 @@ class StepMechanism:
     def step_noise_multiplier(self) -> float:
         """Noise multiplier of the one Gaussian mechanism a step amounts to:
         sigma in clipped mode (isotropic noise, `lipdp.clipping`) and for the global
-        strategy, sigma / sqrt(V) per layer (`lipdp.accounting.step_noise_multiplier`);
-        with an adaptive clipping count (sensitivity 1/2, std sigma_b) released by the same
-        step, the joint Gaussian's (`lipdp.accounting.joint_noise_multiplier`)."""
+        strategy, sigma / sqrt(V) per layer, joint with an adaptive clipping count released
+        by the same step (`lipdp.accounting.step_noise_multiplier`)."""
         if self.mode is DPMode.CLIPPED:
             return self.noise_multiplier
-        gradient = accounting.step_noise_multiplier(self.noisify_strategy, self.noise_multiplier,
-                                                    self.nb_noised_variables)
-        if not self.quantile_noise_multiplier:
-            return gradient
-        return accounting.joint_noise_multiplier(gradient, 2 * self.quantile_noise_multiplier)
+        return accounting.step_noise_multiplier(self.noisify_strategy, self.noise_multiplier,
+                                                self.nb_noised_variables,
+                                                self.quantile_noise_multiplier)
 
     def to_row(self) -> Tuple[float, ...]:
         """The mechanism as numbers (the ledger's storage format)."""

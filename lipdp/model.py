@@ -40,6 +40,7 @@ import tensorflow as tf
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
+from lipdp.layers.gradient_clipping import clip_gradient_rows
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
@@ -49,19 +50,6 @@ from lipdp.records import check_finite_arrays, check_finite_dataset
 def _batch_size(x) -> tf.Tensor:
     """Number of examples in a batch of inputs (a tensor or a structure of them), int64."""
     return tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
-
-
-def _clip_rows_backward(logits, clip):
-    """Identity forward; backward, each example's cotangent (row) clipped to norm `clip`."""
-    @tf.custom_gradient
-    def identity(x):
-        def clipped(g):
-            norms = tf.norm(tf.reshape(g, [tf.shape(g)[0], -1]), axis=1)
-            scale = tf.minimum(1.0, clip / tf.maximum(norms, 1e-30))
-            return g * tf.reshape(scale, [-1] + [1] * (g.shape.rank - 1))
-        return tf.identity(x), clipped
-
-    return identity(logits)
 
 
 def _once_per_global_batch(draw_noise, like):
@@ -186,10 +174,10 @@ class _DPModelMixin:
     def _ledger_state(self):
         return int(self._dp_steps.numpy()), self._dp_ledger.numpy()
 
-    def _note_ledger(self):
-        """Remember the ledger if it holds the most steps seen so far (the high-water mark
-        `privacy_ledger` never goes below)."""
-        state = self._ledger_state()
+    def _note_ledger(self, state=None):
+        """Remember the ledger (`state`, default: the current one) if it holds the most steps
+        seen so far (the high-water mark `privacy_ledger` never goes below)."""
+        state = self._ledger_state() if state is None else state
         if state[0] >= self._ledger_high_water[0]:
             self._ledger_high_water = state
 
@@ -201,10 +189,11 @@ class _DPModelMixin:
         epochs ran, and those epochs were released to choose them. The ledger keeps the
         larger count (conservative when the weights come from elsewhere)."""
         steps, rows = kept
-        if int(self._dp_steps.numpy()) >= steps:
-            self._note_ledger()
+        current = self._ledger_state()
+        if current[0] >= steps:
+            self._note_ledger(current)
             return
-        loaded = int(self._dp_steps.numpy())
+        loaded = current[0]
         self._dp_steps.assign(steps)
         self._dp_ledger.assign(rows)
         warnings.warn(
@@ -406,7 +395,7 @@ class _DPModelMixin:
         logit-gradient clipping of `AdaptiveClipping` (identity forward; backward, each
         example's logit gradient clipped to norm C_t) when the parameters have one."""
         if self.dp_parameters.loss_gradient_clipping is not None:
-            y_pred = _clip_rows_backward(y_pred, self._logit_clip.read_value())
+            y_pred = clip_gradient_rows(y_pred, self._logit_clip.read_value())
         return self.dp_loss.call(y_true, y_pred)
 
     def _update_logit_clip(self, y, y_pred):

@@ -48,12 +48,17 @@ CONFIGS = {
 
 
 def _model(config, sigma, learning_rate):
+    return _compiled_mlp(sigma, learning_rate, **CONFIGS[config])
+
+
+def _compiled_mlp(sigma, learning_rate, **parameters):
+    """`tests._models.mlp` with DPParameters(sigma, 1e-5, **parameters), RecordingSGD."""
     from lipdp.losses import DP_TauCategoricalCrossentropy
     from lipdp.metadata import DPParameters
     from tests._models import mlp
 
     model = mlp(nb_classes=3, batch=16)
-    model.dp_parameters = DPParameters(sigma, 1e-5, **CONFIGS[config])
+    model.dp_parameters = DPParameters(sigma, 1e-5, **parameters)
     model.compile(optimizer=RecordingSGD(learning_rate), loss=DP_TauCategoricalCrossentropy(1.0))
     return model
 
@@ -148,15 +153,9 @@ def mirrored():
 
 
 def _adaptive_model(clipping, learning_rate):
-    from lipdp.losses import DP_TauCategoricalCrossentropy
-    from lipdp.metadata import AdaptiveClipping, DPParameters
-    from tests._models import mlp
+    from lipdp.metadata import AdaptiveClipping
 
-    model = mlp(nb_classes=3, batch=16)
-    model.dp_parameters = DPParameters(1.0, 1e-5,
-                                       loss_gradient_clipping=AdaptiveClipping(**clipping))
-    model.compile(optimizer=RecordingSGD(learning_rate), loss=DP_TauCategoricalCrossentropy(1.0))
-    return model
+    return _compiled_mlp(1.0, learning_rate, loss_gradient_clipping=AdaptiveClipping(**clipping))
 
 
 COUNT_STEPS, COUNT_SIGMA, COUNT_RATE = 100, 2.0, 1e-3

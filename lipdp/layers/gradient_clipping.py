@@ -14,6 +14,16 @@ def _clip_rows(cotangent, clip_value):
     return cotangent * tf.minimum(1.0, clip_value / tf.maximum(norms, 1e-30))
 
 
+def clip_gradient_rows(inputs, clip_value):
+    """Identity forward; backward, each example's cotangent (row) clipped to norm
+    `clip_value` (a number or a scalar tensor, read once, at the forward pass)."""
+    @tf.custom_gradient
+    def identity_with_clipped_gradient(x):
+        return tf.identity(x), lambda g: _clip_rows(g, clip_value)
+
+    return identity_with_clipped_gradient(inputs)
+
+
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_ClipGradient(tf.keras.layers.Layer, DPLayer):
     """Identity forward; backward, each example's cotangent is clipped to norm C (appendix B.5).
@@ -38,13 +48,7 @@ class DP_ClipGradient(tf.keras.layers.Layer, DPLayer):
         self.clip_value = check_positive(clip_value, "clip_value")
 
     def call(self, inputs):
-        clip_value = self.clip_value
-
-        @tf.custom_gradient
-        def identity_with_clipped_gradient(x):
-            return tf.identity(x), lambda g: _clip_rows(g, clip_value)
-
-        return identity_with_clipped_gradient(inputs)
+        return clip_gradient_rows(inputs, self.clip_value)
 
     def compute_output_shape(self, input_shape):
         return input_shape
