@@ -1,8 +1,9 @@
 """Loss-logits gradient clipping at a privately estimated quantile (appendix B.5).
 
 - Soundness: exact per-example gradients of the loss the step differentiates (clipped
-  logit gradient) stay within the bounds computed from ``min(L, C_t)``, on random and
-  adversarial inputs; broken on purpose (the bound pass started from C_t / 1.4), the
+  logit gradient) stay within the bounds computed from ``min(L, C_t)``, on random inputs
+  inside, on and beyond the bound, constant images, a hot pixel and inputs found by
+  gradient ascent on each variable's gradient norm; broken on purpose (the bound pass started from C_t / 1.4), the
   check fails.
 - Accounting: the count is a Gaussian mechanism of sensitivity 1/2 released with the
   gradient from the same subsample; the ledger's step multiplier is
@@ -18,8 +19,8 @@ import tensorflow as tf
 import lipdp
 from lipdp.bounds import gradient_bounds
 from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
-from tests._soundness import (adversarial_inputs, assert_within_bounds, one_hot_labels,
-                              per_example_gradient_norms)
+from tests._soundness import (adversarial_inputs, assert_within_bounds, maximize_gradient_norm,
+                              one_hot_labels, per_example_gradient_norms)
 
 X0 = 2.0
 N, D = 512, 64
@@ -63,6 +64,10 @@ def test_clipped_gradients_stay_within_the_lowered_bounds():
         assert bound == pytest.approx(0.3 * plain_bound, rel=1e-5)
     x = np.concatenate([adversarial_inputs(rng, (8,), X0, n=12), _data()[0][:20]])
     y = one_hot_labels(rng, len(x), 3)
+    for variable in model.trainable_variables:  # inputs ascending each variable's gradient
+        ascended = maximize_gradient_norm(model, model.per_example_step_loss, x[:4], y[:4],
+                                          variable, X0, steps=30)
+        x, y = np.concatenate([x, ascended]), np.concatenate([y, y[:4]])
     norms = per_example_gradient_norms(model, model.per_example_step_loss, x, y)
     assert_within_bounds(norms, bounds, "adaptive clipping")
     # The clip binds: the last kernel's gradients reach its bound within 1.4x, so a bound

@@ -16,6 +16,7 @@ import lipdp
 from lipdp.augmentation import random_shift
 from lipdp.layers import DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralDense
 from lipdp.per_example import per_example_gradients
+from tests._soundness import maximize_gradient_norm
 from tests.test_data import make_mnist_dir
 
 X0 = 6.0
@@ -80,16 +81,25 @@ def _adversarial_example(seed=0):
     return image * (X0 / np.linalg.norm(image)), np.eye(10, dtype=np.float32)[3]
 
 
-@pytest.mark.parametrize("views_are", ["identical", "shifted"])
+@pytest.mark.parametrize("views_are", ["identical", "shifted", "constant", "ascended"])
 def test_one_example_moves_the_gradient_by_at_most_its_sensitivity(fashion_dir, views_are):
+    """Views of an image on the bound: identical, shifted, constant images (+-) and the
+    inputs gradient ascent finds for the first kernel's gradient norm."""
     _, _, metadata = _load(fashion_dir)
     model = _model(metadata)
     image, label = _adversarial_example()
     if views_are == "identical":
         views = np.stack([image] * K)
-    else:
+    elif views_are == "shifted":
         tf.random.set_seed(1)
         views = random_shift(2)(tf.constant(np.stack([image] * K))).numpy()
+    elif views_are == "constant":
+        constant = np.full((28, 28, 1), X0 / 28, np.float32)
+        views = np.stack([constant, -constant, constant, -constant])
+    else:
+        starts = np.stack([image, -image, np.roll(image, 3), np.full_like(image, X0 / 28)])
+        views = maximize_gradient_norm(model, model.dp_loss, starts, np.stack([label] * K),
+                                       model.trainable_variables[0], X0, steps=30)
     contribution = _example_contribution(model, views, label)
     sensitivities = [float(s) for s in model.sensitivities()]
     for g, delta in zip(contribution, sensitivities):
