@@ -46,6 +46,12 @@ Configurations:
   on this machine in own processes, from batch 64 to 128 a step takes 2.3x (cnn) / 2.0x (mlp)
   the time and 3.2x / 1.6x the peak extra memory, and the mlp from 128 to 256 2.4x and 2.0x),
   so skips extrapolate it quadratically (the others linearly);
+* ``twin-bjorck4``, ``clipless-bjorck4``: the twin and clipless with Björck on a schedule,
+  ``compile(bjorck_every=4)`` (the twin: ``model.project(orthogonalise=...)`` on every fourth
+  step of its own count): spectral normalisation alone on the three steps between. Each
+  timed call of these runs a whole period of 4 steps, and its time / 4 is their step time (a
+  median over single steps would drop the step with Björck). The paired table gives
+  clipless-bjorck4's ratio to the twin of the same schedule under it;
 * ``tf-privacy fastest`` (a table row): the faster of the tf-privacy configurations that ran.
 
 Every step is compiled with ``tf.function`` and ends by reading one element of every variable
@@ -140,13 +146,16 @@ import sys
 import time
 
 MODELS = ("cnn", "mlp")
+BJORCK_EVERY = 4  # the Björck schedule of the "-bjorck4" configurations
+SCHEDULED = f"-bjorck{BJORCK_EVERY}"
 CONFIGS = ("floor", "twin", "clipless", "clipless-per-layer", "ghost", "tf-privacy-model",
-           "tf-privacy-vectorized")
+           "tf-privacy-vectorized", "twin" + SCHEDULED, "clipless" + SCHEDULED)
 TF_PRIVACY = ("tf-privacy-model", "tf-privacy-vectorized")
 PIECES = ("forward+backward", "bound pass", "noise", "optimizer", "projection")
 # Timed beside the pieces, not part of the step: would XLA (jit_compile) help?
 XLA_PIECE = "forward+backward with XLA (not in the step)"
-REFERENCES = ("floor", "twin", "clipless")  # paired ratios are taken to these
+# Paired ratios are taken to these.
+REFERENCES = ("floor", "twin", "clipless", "twin" + SCHEDULED)
 INPUT_SHAPE = (28, 28, 1)
 NB_CLASSES = 10
 NB_SAMPLES_TRAIN = 60000
@@ -298,7 +307,7 @@ def _floor(model_name):
     return step, model
 
 
-def _twin(model_name, batch):
+def _twin(model_name, batch, bjorck_every=1):
     import tensorflow as tf
 
     from lipdp.losses import DP_TauCategoricalCrossentropy
@@ -306,6 +315,7 @@ def _twin(model_name, batch):
     model = _dp_model(model_name, batch, "clipless")
     loss = DP_TauCategoricalCrossentropy(TAU)
     optimizer = tf.keras.optimizers.Adam(LEARNING_RATE)
+    steps = tf.Variable(0, dtype=tf.int64, trainable=False)
 
     @tf.function
     def step(x, y):
@@ -313,7 +323,8 @@ def _twin(model_name, batch):
             value = tf.reduce_mean(loss.call(y, model(x, training=True)))
         optimizer.apply_gradients(zip(tape.gradient(value, model.trainable_variables),
                                       model.trainable_variables))
-        model.project()
+        model.project(True if bjorck_every == 1 else tf.equal(steps % bjorck_every, 0))
+        steps.assign_add(1)
         return _probe(model.variables)
 
     return step, model
@@ -338,7 +349,8 @@ def _lipdp_private(model_name, batch, config):
 
     model = _dp_model(model_name, batch, config)
     model.compile(loss=DP_TauCategoricalCrossentropy(TAU),
-                  optimizer=tf.keras.optimizers.Adam(LEARNING_RATE), private_logs_only=True)
+                  optimizer=tf.keras.optimizers.Adam(LEARNING_RATE), private_logs_only=True,
+                  bjorck_every=BJORCK_EVERY if config.endswith(SCHEDULED) else 1)
     return _train_step(model), model
 
 
@@ -384,12 +396,26 @@ def _tf_privacy_vectorized(model_name, batch):
     return step, model
 
 
+def _steps_per_call(config) -> int:
+    """Steps one timed call runs: a whole period of a Björck schedule (one step with Björck,
+    the others without: a median over single steps would leave the expensive one out)."""
+    return BJORCK_EVERY if config.endswith(SCHEDULED) else 1
+
+
 def _build(model_name, config, batch):
-    """``(step(x, y), model)`` of one configuration."""
+    """``(step(x, y), model)`` of one configuration; a scheduled one's ``step`` runs a whole
+    period (`_steps_per_call`)."""
+    step, model = _build_one(model_name, config, batch)
+    if _steps_per_call(config) == 1:
+        return step, model
+    return (lambda x, y: [step(x, y) for _ in range(_steps_per_call(config))][-1]), model
+
+
+def _build_one(model_name, config, batch):
     if config == "floor":
         return _floor(model_name)
-    if config == "twin":
-        return _twin(model_name, batch)
+    if config in ("twin", "twin" + SCHEDULED):
+        return _twin(model_name, batch, BJORCK_EVERY if config.endswith(SCHEDULED) else 1)
     if config == "tf-privacy-model":
         return _tf_privacy_model(model_name)
     if config == "tf-privacy-vectorized":
@@ -506,8 +532,9 @@ def paired_worker(model_name, batch, configs, rounds, budget) -> dict:
                 continue
             if name in prepare:
                 prepare[name]()
-            times[name].append(_timed(calls[name]))
-            spent[name] += times[name][-1]
+            elapsed = _timed(calls[name])
+            times[name].append(elapsed / _steps_per_call(name))
+            spent[name] += elapsed
     piece_figures = {}
     for name, series in times.items():
         figures = _summary(series, times)
@@ -538,8 +565,9 @@ def isolated_worker(model_name, config, batch, steps, budget) -> dict:
     spent = _warm_up(lambda: step(x, y), budget)
     times = []
     while len(times) < steps and (not times or spent < budget):
-        times.append(_timed(lambda: step(x, y)))
-        spent += times[-1]
+        elapsed = _timed(lambda: step(x, y))
+        times.append(elapsed / _steps_per_call(config))
+        spent += elapsed
     return {"step_s": statistics.median(times), "peak_mib": _rss_mib() - baseline,
             "steps": len(times)}
 
@@ -677,6 +705,12 @@ def _paired_table(model_name, batch_sizes, configs, paired) -> str:
                          f"{_ratio(r, 'floor')} | {_ratio(r, 'twin')} | {r['rounds']} |")
     notes = {(c, note) for batch in batch_sizes
              for c, note in paired[(model_name, batch)]["notes"].items()}
+    scheduled = [f"{batch}: {_ratio(r, 'twin' + SCHEDULED)}" for batch in batch_sizes
+                 for r in [paired[(model_name, batch)]["configs"].get("clipless" + SCHEDULED, {})]
+                 if "ratio_to" in r and "twin" + SCHEDULED in r["ratio_to"]]
+    if scheduled:
+        notes.add((f"clipless{SCHEDULED} x twin{SCHEDULED} (same schedule), by batch",
+                   ", ".join(scheduled)))
     return "\n".join(lines + [""] + [f"{c} path: {note}." for c, note in sorted(notes)])
 
 

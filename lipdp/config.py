@@ -66,6 +66,8 @@ Schema (defaults shown)::
       epochs: null             # null: the most epochs the budget allows (get_max_epochs)
       private_logs_only: false # true: no training loss/accuracy in the logs (they are
                                #   computed on training data and not covered by epsilon)
+      bjorck_every: 1          # Björck orthogonalisation every this many steps (spectral
+                               #   normalisation only in between: faster; README, Speed)
     certification:
       radii: [0.0, 0.1411764705882353, 0.2823529411764706, 0.4235294117647059, 0.1, 0.25, 0.5]
                                # L2 radii in input space: 0 (clean accuracy), 36/255, 72/255,
@@ -181,7 +183,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "adaptive_clip_initial": None,
         "adaptive_clip_learning_rate": 0.2,
     },
-    "training": {"epochs": None, "private_logs_only": False},
+    "training": {"epochs": None, "private_logs_only": False, "bjorck_every": 1},
     "certification": {"radii": [0.0, 36 / 255, 72 / 255, 108 / 255, 0.1, 0.25, 0.5]},
     "output": {"save_model": None},
 }
@@ -359,7 +361,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "adaptive_clip_learning_rate": _POSITIVE,
     },
     "training": {"epochs": lambda k, v: None if v is None else _positive_int(k, v),
-                 "private_logs_only": _bool},
+                 "private_logs_only": _bool, "bjorck_every": _positive_int},
     "certification": {"radii": _radii},
     "output": {"save_model": _optional_str},
 }
@@ -763,7 +765,8 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
         model = build_model(cfg["model"], metadata, dp_parameters)
         model.compile(loss=build_loss(cfg["loss"]), optimizer=build_optimizer(cfg["optimizer"]),
                       metrics=["accuracy"],
-                      private_logs_only=cfg["training"]["private_logs_only"])
+                      private_logs_only=cfg["training"]["private_logs_only"],
+                      bjorck_every=cfg["training"]["bjorck_every"])
     except ConfigError:
         raise
     except ValueError as e:

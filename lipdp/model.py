@@ -14,7 +14,9 @@ One private step (`train_step`):
 4. Gaussian noise: std ``sigma * sqrt(sum_v Delta_v^2)`` on every coordinate
    ("global") or ``sigma * Delta_v`` on variable v ("per-layer");
 5. optimizer step (any Keras optimizer), then projection of every constrained
-   layer, so that the next step's weights satisfy their constraints;
+   layer, so that the next step's weights satisfy their constraints (Björck
+   orthogonalisation every ``compile(bjorck_every=k)`` steps, spectral
+   normalisation alone in between; the bounds never assume either);
 6. the step is recorded in the model's privacy ledger (`lipdp.ledger`: the
    step count and, per segment, the mechanism that ran; variables saved with the
    weights, so that resuming continues the epsilon count).
@@ -40,6 +42,7 @@ import tensorflow as tf
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
+from lipdp.layers.base import DPLayer
 from lipdp.layers.gradient_clipping import clip_gradient_rows
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
@@ -80,6 +83,7 @@ class _DPModelMixin:
         self._step_mechanism = None  # set by compile
         self._step_views = 1  # augmentation multiplicity, set by compile
         self._private_logs_only = False
+        self._bjorck_every = 1  # set by compile
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
         # Under tf.distribute every replica runs the step: the step count is taken from the
@@ -241,7 +245,7 @@ class _DPModelMixin:
 
     # ----------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
-                private_logs_only=False, **kwargs):
+                private_logs_only=False, bjorck_every=1, **kwargs):
         """Keras `compile`, fixing the private mechanism of the train step.
 
         The noise multiplier, strategy, denominator, sampling and the trainable
@@ -252,12 +256,23 @@ class _DPModelMixin:
                 computed on the training data (they are not covered by epsilon):
                 ``History`` and the progress bar then only hold what callbacks add
                 (epsilon) and validation results.
+            bjorck_every: the projection after a step orthogonalises the spectrally
+                constrained kernels (Björck iterations) every `bjorck_every` steps
+                (the steps whose count ``dp_steps_taken`` is a multiple of it) and only
+                spectrally normalises them (cached power iteration) in between:
+                cheaper steps, kernels less orthogonal between refreshes. Neither
+                epsilon nor the bounds depend on it (norms are certified on the
+                kernels the forward pass uses); utility may (README, Speed).
             Other arguments: as for `tf.keras.Model.compile`; ``loss`` must be a DP
                 loss (`lipdp.losses`) in clipless mode.
         """
         if not isinstance(private_logs_only, bool):
             raise TypeError("`private_logs_only` must be a bool. "
                             f"Received: private_logs_only={private_logs_only!r}")
+        if not isinstance(bjorck_every, int) or isinstance(bjorck_every, bool) \
+                or bjorck_every < 1:
+            raise ValueError("`bjorck_every` must be a positive integer. "
+                             f"Received: bjorck_every={bjorck_every!r}")
         if kwargs.get("jit_compile") and self.dp_parameters.mode is not DPMode.CLIPPED:
             raise ValueError(
                 "jit_compile=True is not supported in clipless mode: the certified operator "
@@ -270,6 +285,7 @@ class _DPModelMixin:
             raise ValueError("The model has no trainable variables to train privately (is it "
                              "built? give its first layer an input shape or an Input).")
         self._private_logs_only = private_logs_only
+        self._bjorck_every = bjorck_every
         self._compiled_state = (self.dp_parameters, self.dataset_metadata,
                                 [v.ref() for v in self.trainable_variables])
         self._step_mechanism = StepMechanism.of(self.dp_parameters, self.dataset_metadata,
@@ -289,6 +305,7 @@ class _DPModelMixin:
         config = super().get_compile_config()
         if config is not None:
             config["private_logs_only"] = self._private_logs_only
+            config["bjorck_every"] = self._bjorck_every
         return config
 
     def _compile_dp(self, optimizer, loss, metrics, loss_weights, **kwargs):
@@ -504,11 +521,18 @@ class _DPModelMixin:
         y_pred = tf.zeros([0] + [int(d) for d in self.output_shape[1:]], dtype)
         return gradients, tf.zeros([0], y_pred.dtype), y_pred
 
-    def project(self):
+    def project(self, orthogonalise=True):
         """Apply every layer's projection (after each step; idempotent up to numerics).
 
         In clipped mode the model need not be a chain of DP layers: every layer that
         has a ``project`` method is projected.
+
+        Args:
+            orthogonalise: run the Björck iterations of spectrally constrained layers
+                (a Python bool or a boolean tensor); without them their kernels are only
+                spectrally normalised. The train step passes the ``bjorck_every``
+                schedule of `compile`. Privacy never depends on it: bounds use the norms
+                certified on whatever kernel the forward pass uses.
         """
         if self.dp_parameters.mode is DPMode.CLIPPED:
             layers = [layer for layer in leaf_layers(self)
@@ -516,7 +540,17 @@ class _DPModelMixin:
         else:
             layers = dp_layers(self)
         for layer in layers:
-            layer.project()
+            if isinstance(layer, DPLayer):
+                layer.project(orthogonalise)
+            else:
+                layer.project()
+
+    def _bjorck_due(self):
+        """Whether this step's projection runs Björck: every step (``bjorck_every=1``),
+        else the steps whose ledger count ``dp_steps_taken`` is a multiple of it."""
+        if self._bjorck_every == 1:
+            return True
+        return tf.equal(self._dp_steps % self._bjorck_every, 0)
 
     def make_train_function(self, force=False):
         self._check_compiled()
@@ -545,7 +579,7 @@ class _DPModelMixin:
             with tf.control_dependencies(noisy):  # C_t served this step's bounds first
                 self._update_logit_clip(y, y_pred)
         self.optimizer.apply_gradients(zip(noisy, self.trainable_variables))
-        self.project()
+        self.project(self._bjorck_due())
         # The ledger depends on the released gradients: in a compiled `fit` over a dataset of
         # unknown length, the call that finds the iterator exhausted must not count a step.
         with tf.control_dependencies(noisy):

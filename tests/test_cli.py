@@ -215,6 +215,13 @@ def test_build_cnn_is_the_papers_network(fake_fashion):
     assert fit_kwargs["epochs"] == 1
 
 
+def test_config_compiles_with_its_bjorck_schedule(fake_fashion):
+    cfg = load_config(None, ["dataset.batch_size=20", "privacy.epsilon_budget=null",
+                             "training.epochs=1", "training.bjorck_every=4"])
+    model, _, _, _, _ = config.build_from_config(cfg)
+    assert model._bjorck_every == 4
+
+
 def test_build_plain_head_for_clipped_dpsgd(fake_fashion):
     cfg = load_config(None, ["model.head=plain", "model.widths=[16]", "model.use_bias=true",
                              "privacy.mode=clipped", "privacy.l2_norm_clip=0.1",

@@ -50,12 +50,14 @@ class ProjectionConfig:
         return {key: getattr(self, key) for key in self.KEYS}
 
 
-def project_kernel(kernel, u, config, maxiter_spectral):
+def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True):
     """Project a kernel onto (approximately) the orthonormal matrices, robustly.
 
     The kernel is reshaped to ``(-1, out)`` (RKO for convolutions), divided by
     the spectral norm estimated by deel-lip's cached power iteration, then
-    orthogonalised with deel-lip's Björck iteration. Björck only converges when
+    (when `orthogonalise` holds: a Python bool, or a boolean tensor for a
+    schedule decided in the graph) orthogonalised with deel-lip's Björck
+    iteration; without it the kernel is only spectrally normalised. Björck only converges when
     every singular value is below sqrt(3); after a large noisy step the cached
     vector can under-estimate the spectral norm by more than that, and Björck
     blows up. When its result is not finite, the projection restarts from the
@@ -71,17 +73,21 @@ def project_kernel(kernel, u, config, maxiter_spectral):
     matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
     normalised, u, _ = spectral_normalization(matrix, u, eps=config.eps_spectral,
                                               maxiter=maxiter_spectral)
-    if config.eps_bjorck is not None:
+    if config.eps_bjorck is not None and orthogonalise is not False:
         def bjorck(w):
             return bjorck_normalization(w, eps=config.eps_bjorck, beta=config.beta_bjorck,
                                         maxiter=config.maxiter_bjorck)
 
-        candidate = bjorck(normalised)
-        normalised = tf.cond(
-            tf.reduce_all(tf.math.is_finite(candidate)),
-            lambda: candidate,
-            lambda: bjorck(matrix / (tf.norm(matrix) + config.eps_spectral)),
-        )
+        def orthogonalised():
+            candidate = bjorck(normalised)
+            return tf.cond(
+                tf.reduce_all(tf.math.is_finite(candidate)),
+                lambda: candidate,
+                lambda: bjorck(matrix / (tf.norm(matrix) + config.eps_spectral)),
+            )
+
+        normalised = (orthogonalised() if orthogonalise is True
+                      else tf.cond(orthogonalise, orthogonalised, lambda: normalised))
     return tf.reshape(normalised, kernel.shape), u
 
 
@@ -126,8 +132,9 @@ class ProjectedKernelMixin:
         with tf.init_scope():
             self._project(BUILD_MAXITER_SPECTRAL)
 
-    def _project(self, maxiter_spectral):
-        kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral)
+    def _project(self, maxiter_spectral, orthogonalise=True):
+        kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral,
+                                   orthogonalise)
         self._store_projection(kernel)
         self.u.assign(u)
 
@@ -135,8 +142,10 @@ class ProjectedKernelMixin:
         """Where the projected kernel goes: into the trained variable itself by default."""
         self.kernel.assign(projected)
 
-    def project(self):
-        self._project(self.projection.maxiter_spectral)
+    def project(self, orthogonalise=True):
+        """Spectral normalisation, then Björck when `orthogonalise` holds (see
+        `project_kernel`; `lipdp.DP_Model.compile`'s ``bjorck_every`` schedules it)."""
+        self._project(self.projection.maxiter_spectral, orthogonalise)
 
     def _bias_norm(self):
         import tensorflow as tf

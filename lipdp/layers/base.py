@@ -130,8 +130,11 @@ class DPLayer(abc.ABC):
         moved = float(self.lipschitz_bound()) * input_error if input_error else 0.0
         return moved + self.rounding_error(float(input_bound) + input_error)
 
-    def project(self):
-        """Enforce the layer's weight constraints in place (no-op by default)."""
+    def project(self, orthogonalise=True):
+        """Enforce the layer's weight constraints in place (no-op by default).
+
+        `orthogonalise` (a Python bool or a boolean tensor) lets spectrally constrained
+        layers skip their Björck iterations on a schedule; other layers ignore it."""
         return None
 
     def lipschitz_bound(self):

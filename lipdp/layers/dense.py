@@ -179,5 +179,6 @@ class DP_QuickFrobeniusDense(_BoundedDense):
         with tf.init_scope():
             self.project()
 
-    def project(self):
+    def project(self, orthogonalise=True):
+        del orthogonalise  # no Björck here
         self.kernel.assign(self.kernel / tf.maximum(tf.norm(self.kernel), 1e-12))

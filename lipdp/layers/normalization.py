@@ -114,7 +114,8 @@ class DP_AddBias(tf.keras.layers.Layer, DPLayer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
-    def project(self):
+    def project(self, orthogonalise=True):
+        del orthogonalise  # no Björck here
         norm = tf.norm(self.bias)
         self.bias.assign(self.bias * tf.minimum(1.0, self.norm_max / tf.maximum(norm, 1e-30)))
 

@@ -139,9 +139,9 @@ class DP_WrappedResidual(tf.keras.layers.Layer, DPLayer):
         skip, branch = input_error
         return (skip, chain_rounding_error(self.branch, input_bound[1], branch))
 
-    def project(self):
+    def project(self, orthogonalise=True):
         for inner in self.branch:
-            inner.project()
+            inner.project(orthogonalise)
 
     def get_config(self):
         serialized = [tf.keras.layers.serialize(inner) for inner in self.branch]
