@@ -81,6 +81,62 @@ def test_a_top_direction_the_power_iteration_misses_is_still_bounded():
     assert float(dense_norm_upper(w)) >= exact
 
 
+def _spectrally_normalised(rng):
+    """A 784 x 1024 kernel as a Björck schedule leaves it between refreshes: orthogonal
+    plus a noisy step, divided by its norm (top singular values crowd near 0.999), and
+    the right vector of 10 power iterations from a perturbed top vector (a layer's u)."""
+    w = _orthogonal(784, 1024, rng).astype(np.float64) + 0.003 * rng.normal(size=(784, 1024))
+    _, singular, vt = np.linalg.svd(w, full_matrices=False)
+    w = (0.999 * w / singular[0]).astype(np.float32)
+    u = vt[0] + 0.05 * rng.normal(size=1024)
+    for _ in range(10):
+        u = w.T @ (w @ u)
+        u /= np.linalg.norm(u)
+    return w, u
+
+
+def test_a_hint_never_loosens_or_breaks_the_certificate():
+    """Whatever the hint (the exact top right singular vector, one orthogonal to it, zeros,
+    NaN, huge values, a wrong length), the certificate bounds the exact norm, within the
+    documented tightness on these kernels."""
+    rng = np.random.default_rng(11)
+    for name, w in [("gaussian tall", rng.normal(size=(50, 7))),
+                    ("gaussian wide", rng.normal(size=(7, 50))),
+                    ("near-orthogonal",
+                     _orthogonal(120, 80, rng) + 1e-4 * rng.normal(size=(120, 80)))]:
+        w = w.astype(np.float32)
+        exact = _exact_norm(w)
+        top = np.linalg.svd(w.astype(np.float64))[2][0]
+        other = rng.normal(size=top.shape)
+        other -= (other @ top) * top
+        for hint_name, hint in [("top", top), ("orthogonal to top", other),
+                                ("zeros", np.zeros_like(top)), ("nan", np.full_like(top, np.nan)),
+                                ("huge", 1e300 * np.ones_like(top)), ("wrong length", np.ones(3))]:
+            bound = float(dense_norm_upper(w, hint))
+            assert exact * (1 - SVD_SLACK) <= bound <= exact * (1 + TIGHT), (name, hint_name)
+
+
+def test_the_power_iteration_vector_spares_a_cholesky_factorisation(monkeypatch):
+    """On a spectrally normalised 784 x 1024 kernel (clustered top spectrum) Lanczos from
+    the fixed vector under-estimates by ~1e-5, so the 1e-6 shift fails and a second
+    factorisation is needed; from the layer's power-iteration vector the first succeeds.
+    Both certificates bound the exact norm; the hinted one within sqrt(1 + 2e-6)."""
+    w, u = _spectrally_normalised(np.random.default_rng(12))
+    exact = _exact_norm(w)
+    calls = []
+    factorise = np.linalg.cholesky
+
+    def counting(matrix):
+        calls.append(1)
+        return factorise(matrix)
+
+    monkeypatch.setattr(np.linalg, "cholesky", counting)
+    hinted = float(dense_norm_upper(w, u))
+    assert len(calls) == 1 and exact <= hinted <= exact * (1 + 1e-6)
+    calls.clear()
+    assert float(dense_norm_upper(w)) >= exact and len(calls) == 2
+
+
 def test_eigenvalue_fallback_bounds_the_norm(monkeypatch):
     monkeypatch.setattr(gram_certificates, "CHOLESKY_SHIFTS", ())
     rng = np.random.default_rng(3)
@@ -117,7 +173,8 @@ def test_near_orthogonal_shortcut_is_taken_and_bounds_the_norm(monkeypatch):
     certificate still bounds, and nearly equals, the exact norm."""
     calls = []
     monkeypatch.setattr(gram_certificates, "_lanczos_estimate",
-                        lambda gram: calls.append(1) or float(np.max(np.linalg.eigvalsh(gram))))
+                        lambda gram, start=None:
+                        calls.append(1) or float(np.max(np.linalg.eigvalsh(gram))))
     rng = np.random.default_rng(5)
     for scale in (1.0, 0.37, 3.0):
         for shape in [(784, 1024), (300, 40), (10, 10)]:
@@ -199,9 +256,12 @@ def test_one_host_call_gives_each_kernel_its_own_certificate():
     rng = np.random.default_rng(9)
     dense = rng.normal(size=(20, 7)).astype(np.float32)
     conv = rng.normal(size=(3, 3, 2, 4)).astype(np.float32)
+    hint = rng.normal(size=(1, 7)).astype(np.float32)
     requests = [("conv", tf.constant(conv), (9, 9)), ("dense", tf.constant(dense), None),
-                ("dense", tf.constant(2.0 * dense), None)]
+                ("dense", tf.constant(2.0 * dense), None, tf.constant(hint)),
+                ("dense", tf.constant(3.0 * dense), None)]
     norms = tf.function(lambda: certified_norms(requests))()
     assert [float(n) for n in norms] == [float(conv_norm_upper(conv, (9, 9))),
                                          float(dense_norm_upper(dense)),
-                                         float(dense_norm_upper(2.0 * dense))]
+                                         float(dense_norm_upper(2.0 * dense, hint)),
+                                         float(dense_norm_upper(3.0 * dense))]

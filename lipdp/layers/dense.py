@@ -66,8 +66,12 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
         return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
 
     def certified_norm_request(self):
-        """What `lipdp.operator_norms.certified_norms` needs to certify S."""
-        return ("dense", self.bounded_kernel(), None)
+        """What `lipdp.operator_norms.certified_norms` needs to certify S (with the
+        power-iteration vector of a projected layer as a hint for its estimate)."""
+        hint = getattr(self, "u", None)
+        if hint is None:
+            return ("dense", self.bounded_kernel(), None)
+        return ("dense", self.bounded_kernel(), None, hint)
 
     def _spectral_bound(self):
         return certified_operator_norm(self)
