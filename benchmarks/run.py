@@ -350,7 +350,7 @@ def _lipdp_private(model_name, batch, config):
     model = _dp_model(model_name, batch, config)
     model.compile(loss=DP_TauCategoricalCrossentropy(TAU),
                   optimizer=tf.keras.optimizers.Adam(LEARNING_RATE), private_logs_only=True,
-                  bjorck_every=BJORCK_EVERY if config.endswith(SCHEDULED) else 1)
+                  bjorck_every=_bjorck_every(config))
     return _train_step(model), model
 
 
@@ -396,26 +396,27 @@ def _tf_privacy_vectorized(model_name, batch):
     return step, model
 
 
-def _steps_per_call(config) -> int:
-    """Steps one timed call runs: a whole period of a Björck schedule (one step with Björck,
-    the others without: a median over single steps would leave the expensive one out)."""
+def _bjorck_every(config) -> int:
+    """The configuration's Björck schedule, and the steps one timed call runs: a whole
+    period (one step with Björck, the others without: a median over single steps would
+    leave the expensive one out)."""
     return BJORCK_EVERY if config.endswith(SCHEDULED) else 1
 
 
 def _build(model_name, config, batch):
     """``(step(x, y), model)`` of one configuration; a scheduled one's ``step`` runs a whole
-    period (`_steps_per_call`)."""
+    period (`_bjorck_every`)."""
     step, model = _build_one(model_name, config, batch)
-    if _steps_per_call(config) == 1:
+    if _bjorck_every(config) == 1:
         return step, model
-    return (lambda x, y: [step(x, y) for _ in range(_steps_per_call(config))][-1]), model
+    return (lambda x, y: [step(x, y) for _ in range(_bjorck_every(config))][-1]), model
 
 
 def _build_one(model_name, config, batch):
     if config == "floor":
         return _floor(model_name)
     if config in ("twin", "twin" + SCHEDULED):
-        return _twin(model_name, batch, BJORCK_EVERY if config.endswith(SCHEDULED) else 1)
+        return _twin(model_name, batch, _bjorck_every(config))
     if config == "tf-privacy-model":
         return _tf_privacy_model(model_name)
     if config == "tf-privacy-vectorized":
@@ -533,7 +534,7 @@ def paired_worker(model_name, batch, configs, rounds, budget) -> dict:
             if name in prepare:
                 prepare[name]()
             elapsed = _timed(calls[name])
-            times[name].append(elapsed / _steps_per_call(name))
+            times[name].append(elapsed / _bjorck_every(name))
             spent[name] += elapsed
     piece_figures = {}
     for name, series in times.items():
@@ -566,7 +567,7 @@ def isolated_worker(model_name, config, batch, steps, budget) -> dict:
     times = []
     while len(times) < steps and (not times or spent < budget):
         elapsed = _timed(lambda: step(x, y))
-        times.append(elapsed / _steps_per_call(config))
+        times.append(elapsed / _bjorck_every(config))
         spent += elapsed
     return {"step_s": statistics.median(times), "peak_mib": _rss_mib() - baseline,
             "steps": len(times)}

@@ -60,10 +60,10 @@ def certified_norms(requests):
         inputs.extend(tf.convert_to_tensor(t) for t in (kernel,) + tuple(request[3:]))
 
     def compute(*tensors):
-        tensors, norms = list(tensors), []
+        tensors, norms = iter(tensors), []
         for kind, grid, hinted in specs:
-            kernel = tensors.pop(0)
-            hint = tensors.pop(0) if hinted else None
+            kernel = next(tensors)
+            hint = next(tensors) if hinted else None
             norms.append(dense_norm_upper(kernel, hint) if kind == "dense"
                          else conv_norm_upper(kernel, grid))
         return np.array(norms, np.float32)

@@ -13,8 +13,8 @@ from lipdp.losses import DP_TauCategoricalCrossentropy
 from lipdp.metadata import DPParameters
 from lipdp.model import DP_Model
 from tests._models import X0, metadata
-from tests._soundness import (adversarial_inputs, assert_within_bounds, one_hot_labels,
-                              per_example_gradient_norms)
+from tests._soundness import (adversarial_inputs, assert_within_bounds, maximize_gradient_norm,
+                              one_hot_labels, per_example_gradient_norms)
 
 LOSS = DP_TauCategoricalCrossentropy(5.0)
 
@@ -70,8 +70,9 @@ def test_bjorck_runs_on_its_schedule_and_spectral_normalisation_in_between(layer
 
 def test_bounds_hold_on_the_kernels_left_between_refreshes():
     """Exact per-example gradients (one tape per example, adversarial inputs: inside, on and
-    50x beyond the input bound, constant and one-pixel images) stay within the bounds on
-    the spectrally normalised, non-orthogonal kernels a schedule leaves after a noisy step."""
+    50x beyond the input bound, constant and one-pixel images, and inputs on the bound found
+    by gradient ascent on each kernel's gradient norm) stay within the bounds on the
+    spectrally normalised, non-orthogonal kernels a schedule leaves after a noisy step."""
     rng = np.random.default_rng(1)
     model = _model(DP_QuickSpectralDense, seed=2)
     model.compile(loss=LOSS, optimizer=tf.keras.optimizers.SGD(0.5), bjorck_every=4)
@@ -82,6 +83,11 @@ def test_bounds_hold_on_the_kernels_left_between_refreshes():
     assert np.linalg.svd(kernel, compute_uv=False)[-1] < 0.97  # not orthogonal
     inputs = adversarial_inputs(rng, (24,), X0, n=9)
     labels = one_hot_labels(rng, len(inputs), 4)
+    for variable in model.trainable_variables:
+        ascended = maximize_gradient_norm(model, LOSS, inputs[:4], labels[:4], variable, X0,
+                                          steps=30)
+        inputs = np.concatenate([inputs, ascended])
+        labels = np.concatenate([labels, labels[:4]])
     norms = per_example_gradient_norms(model, LOSS, inputs, labels)
     assert_within_bounds(norms, gradient_bounds(model), "bjorck_every=4, step 2")
 
