@@ -28,8 +28,10 @@ demo: data
 	@for config in $(CONFIG); do echo "##### lipdp train $$config"; \
 	  $(VENV)/bin/lipdp train $$config || exit 1; done
 
+# Tests run in parallel (pytest-xdist), one worker per core up to 4, each test file on one
+# worker (a file's module-scoped set-up, e.g. test_distribute's subprocesses, runs once).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile tests
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/run.py
