@@ -407,9 +407,10 @@ def _build(model_name, config, batch):
     """``(step(x, y), model)`` of one configuration; a scheduled one's ``step`` runs a whole
     period (`_bjorck_every`)."""
     step, model = _build_one(model_name, config, batch)
-    if _bjorck_every(config) == 1:
+    period = _bjorck_every(config)
+    if period == 1:
         return step, model
-    return (lambda x, y: [step(x, y) for _ in range(_bjorck_every(config))][-1]), model
+    return (lambda x, y: [step(x, y) for _ in range(period)][-1]), model
 
 
 def _build_one(model_name, config, batch):
