@@ -27,15 +27,19 @@ def _two_logical_cpus():
 
 
 class RecordingSGD(tf.keras.optimizers.SGD):
-    """SGD that keeps the last (aggregated) gradient it applied to each variable."""
+    """SGD that keeps the last (aggregated) gradient it applied to each variable, and the
+    running sum of its squares over all the steps it applied."""
 
     def build(self, var_list):
         super().build(var_list)
         if not hasattr(self, "recorded"):
             self.recorded = [tf.Variable(tf.zeros_like(v), trainable=False) for v in var_list]
+            self.squares = [tf.Variable(tf.zeros_like(v), trainable=False) for v in var_list]
 
     def update_step(self, gradient, variable):
-        self.recorded[self._index_dict[self._var_key(variable)]].assign(gradient)
+        index = self._index_dict[self._var_key(variable)]
+        self.recorded[index].assign(gradient)
+        self.squares[index].assign_add(tf.square(gradient))
         super().update_step(gradient, variable)
 
 
@@ -79,23 +83,24 @@ def _expected_stddevs(model, config):
     return [sigma * s for s in sensitivities]
 
 
+def _zeros():
+    """The 64 all-zero examples (4 batches of 16, the models' metadata) of the noise runs."""
+    return np.zeros((64, 10), np.float32), tf.one_hot(np.arange(64) % 3, 3).numpy()
+
+
 def _noise_statistic(model, config, steps=20):
     """sum z^2 / n over the kernel coordinates of the gradients applied in `steps` steps on
     all-zero inputs, z = gradient / (single-device noise std). The model's learning rate is 0,
     so its biases keep their zero initialisation: every layer's input is 0, every kernel's
     gradient is exactly 0, and the applied kernel gradient is the noise alone."""
-    x = np.zeros((16, 10), np.float32)
-    y = tf.one_hot(np.arange(16) % 3, 3).numpy()
+    x, y = _zeros()
     stds = _expected_stddevs(model, config)
+    _fit(model, x, y, steps // 4)  # 4 steps an epoch; the optimizer sums squared gradients
     squares, count = 0.0, 0
-    for _ in range(steps):  # one step at a time: the optimizer keeps the last gradient
-        model.train_on_batch(x, y)
-        for variable, recorded, std in zip(model.trainable_variables, model.optimizer.recorded,
-                                           stds):
-            if "kernel" in variable.name:
-                z = np.ravel(recorded.numpy()) / std
-                squares += float(np.sum(z * z))
-                count += z.size
+    for variable, summed, std in zip(model.trainable_variables, model.optimizer.squares, stds):
+        if "kernel" in variable.name:
+            squares += float(np.sum(summed.numpy())) / std ** 2
+            count += steps * int(np.prod(variable.shape))
     return squares / count, count
 
 
@@ -166,12 +171,12 @@ def _count_noise_statistic(model):
     C_t: on 16 all-zero inputs (learning rate 0) every logit gradient has the same norm,
     below C_0 = 10 L, so every bit is 1, the centred sum is 8, and
     ``log(C_{t+1} / C_t) = -eta (1 + n_t / 16 - gamma)``."""
-    x = np.zeros((16, 10), np.float32)
-    y = tf.one_hot(np.arange(16) % 3, 3).numpy()
+    x, y = _zeros()
     clips = [float(model._logit_clip.numpy())]
-    for _ in range(COUNT_STEPS):
-        model.train_on_batch(x, y)
-        clips.append(float(model._logit_clip.numpy()))
+    record = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: clips.append(float(model._logit_clip.numpy())))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model.fit(ds, epochs=COUNT_STEPS // 4, verbose=0, shuffle=False, callbacks=[record])
     ratios = np.log(np.asarray(clips[1:], np.float64) / np.asarray(clips[:-1], np.float64))
     noise = 16 * (-ratios / COUNT_RATE - 1 + 0.5)
     return float(np.mean(noise ** 2) / COUNT_SIGMA ** 2)

@@ -161,39 +161,40 @@ def maximize_gradient_norm(model, loss, x0, y, variable, max_norm, steps=60, lr=
 # --------------------------------------------------------------------------- #
 # Lipschitz lower bounds.
 # --------------------------------------------------------------------------- #
-def _jvp(f, x, v):
-    with tf.autodiff.ForwardAccumulator(x, v) as acc:
-        y = f(x)
-    jv = acc.jvp(y)
-    return tf.zeros_like(y) if jv is None else jv
-
-
-def _vjp(f, x, u):
+def _jv_and_jtjv(f, x, v, h):
+    """``(J v, J^T J v)`` at `x` for `f`, with ``J v`` the forward difference
+    ``(f(x + h v) - f(x)) / h`` (float32 rounding makes it accurate to ~1e-4 relative for
+    h = 1e-3 of the input scale) and ``J^T (J v)`` by a tape, from one forward pass of the
+    batch ``[x, x + h v]``. Forward-mode differentiation gives J v exactly but its graph
+    costs twice as long to build (8.8 s vs 4.8 s for kymatio's scattering): the power
+    iteration only seeds the pairs whose finite differences are the bound."""
     with tf.GradientTape() as tape:
         tape.watch(x)
-        y = f(x)
-    g = tape.gradient(y, x, output_gradients=u)
-    return tf.zeros_like(x) if g is None else g
+        y, moved = tf.split(f(tf.concat([x, x + h * v], axis=0)), 2)
+    jv = (moved - y) / h
+    g = tape.gradient(y, x, output_gradients=jv)
+    return jv, tf.zeros_like(x) if g is None else g
 
 
-def top_singular_directions(f, x, iterations=40, seed=0):
-    """Per-example power iteration on ``J_f(x_i)^T J_f(x_i)`` (Jacobian-vector products by
-    forward mode, vector-Jacobian products by a tape); returns (sigma (n,), unit directions).
+def top_singular_directions(f, x, step, iterations=40, seed=0):
+    """Per-example power iteration on ``J_f(x_i)^T J_f(x_i)`` (`_jv_and_jtjv`, difference
+    step `step`); returns (sigma (n,), unit directions).
 
-    ``sigma_i`` converges to the largest singular value of the Jacobian at ``x_i``; it is
+    ``sigma_i`` approximates the largest singular value of the Jacobian at ``x_i``; it is
     only used to seed `lipschitz_lower_bound`'s pairs.
     """
     x = tf.cast(x, tf.float32)
 
-    @tf.function
+    @tf.function  # traced once: f's graph is built for the loop body and the last J v
     def iterate(v):
         for _ in tf.range(iterations):  # a graph loop: traced once, not unrolled
-            w = _vjp(f, x, _jvp(f, x, v))
+            w = _jv_and_jtjv(f, x, v, step)[1]
             v = tf.where(_per_example_norms(w) > 0, _unit(w), v)
-        return v
+        y, moved = tf.split(f(tf.concat([x, x + step * v], axis=0)), 2)  # forward only
+        return v, tf.reshape(_per_example_norms((moved - y) / step), [-1])
 
-    v = iterate(_unit(tf.random.stateless_normal(tf.shape(x), seed=[seed, 1])))
-    return tf.reshape(_per_example_norms(_jvp(f, x, v)), [-1]).numpy(), v
+    v, sigma = iterate(_unit(tf.random.stateless_normal(tf.shape(x), seed=[seed, 1])))
+    return sigma.numpy(), v
 
 
 # Float32 rounding of a forward pass, relative to the output norms: ~1e-7 per operation,
@@ -233,13 +234,14 @@ def lipschitz_lower_bound(f, x, radius, iterations=40, ascent_steps=60, seed=0):
     estimate ``sigma_max(J(x_i))``, is reported for diagnostics only.
     """
     x = _onto(tf.cast(x, tf.float32), 0.9 * radius, sphere=False)
-    sigma, v = top_singular_directions(f, x, iterations, seed)
+    sigma, v = top_singular_directions(f, x, 1e-3 * radius, iterations, seed)
     h = 0.05 * radius
     d = h * v
     best = float(np.max(pair_ratios(f, x.numpy(), (x + d).numpy())))
 
     def log_distance(a, d):  # the log: each pair's step does not depend on its scale
-        diff = tf.reshape(f(a + d) - f(a), [len(x), -1])
+        moved, start = tf.split(f(tf.concat([a + d, a], axis=0)), 2)  # f is per-example
+        diff = tf.reshape(moved - start, [len(x), -1])
         return 0.5 * tf.reduce_sum(tf.math.log(tf.reduce_sum(tf.square(diff), axis=1) + 1e-30))
 
     # a moves by 2% (then 0.5%) of the radius per step, d turns by ~0.3 (then 0.1) rad.

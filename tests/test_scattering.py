@@ -19,6 +19,7 @@ from lipdp.certify import certified_accuracy, float_error_bound
 from lipdp.layers import DP_BoundedInput, DP_Flatten, DP_QuickSpectralDense
 from lipdp.layers.scattering import (DP_Scattering, _decimated_power, _padding_multiplicity,
                                      scattering_lipschitz)
+from tests._soundness import top_singular_directions
 
 
 def _images(n, seed, shape=(16, 16, 1)):
@@ -81,30 +82,17 @@ def test_lipschitz_constant_holds_against_gradient_ascent_and_power_iteration(ma
     @tf.function  # the same steps as eager ones, traced once (kymatio is slow eagerly)
     def ascent_step():
         with tf.GradientTape() as tape:
-            gap = tf.norm(tf.reshape(layer(a + d) - layer(a), [8, -1]), axis=1)
+            moved, start = tf.split(layer(tf.concat([a + d, a], axis=0)), 2)  # one trace
+            gap = tf.norm(tf.reshape(moved - start, [8, -1]), axis=1)
             ratio = gap / tf.norm(tf.reshape(d, [8, -1]), axis=1)
             loss = -tf.reduce_sum(ratio)
         optimizer.apply_gradients(zip(tape.gradient(loss, [a, d]), [a, d]))
         return tf.reduce_max(ratio)  # at the point before the step
 
     best = max(float(ascent_step()) for _ in range(40))
-    # Power iteration on J^T J at one point.
-    x = tf.Variable(_images(1, 4))
-
-    @tf.function
-    def power_step(v):
-        v = v / tf.norm(v)
-        with tf.autodiff.ForwardAccumulator(x, v) as accumulator:
-            out = layer(x)
-        jv = accumulator.jvp(out)
-        with tf.GradientTape() as tape:
-            value = tf.reduce_sum(layer(x) * tf.stop_gradient(jv))
-        return tape.gradient(value, x)
-
-    v = tf.random.stateless_normal(x.shape, seed=[5, 0])
-    for _ in range(20):
-        v = power_step(v)
-    sigma = float(tf.sqrt(tf.norm(v)))
+    # Power iteration on J^T J at one point (J v by forward differences of step 1e-2 on an
+    # image of norm ~9: accurate to ~1e-4, far inside the margin the test needs).
+    sigma = float(top_singular_directions(layer, _images(1, 4), 1e-2, iterations=20)[0][0])
     assert best > 0.1 * bound and sigma > 0.1 * bound  # the search found something
     assert best <= bound and sigma <= bound
 

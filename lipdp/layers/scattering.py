@@ -81,15 +81,25 @@ def _kymatio_scattering(shape, J, angles, max_order):
 
     class Float64Backend(TensorFlowBackend2D):
         """kymatio's TensorFlow backend with a complex128 Fourier transform (kymatio's own
-        casts to complex64): the filters, float64 arrays, then multiply in complex128."""
+        casts to complex64): the filters, float64 arrays, then multiply in complex128. The
+        real input enters as ``tf.complex(x, 0)``, the same value as a cast, whose gradient
+        takes the real part without the cast's complex-to-real warning (one per transform,
+        hundreds per traced gradient)."""
 
         @classmethod
         def rfft(cls, x):
             cls.real_check(x)
-            return tf.signal.fft2d(tf.cast(x, tf.complex128))
+            return tf.signal.fft2d(tf.complex(x, tf.zeros_like(x)))
 
     return Scattering2D(J=J, shape=tuple(shape), L=angles, max_order=max_order,
                         backend=Float64Backend)
+
+
+@tf.autograph.experimental.do_not_convert
+def _scatter(scattering, x):
+    """kymatio's transform as plain TensorFlow ops: its Python loops run over fixed lists of
+    filters, so AutoGraph has nothing to convert (converting them took most of a trace)."""
+    return scattering.scattering(x)
 
 
 def _padding_multiplicity(scattering, shape) -> int:
@@ -203,7 +213,7 @@ class DP_Scattering(tf.keras.layers.Layer, DPLayer):
 
     def call(self, inputs):
         x = tf.transpose(tf.cast(inputs, tf.float64), [0, 3, 1, 2])  # (B, C, H, W)
-        paths = self._scattering(x)  # (B, C, K, H', W')
+        paths = _scatter(self._scattering, x)  # (B, C, K, H', W')
         paths = paths * self._weights[:, None, None]
         features = tf.transpose(paths, [0, 3, 4, 1, 2])  # (B, H', W', C, K)
         features = tf.reshape(features, (-1,) + self._out_shape)
