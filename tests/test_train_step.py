@@ -302,6 +302,20 @@ def _clipped_mlp():
 
 
 @pytest.mark.parametrize("model_fn", [mlp, _clipped_mlp], ids=["clipless", "clipped"])
+def test_fit_traces_the_private_step_once(model_fn):
+    """Keras 2.15 builds the optimizer inside the first call of the training step, and a
+    `tf.function` that creates variables is traced twice; lipdp builds it before `fit`."""
+    model = model_fn()
+    model.compile(loss=DP_TauCategoricalCrossentropy(5.0),
+                  optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9))
+    x, y = _mlp_data()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model.train_function.experimental_get_tracing_count() == 1
+    assert model.dp_steps_taken == 12
+
+
+@pytest.mark.parametrize("model_fn", [mlp, _clipped_mlp], ids=["clipless", "clipped"])
 def test_weights_on_examples_or_losses_are_refused(model_fn):
     """class_weight and loss_weights rescale per-example gradients behind the bounds' (or the
     clipping's) back: refused before any step, in both modes."""
