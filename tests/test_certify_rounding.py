@@ -380,6 +380,7 @@ def test_radii_shrink_negligibly_on_an_ordinary_model(input_bound, max_shrink):
     tf.keras.utils.set_random_seed(0)
     model = zoo.mlp((28, 28, 1), 10, width=1024, depth=1, input_bound=input_bound)
     optimizer = tf.keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)  # built inside `step`, it would trace twice
 
     @tf.function
     def step(x, y):

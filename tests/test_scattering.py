@@ -78,6 +78,7 @@ def test_lipschitz_constant_holds_against_gradient_ascent_and_power_iteration(ma
     d = tf.Variable(tf.random.stateless_normal(a.shape, seed=[3, 0])
                     * tf.constant([1e-3] * 4 + [0.3] * 4)[:, None, None, None])
     optimizer = tf.keras.optimizers.Adam(1e-2)
+    optimizer.build([a, d])  # built inside the tf.function, it would be traced twice
 
     @tf.function  # the same steps as eager ones, traced once (kymatio is slow eagerly)
     def ascent_step():
