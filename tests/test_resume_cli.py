@@ -60,7 +60,7 @@ def runs(tmp_path_factory):
     config = root / "digits.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
     uninterrupted = str(root / "uninterrupted")
-    _finished(_lipdp("train", str(config), "--run-dir", uninterrupted))
+    reference = _lipdp("train", str(config), "--run-dir", uninterrupted)  # runs alongside
 
     killed = str(root / "killed")
     process = _lipdp("train", str(config), "--run-dir", killed)
@@ -79,6 +79,7 @@ def runs(tmp_path_factory):
         reader.get_tensor(key) for key in reader.get_variable_to_shape_map()
         if key.startswith("model/_dp_steps/")))
     resumed = _finished(_lipdp("train", "--resume", killed))
+    _finished(reference)
     return uninterrupted, killed, killed_state, resumed
 
 
