@@ -51,17 +51,19 @@ CONFIGS = {
 }
 
 
-def _model(config, sigma, learning_rate):
-    return _compiled_mlp(sigma, learning_rate, **CONFIGS[config])
+def _model(config, sigma, learning_rate, steps_per_epoch=4):
+    return _compiled_mlp(sigma, learning_rate, steps_per_epoch, **CONFIGS[config])
 
 
-def _compiled_mlp(sigma, learning_rate, **parameters):
-    """`tests._models.mlp` with DPParameters(sigma, 1e-5, **parameters), RecordingSGD."""
+def _compiled_mlp(sigma, learning_rate, steps_per_epoch=4, **parameters):
+    """`tests._models.mlp` with DPParameters(sigma, 1e-5, **parameters), RecordingSGD, and
+    metadata for `steps_per_epoch` batches of 16 an epoch."""
     from lipdp.losses import DP_TauCategoricalCrossentropy
     from lipdp.metadata import DPParameters
-    from tests._models import mlp
+    from tests._models import metadata, mlp
 
     model = mlp(nb_classes=3, batch=16)
+    model.dataset_metadata = metadata((10,), 3, n=16 * steps_per_epoch)
     model.dp_parameters = DPParameters(sigma, 1e-5, **parameters)
     model.compile(optimizer=RecordingSGD(learning_rate), loss=DP_TauCategoricalCrossentropy(1.0))
     return model
@@ -83,19 +85,23 @@ def _expected_stddevs(model, config):
     return [sigma * s for s in sensitivities]
 
 
-def _zeros():
-    """The 64 all-zero examples (4 batches of 16, the models' metadata) of the noise runs."""
-    return np.zeros((64, 10), np.float32), tf.one_hot(np.arange(64) % 3, 3).numpy()
+def _zeros(steps):
+    """`steps` batches of 16 all-zero examples: one epoch of the noise runs."""
+    n = 16 * steps
+    return np.zeros((n, 10), np.float32), tf.one_hot(np.arange(n) % 3, 3).numpy()
 
 
-def _noise_statistic(model, config, steps=20):
+NOISE_STEPS = 20
+
+
+def _noise_statistic(model, config, steps=NOISE_STEPS):
     """sum z^2 / n over the kernel coordinates of the gradients applied in `steps` steps on
     all-zero inputs, z = gradient / (single-device noise std). The model's learning rate is 0,
     so its biases keep their zero initialisation: every layer's input is 0, every kernel's
     gradient is exactly 0, and the applied kernel gradient is the noise alone."""
-    x, y = _zeros()
+    x, y = _zeros(steps)
     stds = _expected_stddevs(model, config)
-    _fit(model, x, y, steps // 4)  # 4 steps an epoch; the optimizer sums squared gradients
+    _fit(model, x, y, 1)  # one epoch of `steps` steps; the optimizer sums squared gradients
     squares, count = 0.0, 0
     for variable, summed, std in zip(model.trainable_variables, model.optimizer.squares, stds):
         if "kernel" in variable.name:
@@ -144,9 +150,9 @@ def mirrored():
                            zip(single.get_weights(), replicated.get_weights()))
         gradient_diff = max(float(np.max(np.abs(a.numpy() - b.numpy()))) for a, b in
                             zip(single.optimizer.recorded, replicated.optimizer.recorded))
-        single_ratio, n = _noise_statistic(_model(config, 2.0, 0.0), config)
+        single_ratio, n = _noise_statistic(_model(config, 2.0, 0.0, NOISE_STEPS), config)
         with strategy.scope():
-            replicated = _model(config, 2.0, 0.0)
+            replicated = _model(config, 2.0, 0.0, NOISE_STEPS)
         replicated_ratio, _ = _noise_statistic(replicated, config)
         results[config] = dict(weights_diff=weights_diff, gradient_diff=gradient_diff,
                                single_ratio=single_ratio, replicated_ratio=replicated_ratio, n=n,
@@ -157,10 +163,11 @@ def mirrored():
     return results
 
 
-def _adaptive_model(clipping, learning_rate):
+def _adaptive_model(clipping, learning_rate, steps_per_epoch=4):
     from lipdp.metadata import AdaptiveClipping
 
-    return _compiled_mlp(1.0, learning_rate, loss_gradient_clipping=AdaptiveClipping(**clipping))
+    return _compiled_mlp(1.0, learning_rate, steps_per_epoch,
+                         loss_gradient_clipping=AdaptiveClipping(**clipping))
 
 
 COUNT_STEPS, COUNT_SIGMA, COUNT_RATE = 100, 2.0, 1e-3
@@ -171,12 +178,12 @@ def _count_noise_statistic(model):
     C_t: on 16 all-zero inputs (learning rate 0) every logit gradient has the same norm,
     below C_0 = 10 L, so every bit is 1, the centred sum is 8, and
     ``log(C_{t+1} / C_t) = -eta (1 + n_t / 16 - gamma)``."""
-    x, y = _zeros()
+    x, y = _zeros(COUNT_STEPS)
     clips = [float(model._logit_clip.numpy())]
     record = tf.keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: clips.append(float(model._logit_clip.numpy())))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-    model.fit(ds, epochs=COUNT_STEPS // 4, verbose=0, shuffle=False, callbacks=[record])
+    model.fit(ds, epochs=1, verbose=0, shuffle=False, callbacks=[record])
     ratios = np.log(np.asarray(clips[1:], np.float64) / np.asarray(clips[:-1], np.float64))
     noise = 16 * (-ratios / COUNT_RATE - 1 + 0.5)
     return float(np.mean(noise ** 2) / COUNT_SIGMA ** 2)
@@ -197,9 +204,9 @@ def _adaptive_clipping(strategy, x, y):
                        zip(single.get_weights(), replicated.get_weights()))
     noisy = dict(noise_multiplier=COUNT_SIGMA, initial_clip=10 * np.sqrt(2.0),
                  learning_rate=COUNT_RATE, target_quantile=0.5)
-    single_ratio = _count_noise_statistic(_adaptive_model(noisy, 0.0))
+    single_ratio = _count_noise_statistic(_adaptive_model(noisy, 0.0, COUNT_STEPS))
     with strategy.scope():
-        replicated_ratio = _count_noise_statistic(_adaptive_model(noisy, 0.0))
+        replicated_ratio = _count_noise_statistic(_adaptive_model(noisy, 0.0, COUNT_STEPS))
     return dict(clip_single=float(single._logit_clip.numpy()),
                 clip_replicated=float(replicated._logit_clip.numpy()),
                 weights_diff=weights_diff, count_single_ratio=single_ratio,
