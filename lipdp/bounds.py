@@ -16,7 +16,7 @@ by its public batch denominator.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -283,8 +283,8 @@ def gradient_bounds(model, loss=None) -> Dict[str, float]:
     return {names[v.ref()]: bounds[v.ref()] for v in model.trainable_variables}
 
 
-def tightness(model, dataset, loss=None, max_batches=None,
-              chunk_size: int = 64) -> Dict[str, Dict[str, float]]:
+def tightness(model, dataset, loss=None, max_batches=None, chunk_size: int = 64,
+              function_cache: Optional[dict] = None) -> Dict[str, Dict[str, float]]:
     """How close the observed per-example gradient norms come to their bounds.
 
     For every trainable variable v, the exact per-example gradient norms
@@ -304,6 +304,9 @@ def tightness(model, dataset, loss=None, max_batches=None,
         loss: a DP loss; defaults to the loss the model was compiled with.
         max_batches: stop after this many batches (default: the whole dataset).
         chunk_size: examples whose gradients are held in memory at once.
+        function_cache: a dict keeping the traced per-example gradient function between
+            calls (`lipdp.per_example.chunked_gradient_norms`): repeated calls on the same
+            model then trace once.
 
     Returns:
         ``{name: {"bound", "max_ratio", "mean_ratio", "examples"}}`` with the names
@@ -319,7 +322,7 @@ def tightness(model, dataset, loss=None, max_batches=None,
     if max_batches is not None:
         dataset = dataset.take(max_batches)
     norms = chunked_gradient_norms(model, per_example_loss_of(model, loss), dataset, chunk_size,
-                                   variables)
+                                   variables, function_cache)
     if not norms or not norms[0].size:
         raise ValueError("The dataset yielded no examples.")
     names = variable_names(model)

@@ -275,6 +275,7 @@ class _SampledGradients(tf.keras.callbacks.Callback):
         self.seed = _check_seed(seed)
         self.chunk_size = _check_positive_int(chunk_size, "chunk_size")
         self._data = _checked_data(data)
+        self._traced = {}  # the per-example gradient function, traced once for all epochs
 
     def sample(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
         """The examples looked at after epoch `epoch` (0-based): `sample_examples`. Training
@@ -307,7 +308,7 @@ class _SampledGradients(tf.keras.callbacks.Callback):
         gradient norm divided by it."""
         x, y = self.sample(epoch)
         return tightness(self.model, (x, y), loss=self.model.dp_loss,
-                         chunk_size=self.chunk_size)
+                         chunk_size=self.chunk_size, function_cache=self._traced)
 
     def _base_config(self) -> dict:
         # `data` is not serialisable; a config records the settings (for run reports).

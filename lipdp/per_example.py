@@ -7,7 +7,7 @@ classic clipped DP-SGD.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -59,7 +59,8 @@ def per_example_gradient_norms(gradients: Sequence[tf.Tensor]) -> List[tf.Tensor
 
 def chunked_gradient_norms(model: tf.keras.Model, per_example_loss: Callable,
                            batches: Iterable, chunk_size: int = 64,
-                           variables: Sequence[tf.Variable] = None) -> List[np.ndarray]:
+                           variables: Sequence[tf.Variable] = None,
+                           function_cache: Optional[Dict] = None) -> List[np.ndarray]:
     """The exact per-example gradient norm of each variable over every example of `batches`.
 
     Args:
@@ -67,15 +68,23 @@ def chunked_gradient_norms(model: tf.keras.Model, per_example_loss: Callable,
         batches: an iterable of ``(x, y)`` batches (a `tf.data.Dataset`, a list).
         chunk_size: examples whose per-example gradients are held in memory at once
             (memory: chunk x number of parameters).
+        function_cache: a dict that keeps the traced function between calls, keyed by
+            model, loss and variables, for a caller that asks again and again (a callback
+            every epoch): without it, each call traces the vectorised gradients anew.
 
     Returns:
         One ``(n,)`` array per variable (aligned with `variables`), n the number of
         examples; one traced function serves every chunk.
     """
     variables = list(model.trainable_variables if variables is None else variables)
-    norms_fn = tf.function(lambda x, y: per_example_gradient_norms(
-        per_example_gradients(model, per_example_loss, x, y, variables)[0]),
-        reduce_retracing=True)
+    key = (id(model), per_example_loss, tuple(v.ref() for v in variables))
+    norms_fn = None if function_cache is None else function_cache.get(key)
+    if norms_fn is None:
+        norms_fn = tf.function(lambda x, y: per_example_gradient_norms(
+            per_example_gradients(model, per_example_loss, x, y, variables)[0]),
+            reduce_retracing=True)
+        if function_cache is not None:
+            function_cache[key] = norms_fn
     chunks = [norms_fn(x[start:start + chunk_size], y[start:start + chunk_size])
               for x, y in batches for start in range(0, int(tf.shape(x)[0]), chunk_size)]
     return [np.concatenate([chunk[j].numpy() for chunk in chunks]) if chunks

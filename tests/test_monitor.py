@@ -280,6 +280,30 @@ def test_bound_monitor_silent_on_real_layers_and_zoo_models(case):
         assert monitor.last_report[name]["max_ratio"] == pytest.approx(maximum)
 
 
+def test_bound_monitor_traces_the_per_example_gradients_once(monkeypatch):
+    """The monitor asks for exact per-example gradients every epoch; their vectorised
+    function is traced at the first epoch only (it used to be traced anew every epoch)."""
+    import lipdp.per_example
+
+    traces, original = [], lipdp.per_example.per_example_gradients
+
+    def counting(*args, **kwargs):  # runs when a function calling it is traced
+        traces.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lipdp.per_example, "per_example_gradients", counting)
+    model = _silent_case_model("zoo:mlp")
+    model.compile(tf.keras.optimizers.SGD(0.05), DP_TauCategoricalCrossentropy(4.0))
+    rng = np.random.default_rng(7)
+    x = rng.uniform(size=(32,) + SILENT_SHAPE).astype(np.float32)
+    y = np.eye(SILENT_CLASSES, dtype=np.float32)[rng.integers(0, SILENT_CLASSES, 32)]
+    monitor = BoundMonitor((x, y), sample_size=16, seed=1)
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[monitor]).history
+    assert len(traces) == 1
+    assert all(len(values) == 3 for name, values in history.items()
+               if name.startswith("tightness_max/"))
+
+
 def test_silent_cases_hold_every_layer_of_lipdp_layers():
     """The models above (built, not trained) contain every DP layer class lipdp exports."""
     import lipdp.layers
