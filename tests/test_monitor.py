@@ -261,17 +261,24 @@ def _silent_case_model(case):
     return DP_Sequential(layers, dp_parameters=parameters, dataset_metadata=metadata)
 
 
-@pytest.mark.parametrize("case", SILENT_CASES)
-def test_bound_monitor_silent_on_real_layers_and_zoo_models(case):
-    """No BoundViolationError during one epoch of noisy training, and a tightness entry in
-    (0, 1 + rtol] for every trainable variable in the epoch's logs."""
+def _fit_monitored(case, epochs):
+    """`_silent_case_model(case)` trained `epochs` noisy epochs on 32 uniform images under a
+    BoundMonitor (16 sampled examples an epoch): ``(model, monitor, history)``."""
     model = _silent_case_model(case)
     model.compile(tf.keras.optimizers.SGD(0.05), DP_TauCategoricalCrossentropy(4.0))
     rng = np.random.default_rng(7)
     x = rng.uniform(size=(32,) + SILENT_SHAPE).astype(np.float32)
     y = np.eye(SILENT_CLASSES, dtype=np.float32)[rng.integers(0, SILENT_CLASSES, 32)]
     monitor = BoundMonitor((x, y), sample_size=16, seed=1)
-    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor]).history
+    history = model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[monitor])
+    return model, monitor, history.history
+
+
+@pytest.mark.parametrize("case", SILENT_CASES)
+def test_bound_monitor_silent_on_real_layers_and_zoo_models(case):
+    """No BoundViolationError during one epoch of noisy training, and a tightness entry in
+    (0, 1 + rtol] for every trainable variable in the epoch's logs."""
+    model, monitor, history = _fit_monitored(case, epochs=1)
     bounds = gradient_bounds(model)
     assert len(bounds) == len(model.trainable_variables) > 0
     for name in bounds:
@@ -292,13 +299,7 @@ def test_bound_monitor_traces_the_per_example_gradients_once(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(lipdp.per_example, "per_example_gradients", counting)
-    model = _silent_case_model("zoo:mlp")
-    model.compile(tf.keras.optimizers.SGD(0.05), DP_TauCategoricalCrossentropy(4.0))
-    rng = np.random.default_rng(7)
-    x = rng.uniform(size=(32,) + SILENT_SHAPE).astype(np.float32)
-    y = np.eye(SILENT_CLASSES, dtype=np.float32)[rng.integers(0, SILENT_CLASSES, 32)]
-    monitor = BoundMonitor((x, y), sample_size=16, seed=1)
-    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[monitor]).history
+    _, _, history = _fit_monitored("zoo:mlp", epochs=3)
     assert len(traces) == 1
     assert all(len(values) == 3 for name, values in history.items()
                if name.startswith("tightness_max/"))
