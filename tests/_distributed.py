@@ -213,16 +213,24 @@ def _adaptive_clipping(strategy, x, y):
                 count_replicated_ratio=replicated_ratio, n=COUNT_STEPS)
 
 
+MODES = ("clipless", "clipped")
+
+
 def worker():
+    """One worker of the cluster: the sampler's pieces, then one model per mode of `MODES`
+    trained in turn under the same strategy; ``{mode: results}``."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    reference, pieces = _sampler_pieces(strategy)
+    return {mode: dict(task=task, sampler=dict(reference=reference, pieces=pieces),
+                       **_worker_training(strategy, mode)) for mode in MODES}
+
+
+def _worker_training(strategy, mode):
     import lipdp
     from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    results = {"task": json.loads(os.environ["TF_CONFIG"])["task"]["index"]}
-    reference, pieces = _sampler_pieces(strategy)
-    results["sampler"] = dict(reference=reference, pieces=pieces)
-
-    mode = sys.argv[2] if len(sys.argv) > 2 else "clipless"
+    results = {}
     unseeded, _, _ = lipdp.data.load_dataset("digits", 128, bound_clip_value=8.0)
     ds_train, _, metadata = lipdp.data.load_dataset("digits", 128, bound_clip_value=8.0, seed=3)
     tf.keras.utils.set_random_seed(0)

@@ -73,18 +73,25 @@ def _free_ports(count):
     return ports
 
 
-@pytest.fixture(scope="module", params=["clipless", "clipped"])
-def workers(request):
+@pytest.fixture(scope="module")
+def cluster():
+    """Two worker processes on 127.0.0.1, each training one model per mode in turn."""
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    processes = [_run(["worker", request.param], env={"TF_CONFIG": json.dumps(
+    processes = [_run(["worker"], env={"TF_CONFIG": json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": index}})}) for index in range(2)]
     try:
-        return [_finish(process, timeout=240) for process in processes]
+        return [_finish(process, timeout=300) for process in processes]
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
+
+
+@pytest.fixture(params=_distributed.MODES)
+def workers(request, cluster):
+    """Both workers' results for one mode."""
+    return [results[request.param] for results in cluster]
 
 
 # ----------------------------------------------------------------- the noise
