@@ -94,14 +94,16 @@ def _zeros(steps):
 NOISE_STEPS = 20
 
 
-def _noise_statistic(model, config, steps=NOISE_STEPS):
-    """sum z^2 / n over the kernel coordinates of the gradients applied in `steps` steps on
-    all-zero inputs, z = gradient / (single-device noise std). The model's learning rate is 0,
-    so its biases keep their zero initialisation: every layer's input is 0, every kernel's
-    gradient is exactly 0, and the applied kernel gradient is the noise alone."""
+def _noise_statistic(model, config):
+    """sum z^2 / n over the kernel coordinates of the gradients applied in one epoch (the
+    steps of the model's metadata) on all-zero inputs, z = gradient / (single-device noise
+    std). The model's learning rate is 0, so its biases keep their zero initialisation: every
+    layer's input is 0, every kernel's gradient is exactly 0, and the applied kernel gradient
+    is the noise alone."""
+    steps = model.dataset_metadata.steps_per_epoch
     x, y = _zeros(steps)
     stds = _expected_stddevs(model, config)
-    _fit(model, x, y, 1)  # one epoch of `steps` steps; the optimizer sums squared gradients
+    _fit(model, x, y, 1)  # one epoch; the optimizer sums the squared gradients
     squares, count = 0.0, 0
     for variable, summed, std in zip(model.trainable_variables, model.optimizer.squares, stds):
         if "kernel" in variable.name:
@@ -178,7 +180,7 @@ def _count_noise_statistic(model):
     C_t: on 16 all-zero inputs (learning rate 0) every logit gradient has the same norm,
     below C_0 = 10 L, so every bit is 1, the centred sum is 8, and
     ``log(C_{t+1} / C_t) = -eta (1 + n_t / 16 - gamma)``."""
-    x, y = _zeros(COUNT_STEPS)
+    x, y = _zeros(model.dataset_metadata.steps_per_epoch)
     clips = [float(model._logit_clip.numpy())]
     record = tf.keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: clips.append(float(model._logit_clip.numpy())))

@@ -161,24 +161,29 @@ def maximize_gradient_norm(model, loss, x0, y, variable, max_norm, steps=60, lr=
 # --------------------------------------------------------------------------- #
 # Lipschitz lower bounds.
 # --------------------------------------------------------------------------- #
-def _jv_and_jtjv(f, x, v, h):
-    """``(J v, J^T J v)`` at `x` for `f`, with ``J v`` the forward difference
-    ``(f(x + h v) - f(x)) / h`` (float32 rounding makes it accurate to ~1e-4 relative for
-    h = 1e-3 of the input scale) and ``J^T (J v)`` by a tape, from one forward pass of the
-    batch ``[x, x + h v]``. Forward-mode differentiation gives J v exactly but its graph
-    costs twice as long to build (8.8 s vs 4.8 s for kymatio's scattering): the power
-    iteration only seeds the pairs whose finite differences are the bound."""
+def _difference_jv(f, x, v, h):
+    """``(f(x), J v)`` at `x`, with ``J v`` the forward difference ``(f(x + h v) - f(x)) / h``
+    from one forward pass of the batch ``[x, x + h v]`` (float32 rounding makes it accurate
+    to ~1e-4 relative for h = 1e-3 of the input scale). Forward-mode differentiation gives
+    J v exactly but its graph costs twice as long to build (8.8 s vs 4.8 s for kymatio's
+    scattering): the power iteration only seeds the pairs whose finite differences are the
+    bound."""
+    y, moved = tf.split(f(tf.concat([x, x + h * v], axis=0)), 2)
+    return y, (moved - y) / h
+
+
+def _jtjv(f, x, v, h):
+    """``J^T (J v)`` at `x`: `_difference_jv`'s J v pulled back through f by a tape."""
     with tf.GradientTape() as tape:
         tape.watch(x)
-        y, moved = tf.split(f(tf.concat([x, x + h * v], axis=0)), 2)
-    jv = (moved - y) / h
+        y, jv = _difference_jv(f, x, v, h)
     g = tape.gradient(y, x, output_gradients=jv)
-    return jv, tf.zeros_like(x) if g is None else g
+    return tf.zeros_like(x) if g is None else g
 
 
 def top_singular_directions(f, x, step, iterations=40, seed=0):
-    """Per-example power iteration on ``J_f(x_i)^T J_f(x_i)`` (`_jv_and_jtjv`, difference
-    step `step`); returns (sigma (n,), unit directions).
+    """Per-example power iteration on ``J_f(x_i)^T J_f(x_i)`` (`_jtjv`, difference step
+    `step`); returns (sigma (n,), unit directions).
 
     ``sigma_i`` approximates the largest singular value of the Jacobian at ``x_i``; it is
     only used to seed `lipschitz_lower_bound`'s pairs.
@@ -188,10 +193,9 @@ def top_singular_directions(f, x, step, iterations=40, seed=0):
     @tf.function  # traced once: f's graph is built for the loop body and the last J v
     def iterate(v):
         for _ in tf.range(iterations):  # a graph loop: traced once, not unrolled
-            w = _jv_and_jtjv(f, x, v, step)[1]
+            w = _jtjv(f, x, v, step)
             v = tf.where(_per_example_norms(w) > 0, _unit(w), v)
-        y, moved = tf.split(f(tf.concat([x, x + step * v], axis=0)), 2)  # forward only
-        return v, tf.reshape(_per_example_norms((moved - y) / step), [-1])
+        return v, tf.reshape(_per_example_norms(_difference_jv(f, x, v, step)[1]), [-1])
 
     v, sigma = iterate(_unit(tf.random.stateless_normal(tf.shape(x), seed=[seed, 1])))
     return sigma.numpy(), v

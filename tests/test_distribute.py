@@ -77,9 +77,9 @@ def _free_ports(count):
 def cluster():
     """Two worker processes on 127.0.0.1, each training one model per mode in turn."""
     ports = _free_ports(2)
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    spec = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     processes = [_run(["worker"], env={"TF_CONFIG": json.dumps(
-        {"cluster": cluster, "task": {"type": "worker", "index": index}})}) for index in range(2)]
+        {"cluster": spec, "task": {"type": "worker", "index": index}})}) for index in range(2)]
     try:
         return [_finish(process, timeout=300) for process in processes]
     finally:
