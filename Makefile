@@ -19,6 +19,7 @@ $(STAMP): setup.cfg pyproject.toml | check-python
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
 	$(VENV)/bin/python -m pip install -q -e ".[dev]"
+	@$(VENV)/bin/python -c "import lipdp.kernels as k; print('lipdp fused kernels:', k.status())"
 	@touch $(STAMP)
 
 data: $(STAMP)

@@ -1,18 +1,21 @@
 """Where the paper's CNN loses to a plain CNN: its activation and pooling layers.
 
 `benchmarks/run.py` shows that the Lipschitz CNN's forward+backward pass is most of a clipless
-step and about twice a plain Keras CNN's. This script says which layers make the difference,
-paired in one process (alternating rounds, medians of per-round ratios to ``dp``):
+step. This script says which layers make the difference, paired in one process (alternating
+rounds, medians of per-round ratios to ``dp``):
 
 * forward+backward of the CNN of ``run.py`` (``dp``, batch ``--batch``, mean cross-entropy of
-  the logits) and of copies of it with layers swapped **for timing only** (the copies are not
-  DP models): GroupSort2 -> ReLU (``relu``), scaled L2-norm pooling -> max pooling
+  the logits; GroupSort2 and L2-norm pooling run lipdp's fused kernels when they are
+  available, `lipdp.kernels`) and of copies of it with layers swapped **for timing only**
+  (the copies are not DP models): both layers in their TensorFlow-ops reference versions
+  (``dp, reference layers``: what lipdp ran before the fused kernels, and still runs without
+  a C++ compiler), GroupSort2 -> ReLU (``relu``), scaled L2-norm pooling -> max pooling
   (``maxpool``), both (``relu+maxpool``), lipdp's convolution and dense layers -> Keras's
   (``keras-conv/dense``), everything (``all-keras``); and the plain CNN's whole training
   step (``floor``, as in ``run.py``);
-* forward+backward of one activation on ``[batch, 28, 28, 32]`` random inputs (the first
-  conv block's activations), cotangent fixed: identity, ReLU, lipdp's GroupSort2, and
-  GroupSort2 compiled with XLA alone.
+* forward+backward of one layer on ``[batch, 28, 28, 32]`` random inputs (the first conv
+  block's activations), cotangent fixed: identity, ReLU, GroupSort2 (fused kernel, reference,
+  reference compiled with XLA), 2x2 pooling (L2-norm fused, L2-norm reference, max).
 
 Usage: ``.venv/bin/python benchmarks/layer_costs.py [--batch 1024] [--rounds 8]``.
 """
@@ -28,14 +31,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _swapped_cnn(dp_model, relu, maxpool, keras_linear):
-    """A copy of the DP CNN's layer list with the chosen layers replaced by Keras ones."""
+def _swapped_cnn(dp_model, relu, maxpool, keras_linear, reference=False):
+    """A copy of the DP CNN's layer list with the chosen layers replaced by Keras ones (or,
+    with `reference`, GroupSort2 and L2-norm pooling by their reference versions)."""
     import tensorflow as tf
+    from deel.lip.layers import ScaledL2NormPooling2D
+
+    from lipdp.layers._pair_sort import reference_sort_pairs
 
     layers = []
     for layer in dp_model.layers:
         kind = type(layer).__name__
-        if kind == "DP_GroupSort" and relu:
+        if kind == "DP_GroupSort" and reference:
+            layers.append(tf.keras.layers.Lambda(
+                lambda x, pairing=layer.pairing: reference_sort_pairs(x, pairing)))
+        elif kind == "DP_ScaledL2NormPooling2D" and reference:
+            layers.append(ScaledL2NormPooling2D(layer.pool_size, k_coef_lip=layer.k_coef_lip))
+        elif kind == "DP_GroupSort" and relu:
             layers.append(tf.keras.layers.ReLU())
         elif kind == "DP_ScaledL2NormPooling2D" and maxpool:
             layers.append(tf.keras.layers.MaxPooling2D(2))
@@ -136,14 +148,20 @@ def main(argv=None) -> int:
 
     import tensorflow as tf
 
-    import run
-    from lipdp.layers._pair_sort import sort_pairs
+    from deel.lip.layers import ScaledL2NormPooling2D
 
+    import run
+    from lipdp import kernels
+    from lipdp.layers import DP_ScaledL2NormPooling2D
+    from lipdp.layers._pair_sort import reference_sort_pairs, sort_pairs
+
+    print(f"lipdp fused kernels: {kernels.status()}")
     tf.keras.utils.set_random_seed(0)
     x, y = run._data(args.batch)  # pylint: disable=protected-access
     _, dp_model = run._build("cnn", "twin", args.batch)  # pylint: disable=protected-access
     floor_step, _ = run._floor("cnn")  # pylint: disable=protected-access
-    variants = {"dp": (False, False, False), "relu": (True, False, False),
+    variants = {"dp": (False, False, False), "dp, reference layers": (False, False, False, True),
+                "relu": (True, False, False),
                 "maxpool": (False, True, False), "relu+maxpool": (True, True, False),
                 "keras-conv/dense": (False, False, True), "all-keras": (True, True, True)}
     calls = {name: _forward_backward(_swapped_cnn(dp_model, *swaps), x, y)
@@ -154,10 +172,16 @@ def main(argv=None) -> int:
 
     activations = tf.random.stateless_normal([args.batch, 28, 28, 32], seed=[0, 1])
     cotangent = tf.random.stateless_normal([args.batch, 28, 28, 32], seed=[0, 2])
+    pooled = tf.random.stateless_normal([args.batch, 14, 14, 32], seed=[0, 3])
     calls = {name: _activation(fn, activations, cotangent) for name, fn in (
-        ("identity", tf.identity), ("relu", tf.nn.relu), ("groupsort2", sort_pairs),
-        ("groupsort2, XLA", _xla_group_sort(32)))}
-    _print_table(f"one activation, forward+backward on [{args.batch}, 28, 28, 32]",
+        ("identity", tf.identity), ("relu", tf.nn.relu), ("groupsort2, fused", sort_pairs),
+        ("groupsort2, reference", reference_sort_pairs),
+        ("groupsort2, reference with XLA", _xla_group_sort(32)))}
+    calls.update({name: _activation(fn, activations, pooled) for name, fn in (
+        ("L2-norm pooling 2x2, fused", DP_ScaledL2NormPooling2D(2)),
+        ("L2-norm pooling 2x2, reference", ScaledL2NormPooling2D(2)),
+        ("max pooling 2x2", tf.keras.layers.MaxPooling2D(2)))})
+    _print_table(f"one layer, forward+backward on [{args.batch}, 28, 28, 32]",
                  _paired(calls, args.rounds, "relu"), "relu")
     return 0
 

@@ -24,11 +24,18 @@ Two pairings:
   needed. Minima fill the first half of the channels, maxima the second.
 - ``"interleaved"`` (deel-lip's GroupSort2): channels ``2i`` and ``2i + 1``,
   minimum then maximum; the layout of models saved before the fast pairing.
+
+`sort_pairs` runs the fused CPU kernel of `lipdp.kernels` when it can (one pass over
+memory each way: ``LipdpPairPermute(x, x)`` forward, ``LipdpPairPermute(x, dy)``
+backward, the same comparison and selections, so the same values bit for bit) and
+`reference_sort_pairs`, written with TensorFlow ops, otherwise.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
+
+from lipdp import kernels
 
 PAIRINGS = ("halves", "interleaved")
 
@@ -51,7 +58,15 @@ def _first_members(channels, pairing):
 
 def sort_pairs(x, pairing="halves"):
     """GroupSort2 of `x` along its last axis (even size), with the tie-safe
-    permutation backward described in the module docstring."""
+    permutation backward described in the module docstring: the fused kernel when
+    `lipdp.kernels.usable_for` allows it, else `reference_sort_pairs`."""
+    if kernels.usable_for(x):
+        return kernels.fused_ops().lipdp_pair_permute(x, x, interleaved=pairing == "interleaved")
+    return reference_sort_pairs(x, pairing)
+
+
+def reference_sort_pairs(x, pairing="halves"):
+    """`sort_pairs` written with TensorFlow ops (a partner tensor, then selections)."""
     partner_of = _halves_partner if pairing == "halves" else _interleaved_partner
     first = _first_members(x.shape[-1], pairing)
 

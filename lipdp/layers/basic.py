@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 from deel.lip.layers import GroupSort, ScaledL2NormPooling2D
 
+from lipdp import kernels
 from lipdp.layers._pair_sort import PAIRINGS, sort_pairs
 from lipdp.layers.base import DPLayer
 from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error, gamma
@@ -194,6 +195,17 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
     gradient of the square root, ``dy / (2 (sqrt(u) + eps))``, only shrinks
     the true derivative, so the computed cotangents obey the same bound.)
     """
+
+    def call(self, x):
+        """deel-lip's computation; as one fused CPU kernel each way when
+        `lipdp.kernels.usable_for` allows it (same order of operations, so the same
+        rounding bound: `rounding_error`)."""
+        if self.data_format != "channels_last" or not kernels.usable_for(x):
+            return super().call(x)
+        pool_h, pool_w = self.pool_size
+        return kernels.fused_ops().lipdp_l2_norm_pool(
+            x, pool_h=pool_h, pool_w=pool_w, coef=float(self._get_coef()),
+            eps=float(self.eps_grad_sqrt))
 
     def _coef(self):
         return tf.constant(float(self.k_coef_lip), tf.float32)

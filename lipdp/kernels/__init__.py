@@ -1,0 +1,150 @@
+"""Fused CPU kernels for GroupSort2 and L2-norm pooling, compiled on first use.
+
+TensorFlow runs every elementwise op as its own pass over memory. lipdp's GroupSort2 took
+five of them forward and two backward (a partner tensor, comparisons, selections), and
+deel-lip's L2-norm pooling four: on the paper's CNN the two layers made the Lipschitz
+network's forward+backward pass about 1.8x a plain ReLU / max-pooling CNN's. The kernels in
+``lipdp_ops.cc`` read each input once and write each output once, and compute **the same
+values** as the reference implementations (`lipdp.layers._pair_sort`,
+`lipdp.layers._l2_pool`): GroupSort2 bit for bit (comparisons and copies only), L2-norm
+pooling with deel-lip's order of operations (so `lipdp.rounding.block_norm_error` still
+bounds its rounding). The tests hold both against the references, ties and NaNs included.
+
+The source is compiled with the C++ compiler of the machine (``$CXX``, else ``g++``,
+``c++`` or ``clang++``) against the installed TensorFlow's headers, about 5 s, once: the
+shared library is cached under ``$LIPDP_KERNEL_CACHE`` (default
+``$XDG_CACHE_HOME/lipdp/kernels``, else ``~/.cache/lipdp/kernels``), named by a hash of the
+source, the TensorFlow version and the flags, and written atomically (parallel test workers
+may compile at the same time). When no compiler works, or ``LIPDP_FUSED_KERNELS=0``, the
+layers use their reference implementation and `status` says why (one warning, when a
+compilation fails).
+
+The layers choose per call, when they are traced: the fused kernel for float32 tensors on
+the CPU outside XLA (no GPU visible, no ``jit_compile``); the reference otherwise. Both
+have registered gradients (second order included) and ``tf.vectorized_map`` converters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("lipdp_ops.cc")
+CXX_FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 600
+ENV_SWITCH = "LIPDP_FUSED_KERNELS"
+ENV_CACHE = "LIPDP_KERNEL_CACHE"
+
+_lock = threading.Lock()
+_state = {"loaded": False, "ops": None, "status": "not loaded yet"}
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept (`ENV_CACHE`, else the user's cache directory)."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lipdp" / "kernels"
+
+
+def _compiler():
+    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def _library_path(tf_flags) -> Path:
+    import tensorflow as tf
+
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), tf.__version__.encode(), " ".join(CXX_FLAGS).encode(),
+                 " ".join(tf_flags).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / f"lipdp_ops_{digest.hexdigest()[:16]}.so"
+
+
+def _compile(compiler, target: Path, tf_flags):
+    """Compile the source into `target`, atomically (a temporary file, then a rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run([compiler, *CXX_FLAGS, str(SOURCE), "-o", temporary, *tf_flags],
+                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({done.returncode}): "
+                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _load():
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        return None, f"disabled by {ENV_SWITCH}={os.environ[ENV_SWITCH]}"
+    import tensorflow as tf
+
+    tf_flags = tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()
+    target = _library_path(tf_flags)
+    if not target.exists():
+        compiler = _compiler()
+        if compiler is None:
+            return None, "no C++ compiler found (set CXX, or install g++)"
+        try:
+            _compile(compiler, target, tf_flags)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+            return None, f"compilation failed: {error}"
+    try:
+        ops = tf.load_op_library(str(target))
+    except (tf.errors.NotFoundError, OSError) as error:
+        return None, f"loading {target} failed: {error}"
+    from lipdp.kernels import _registrations
+
+    _registrations.register(ops)
+    return ops, f"loaded from {target}"
+
+
+def fused_ops():
+    """The loaded op module, or None when the fused kernels are unavailable (`status`)."""
+    if not _state["loaded"]:
+        with _lock:
+            if not _state["loaded"]:
+                ops, message = _load()
+                _state.update(loaded=True, ops=ops, status=message)
+                if ops is None and not message.startswith("disabled"):
+                    warnings.warn(f"lipdp's fused GroupSort2 / L2-norm pooling kernels are "
+                                  f"unavailable, using the slower reference layers: {message}",
+                                  RuntimeWarning, stacklevel=2)
+    return _state["ops"]
+
+
+def status() -> str:
+    """Whether the fused kernels are in use, and why not when they are not."""
+    fused_ops()
+    return _state["status"]
+
+
+def usable_for(tensor) -> bool:
+    """Whether a layer may run its fused kernel on `tensor` in the graph being traced: a
+    float32 tensor, kernels loaded, no GPU visible (the kernels are CPU only) and no XLA
+    compilation (``jit_compile``: XLA cannot compile a custom op)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    if tensor.dtype != tf.float32 or fused_ops() is None:
+        return False
+    if tf.config.list_logical_devices("GPU"):
+        return False
+    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
+            tf.compat.v1.get_default_graph()):
+        return False
+    return True

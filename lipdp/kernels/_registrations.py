@@ -1,0 +1,81 @@
+"""Gradients and ``tf.vectorized_map`` converters of the fused kernels (registered once,
+when `lipdp.kernels` loads them)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from deel.lip.layers import ScaledL2NormPooling2D
+from tensorflow.python.ops.parallel_for.pfor import RegisterPFor, wrap
+
+
+def _pool_attrs(op):
+    return {key: op.get_attr(key) for key in ("pool_h", "pool_w", "coef", "eps")}
+
+
+def reference_l2_norm_pool(x, pool_h, pool_w, coef, eps):
+    """deel-lip's ScaledL2NormPooling2D in TensorFlow ops: ``coef * sqrt(avg_pool(x^2))``,
+    with its square-root gradient ``dy / (2 (sqrt(u) + eps))`` (deel-lip's own op)."""
+    pooled = tf.nn.avg_pool2d(tf.square(x), (pool_h, pool_w), (pool_h, pool_w), "VALID")
+    return ScaledL2NormPooling2D._sqrt(eps)(pooled) * coef  # pylint: disable=protected-access
+
+
+def register(ops):
+    """Register the gradients and vectorisation rules of the op module `ops`."""
+
+    @tf.RegisterGradient("LipdpPairPermute")
+    def _pair_permute_grad(op, grad):
+        # Values are permuted by a permutation that only depends on the keys (piecewise
+        # constant): the keys get no gradient, the values the transposed permutation, which
+        # is the same pair swap.
+        keys = op.inputs[0]
+        return None, ops.lipdp_pair_permute(keys, grad,
+                                            interleaved=op.get_attr("interleaved"))
+
+    @tf.RegisterGradient("LipdpL2NormPool")
+    def _pool_grad(op, grad):
+        return ops.lipdp_l2_norm_pool_grad(op.inputs[0], grad, **_pool_attrs(op))
+
+    @tf.RegisterGradient("LipdpL2NormPoolGrad")
+    def _pool_grad_grad(op, grad):
+        # Second order (rarely needed): differentiate the reference backward pass.
+        x, dy = op.inputs
+        attrs = _pool_attrs(op)
+        with tf.GradientTape() as outer:
+            outer.watch([x, dy])
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                y = reference_l2_norm_pool(x, **attrs)
+            dx = inner.gradient(y, x, output_gradients=dy)
+        return outer.gradient(dx, [x, dy], output_gradients=grad)
+
+    @RegisterPFor("LipdpPairPermute")
+    def _pair_permute_pfor(pfor_input):
+        # Pairs lie along the last axis: a leading loop axis changes nothing.
+        pfor_input.stack_inputs()
+        return wrap(ops.lipdp_pair_permute(
+            pfor_input.stacked_input(0), pfor_input.stacked_input(1),
+            interleaved=pfor_input.get_attr("interleaved")), True)
+
+    def _merge_loop_axis(stacked):
+        shape = tf.shape(stacked)
+        return tf.reshape(stacked, tf.concat([[-1], shape[2:]], 0)), shape[:2]
+
+    def _split_loop_axis(tensor, loop_shape):
+        return tf.reshape(tensor, tf.concat([loop_shape, tf.shape(tensor)[1:]], 0))
+
+    def _pool_pfor_attrs(pfor_input):
+        return {key: pfor_input.get_attr(key) for key in ("pool_h", "pool_w", "coef", "eps")}
+
+    @RegisterPFor("LipdpL2NormPool")
+    def _pool_pfor(pfor_input):
+        x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
+        y = ops.lipdp_l2_norm_pool(x, **_pool_pfor_attrs(pfor_input))
+        return wrap(_split_loop_axis(y, loop_shape), True)
+
+    @RegisterPFor("LipdpL2NormPoolGrad")
+    def _pool_grad_pfor(pfor_input):
+        pfor_input.stack_inputs()
+        x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
+        dy, _ = _merge_loop_axis(pfor_input.stacked_input(1))
+        dx = ops.lipdp_l2_norm_pool_grad(x, dy, **_pool_pfor_attrs(pfor_input))
+        return wrap(_split_loop_axis(dx, loop_shape), True)

@@ -1,0 +1,247 @@
+// Fused CPU kernels for lipdp's GroupSort2 and L2-norm pooling (see lipdp/kernels/__init__.py).
+//
+// TensorFlow runs each elementwise op as a separate pass over memory; these layers took 3-4
+// passes (and a copy of the activations) forward and again backward. Each kernel below reads
+// its inputs once and writes its output once, and computes exactly what the reference
+// implementation in lipdp/layers computes:
+//
+// * LipdpPairPermute(keys, values): for each pair of channels (c, c + C/2) ("halves") or
+//   (2i, 2i + 1) ("interleaved") of the last axis, swaps the two `values` where the pair of
+//   `keys` is out of order (first member >= second member, so ties swap too). Only
+//   comparisons and copies: no rounding. GroupSort2 is LipdpPairPermute(x, x), and its
+//   backward pass LipdpPairPermute(x, dy): the same permutation (an involution, so it is its
+//   own transpose).
+// * LipdpL2NormPool(x): y = coef * sqrt((sum over the window of x^2) / area) over disjoint
+//   pool_h x pool_w windows ('valid': trailing rows/columns dropped), NHWC; the order of
+//   operations of deel-lip's ScaledL2NormPooling2D (square, average, square root, scale),
+//   hence the rounding analysis of lipdp.rounding.block_norm_error.
+// * LipdpL2NormPoolGrad(x, dy): deel-lip's backward pass of that layer,
+//   dx = ((dy * coef) / (2 (sqrt(s / area) + eps)) / area) * (2 x), and 0 * (2 x) on
+//   dropped pixels.
+//
+// Compiled with -ffp-contract=off: no fused multiply-add changes a rounding.
+
+#include <cmath>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace lipdp {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OkStatus;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace errors = ::tensorflow::errors;
+namespace shape_inference = ::tensorflow::shape_inference;
+
+void ParallelFor(OpKernelContext* ctx, int64_t units, int64_t cost_per_unit,
+                 const std::function<void(int64_t, int64_t)>& work) {
+  auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+  ::tensorflow::Shard(threads->num_threads, threads->workers, units, cost_per_unit, work);
+}
+
+REGISTER_OP("LipdpPairPermute")
+    .Input("keys: float")
+    .Input("values: float")
+    .Output("permuted: float")
+    .Attr("interleaved: bool = false")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle shape;
+      TF_RETURN_IF_ERROR(c->Merge(c->input(0), c->input(1), &shape));
+      c->set_output(0, shape);
+      return OkStatus();
+    });
+
+class PairPermuteOp : public OpKernel {
+ public:
+  explicit PairPermuteOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("interleaved", &interleaved_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys = ctx->input(0);
+    const Tensor& values = ctx->input(1);
+    OP_REQUIRES(ctx, keys.shape() == values.shape(),
+                errors::InvalidArgument("keys and values must have the same shape, got ",
+                                        keys.shape().DebugString(), " and ",
+                                        values.shape().DebugString()));
+    OP_REQUIRES(ctx, keys.dims() >= 1 && keys.dim_size(keys.dims() - 1) % 2 == 0,
+                errors::InvalidArgument("the last axis must have an even size, got shape ",
+                                        keys.shape().DebugString()));
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &output));
+    const int64_t channels = keys.dim_size(keys.dims() - 1);
+    if (channels == 0 || keys.NumElements() == 0) return;
+    const int64_t rows = keys.NumElements() / channels;
+    const int64_t half = channels / 2;
+    // Partner offset and the stride between first members.
+    const int64_t offset = interleaved_ ? 1 : half;
+    const int64_t stride = interleaved_ ? 2 : 1;
+    const float* k = keys.flat<float>().data();
+    const float* v = values.flat<float>().data();
+    float* out = output->flat<float>().data();
+    ParallelFor(ctx, rows, 4 * channels, [=](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* kr = k + r * channels;
+        const float* vr = v + r * channels;
+        float* orow = out + r * channels;
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t a = i * stride, b = a + offset;
+          const bool swap = kr[a] >= kr[b];
+          const float va = vr[a], vb = vr[b];
+          orow[a] = swap ? vb : va;
+          orow[b] = swap ? va : vb;
+        }
+      }
+    });
+  }
+
+ private:
+  bool interleaved_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("LipdpPairPermute").Device(DEVICE_CPU), PairPermuteOp);
+
+Status PooledShape(shape_inference::InferenceContext* c) {
+  shape_inference::ShapeHandle input;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &input));
+  int pool_h, pool_w;
+  TF_RETURN_IF_ERROR(c->GetAttr("pool_h", &pool_h));
+  TF_RETURN_IF_ERROR(c->GetAttr("pool_w", &pool_w));
+  if (pool_h < 1 || pool_w < 1) return errors::InvalidArgument("pool sizes must be positive");
+  auto pooled = [&](int axis, int pool) -> shape_inference::DimensionHandle {
+    auto dim = c->Dim(input, axis);
+    return c->ValueKnown(dim) ? c->MakeDim(c->Value(dim) / pool) : c->UnknownDim();
+  };
+  c->set_output(0, c->MakeShape({c->Dim(input, 0), pooled(1, pool_h), pooled(2, pool_w),
+                                 c->Dim(input, 3)}));
+  return OkStatus();
+}
+
+// `eps` is not used forward: it is the gradient's (and keeps the two ops' attributes alike).
+REGISTER_OP("LipdpL2NormPool")
+    .Input("x: float")
+    .Output("y: float")
+    .Attr("pool_h: int")
+    .Attr("pool_w: int")
+    .Attr("coef: float")
+    .Attr("eps: float")
+    .SetShapeFn(PooledShape);
+
+REGISTER_OP("LipdpL2NormPoolGrad")
+    .Input("x: float")
+    .Input("dy: float")
+    .Output("dx: float")
+    .Attr("pool_h: int")
+    .Attr("pool_w: int")
+    .Attr("coef: float")
+    .Attr("eps: float")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle input;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &input));
+      c->set_output(0, input);
+      return OkStatus();
+    });
+
+template <bool kGrad>
+class L2NormPoolOp : public OpKernel {
+ public:
+  explicit L2NormPoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_h", &pool_h_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_w", &pool_w_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("coef", &coef_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
+    OP_REQUIRES(ctx, pool_h_ >= 1 && pool_w_ >= 1,
+                errors::InvalidArgument("pool sizes must be positive"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    OP_REQUIRES(ctx, x.dims() == 4,
+                errors::InvalidArgument("expected NHWC input of rank 4, got shape ",
+                                        x.shape().DebugString()));
+    const int64_t batch = x.dim_size(0), height = x.dim_size(1), width = x.dim_size(2),
+                  channels = x.dim_size(3);
+    const int64_t out_h = height / pool_h_, out_w = width / pool_w_;
+    const float* dy = nullptr;
+    if (kGrad) {
+      const Tensor& grad = ctx->input(1);
+      OP_REQUIRES(ctx, grad.shape() == TensorShape({batch, out_h, out_w, channels}),
+                  errors::InvalidArgument("dy has shape ", grad.shape().DebugString(),
+                                          ", expected the pooled shape of ",
+                                          x.shape().DebugString()));
+      dy = grad.flat<float>().data();
+    }
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, kGrad ? x.shape() : TensorShape({batch, out_h, out_w, channels}),
+                            &output));
+    if (output->NumElements() == 0) return;
+    float* out = output->flat<float>().data();
+    const float* xs = x.flat<float>().data();
+    if (kGrad && (out_h * pool_h_ != height || out_w * pool_w_ != width)) {
+      // Pixels no window covers: a zero cotangent times 2 x, as the reference computes
+      // it (signed zeros, NaN for a NaN input); covered pixels are overwritten below.
+      const int64_t size = x.NumElements();
+      ParallelFor(ctx, size, 2, [=](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) out[i] = 0.0f * (2.0f * xs[i]);
+      });
+    }
+    if (out_h == 0 || out_w == 0 || channels == 0) return;
+    const int64_t ph = pool_h_, pw = pool_w_;
+    const float area = static_cast<float>(ph * pw);
+    const float coef = coef_, eps = eps_;
+    ParallelFor(ctx, batch * out_h, out_w * channels * ph * pw * (kGrad ? 4 : 2),
+                [=](int64_t begin, int64_t end) {
+      std::vector<float> sums(channels);
+      float* __restrict s = sums.data();
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / out_h, oi = row % out_h;
+        for (int64_t oj = 0; oj < out_w; ++oj) {
+          const int64_t corner = ((b * height + oi * ph) * width + oj * pw) * channels;
+          for (int64_t c = 0; c < channels; ++c) s[c] = 0.0f;
+          for (int64_t di = 0; di < ph; ++di) {
+            for (int64_t dj = 0; dj < pw; ++dj) {
+              const float* __restrict p = xs + corner + (di * width + dj) * channels;
+              for (int64_t c = 0; c < channels; ++c) s[c] += p[c] * p[c];
+            }
+          }
+          const int64_t o = (row * out_w + oj) * channels;
+          if (!kGrad) {
+            float* __restrict y = out + o;
+            for (int64_t c = 0; c < channels; ++c) y[c] = std::sqrt(s[c] / area) * coef;
+            continue;
+          }
+          for (int64_t c = 0; c < channels; ++c) {
+            s[c] = (dy[o + c] * coef) / (2.0f * (std::sqrt(s[c] / area) + eps)) / area;
+          }
+          for (int64_t di = 0; di < ph; ++di) {
+            for (int64_t dj = 0; dj < pw; ++dj) {
+              const int64_t at = corner + (di * width + dj) * channels;
+              const float* __restrict p = xs + at;
+              float* __restrict d = out + at;
+              for (int64_t c = 0; c < channels; ++c) d[c] = s[c] * (2.0f * p[c]);
+            }
+          }
+        }
+      }
+    });
+  }
+
+ private:
+  int pool_h_, pool_w_;
+  float coef_, eps_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPool").Device(DEVICE_CPU), L2NormPoolOp<false>);
+REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPoolGrad").Device(DEVICE_CPU), L2NormPoolOp<true>);
+
+}  // namespace lipdp
