@@ -794,6 +794,14 @@ def _targets_table(targets) -> str:
     return "\n".join(lines)
 
 
+def _kernel_status() -> str:
+    """Whether the DP layers ran lipdp's fused kernels (the subprocesses load the same cached
+    library, or fall back the same way)."""
+    from lipdp import kernels
+
+    return kernels.status()
+
+
 def _header(elapsed) -> str:
     versions = ", ".join(f"{name} {_version(package)}" for name, package in (
         ("TensorFlow", "tensorflow"), ("deel-lip", "deel-lip"),
@@ -807,6 +815,8 @@ def _header(elapsed) -> str:
         f"- versions: Python {platform.python_version()}, {versions}; lipdp commit "
         f"{_git_commit()}",
         f"- command: `{command}`",
+        f"- lipdp's fused GroupSort2 / L2-norm pooling kernels (`lipdp.kernels`): "
+        f"{_kernel_status()}",
         f"- total wall time: {elapsed:.0f} s", "",
         "What each configuration is and how time and memory are measured: the docstring of "
         "`benchmarks/run.py`. The paired figures are the primary ones (medians of per-round "

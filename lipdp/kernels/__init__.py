@@ -122,8 +122,10 @@ def fused_ops():
                 _state.update(loaded=True, ops=ops, status=message)
                 if ops is None and not message.startswith("disabled"):
                     warnings.warn(f"lipdp's fused GroupSort2 / L2-norm pooling kernels are "
-                                  f"unavailable, using the slower reference layers: {message}",
-                                  RuntimeWarning, stacklevel=2)
+                                  f"unavailable, using the slower reference layers (same "
+                                  f"values): {message}. Set {ENV_CACHE} to a writable "
+                                  f"directory or CXX to a C++ compiler, or {ENV_SWITCH}=0 "
+                                  f"to silence this.", RuntimeWarning, stacklevel=2)
     return _state["ops"]
 
 
