@@ -5,19 +5,20 @@ five of them forward and two backward (a partner tensor, comparisons, selections
 deel-lip's L2-norm pooling four: on the paper's CNN the two layers made the Lipschitz
 network's forward+backward pass about 1.8x a plain ReLU / max-pooling CNN's. The kernels in
 ``lipdp_ops.cc`` read each input once and write each output once, and compute **the same
-values** as the reference implementations (`lipdp.layers._pair_sort`,
-`lipdp.layers._l2_pool`): GroupSort2 bit for bit (comparisons and copies only), L2-norm
-pooling with deel-lip's order of operations (so `lipdp.rounding.block_norm_error` still
-bounds its rounding). The tests hold both against the references, ties and NaNs included.
+values** as the reference implementations (`lipdp.layers._pair_sort.reference_sort_pairs`,
+deel-lip's ``ScaledL2NormPooling2D.call``): GroupSort2 bit for bit (comparisons and copies
+only), L2-norm pooling with deel-lip's order of operations (so
+`lipdp.rounding.block_norm_error` still bounds its rounding). `tests/test_kernels.py` holds
+both against the references, ties and NaNs included.
 
 The source is compiled with the C++ compiler of the machine (``$CXX``, else ``g++``,
-``c++`` or ``clang++``) against the installed TensorFlow's headers, about 5 s, once: the
+``c++`` or ``clang++``) against the installed TensorFlow's headers, a few seconds, once: the
 shared library is cached under ``$LIPDP_KERNEL_CACHE`` (default
 ``$XDG_CACHE_HOME/lipdp/kernels``, else ``~/.cache/lipdp/kernels``), named by a hash of the
 source, the TensorFlow version and the flags, and written atomically (parallel test workers
 may compile at the same time). When no compiler works, or ``LIPDP_FUSED_KERNELS=0``, the
-layers use their reference implementation and `status` says why (one warning, when a
-compilation fails).
+layers use their reference implementation and `status` says why (with one warning, unless
+the switch turned them off).
 
 The layers choose per call, when they are traced: the fused kernel for float32 tensors on
 the CPU outside XLA (no GPU visible, no ``jit_compile``); the reference otherwise. Both
