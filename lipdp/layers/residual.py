@@ -109,10 +109,12 @@ class DP_WrappedResidual(tf.keras.layers.Layer, DPLayer):
         super().build(input_shape)
 
     def call(self, inputs):
-        branch = inputs[:, 1]
+        # One unstack, not two slices: the gradient of a slice is a full-size tensor of
+        # zeros around the slice's cotangent (StridedSliceGrad), that of an unstack one stack.
+        skip, branch = tf.unstack(inputs, num=2, axis=1)
         for inner in self.branch:
             branch = inner(branch)
-        return tf.stack([inputs[:, 0], branch], axis=1)
+        return tf.stack([skip, branch], axis=1)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -182,7 +184,8 @@ class DP_MergeResidual(tf.keras.layers.Layer, DPLayer):
         super().build(input_shape)
 
     def call(self, inputs):
-        return self._coef * (inputs[:, 0] + inputs[:, 1])
+        skip, branch = tf.unstack(inputs, num=2, axis=1)  # see DP_WrappedResidual.call
+        return self._coef * (skip + branch)
 
     def compute_output_shape(self, input_shape):
         input_shape = tf.TensorShape(input_shape)
