@@ -116,6 +116,18 @@ def test_a_hint_never_loosens_or_breaks_the_certificate():
             assert exact * (1 - SVD_SLACK) <= bound <= exact * (1 + TIGHT), (name, hint_name)
 
 
+def _count_factorisations(monkeypatch):
+    """A list that grows by one at every Cholesky factorisation numpy runs."""
+    calls, factorise = [], np.linalg.cholesky
+
+    def counting(matrix):
+        calls.append(1)
+        return factorise(matrix)
+
+    monkeypatch.setattr(np.linalg, "cholesky", counting)
+    return calls
+
+
 def test_the_power_iteration_vector_spares_a_cholesky_factorisation(monkeypatch):
     """On a spectrally normalised 784 x 1024 kernel (clustered top spectrum) Lanczos from
     the fixed vector under-estimates by ~1e-5, so the 1e-6 shift fails and a second
@@ -123,14 +135,7 @@ def test_the_power_iteration_vector_spares_a_cholesky_factorisation(monkeypatch)
     Both certificates bound the exact norm; the hinted one within sqrt(1 + 2e-6)."""
     w, u = _spectrally_normalised(np.random.default_rng(12))
     exact = _exact_norm(w)
-    calls = []
-    factorise = np.linalg.cholesky
-
-    def counting(matrix):
-        calls.append(1)
-        return factorise(matrix)
-
-    monkeypatch.setattr(np.linalg, "cholesky", counting)
+    calls = _count_factorisations(monkeypatch)
     hinted = float(dense_norm_upper(w, u))
     assert len(calls) == 1 and exact <= hinted <= exact * (1 + 1e-6)
     calls.clear()
@@ -153,14 +158,7 @@ def test_a_kernel_between_bjorck_refreshes_costs_two_factorisations_and_stays_ti
         u /= np.linalg.norm(u)
     w = (w / np.linalg.norm(w @ u)).astype(np.float32)
     exact = _exact_norm(w)
-    calls = []
-    factorise = np.linalg.cholesky
-
-    def counting(matrix):
-        calls.append(1)
-        return factorise(matrix)
-
-    monkeypatch.setattr(np.linalg, "cholesky", counting)
+    calls = _count_factorisations(monkeypatch)
     bound = float(dense_norm_upper(w, u))
     assert exact <= bound <= exact * (1 + 2e-4) and len(calls) == 2, (bound / exact - 1, calls)
 

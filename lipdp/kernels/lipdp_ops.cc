@@ -22,6 +22,7 @@
 // Compiled with -ffp-contract=off: no fused multiply-add changes a rounding.
 
 #include <cmath>
+#include <functional>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
