@@ -209,3 +209,29 @@ def test_a_failed_compilation_falls_back_and_the_switch_disables_silently(tmp_pa
     out, err = _run_python(_FALLBACK_CHECK, LIPDP_FUSED_KERNELS="0")
     assert "FUSED False" in out and "disabled by LIPDP_FUSED_KERNELS=0" in out
     assert "unavailable" not in err
+
+
+def test_a_saved_model_that_ran_the_kernels_loads_once_they_are_loaded(tmp_path):
+    """A SavedModel holds the custom ops: another process loads it after
+    lipdp.kernels.fused_ops() (not after `import lipdp` alone, which loads nothing)."""
+    model = tf.keras.Sequential([tf.keras.layers.Input((6, 6, 4)), DP_GroupSort(2),
+                                 DP_ScaledL2NormPooling2D(2)])
+    tf.saved_model.save(model, str(tmp_path / "model"))
+    x = tf.random.stateless_normal((2, 6, 6, 4), seed=(14, 15))
+    np.save(tmp_path / "x.npy", x.numpy())
+    load = f"""
+        import numpy as np, tensorflow as tf
+        import lipdp
+        {{}}
+        try:
+            loaded = tf.saved_model.load({str(tmp_path / "model")!r})
+            y = loaded.signatures["serving_default"](tf.constant(np.load({str(tmp_path / "x.npy")!r})))
+            np.save({str(tmp_path / "y.npy")!r}, list(y.values())[0].numpy())
+            print("LOADED")
+        except Exception as error:
+            print("REFUSED", type(error).__name__)
+    """
+    out, _ = _run_python(load.format("pass"))
+    assert "REFUSED" in out
+    out, _ = _run_python(load.format("lipdp.kernels.fused_ops()"))
+    assert "LOADED" in out and _same(np.load(tmp_path / "y.npy"), model(x))
