@@ -8,8 +8,9 @@ from deel.lip.layers import ScaledL2NormPooling2D
 from tensorflow.python.ops.parallel_for.pfor import RegisterPFor, wrap
 
 
-def _pool_attrs(op):
-    return {key: op.get_attr(key) for key in ("pool_h", "pool_w", "coef", "eps")}
+def _pool_attrs(node):
+    """The pooling attributes of an op, or of the op a pfor converter is given."""
+    return {key: node.get_attr(key) for key in ("pool_h", "pool_w", "coef", "eps")}
 
 
 def reference_l2_norm_pool(x, pool_h, pool_w, coef, eps):
@@ -63,13 +64,10 @@ def register(ops):
     def _split_loop_axis(tensor, loop_shape):
         return tf.reshape(tensor, tf.concat([loop_shape, tf.shape(tensor)[1:]], 0))
 
-    def _pool_pfor_attrs(pfor_input):
-        return {key: pfor_input.get_attr(key) for key in ("pool_h", "pool_w", "coef", "eps")}
-
     @RegisterPFor("LipdpL2NormPool")
     def _pool_pfor(pfor_input):
         x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
-        y = ops.lipdp_l2_norm_pool(x, **_pool_pfor_attrs(pfor_input))
+        y = ops.lipdp_l2_norm_pool(x, **_pool_attrs(pfor_input))
         return wrap(_split_loop_axis(y, loop_shape), True)
 
     @RegisterPFor("LipdpL2NormPoolGrad")
@@ -77,5 +75,5 @@ def register(ops):
         pfor_input.stack_inputs()
         x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
         dy, _ = _merge_loop_axis(pfor_input.stacked_input(1))
-        dx = ops.lipdp_l2_norm_pool_grad(x, dy, **_pool_pfor_attrs(pfor_input))
+        dx = ops.lipdp_l2_norm_pool_grad(x, dy, **_pool_attrs(pfor_input))
         return wrap(_split_loop_axis(dx, loop_shape), True)
