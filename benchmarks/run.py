@@ -430,6 +430,8 @@ def _breakdown_pieces(model, x, y) -> dict:
     untimed preparations some of them need before each call."""
     import tensorflow as tf
 
+    from lipdp.noise import gaussian_noise
+
     variables = model.trainable_variables
     sensitivities = model.sensitivities()
     noisy_gradients = []
@@ -455,8 +457,7 @@ def _breakdown_pieces(model, x, y) -> dict:
     @tf.function
     def noise(sensitivities):
         stddevs = model._noise_stddevs(sensitivities)  # pylint: disable=protected-access
-        return _probe([tf.random.normal(v.shape, stddev=std, dtype=v.dtype)
-                       for v, std in zip(variables, stddevs)])
+        return _probe(gaussian_noise(variables, stddevs))
 
     @tf.function
     def optimizer(gradients):

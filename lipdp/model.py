@@ -47,6 +47,7 @@ from lipdp.layers.gradient_clipping import clip_gradient_rows
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
+from lipdp.noise import gaussian_noise
 from lipdp.records import check_finite_arrays, check_finite_dataset
 
 
@@ -498,9 +499,8 @@ class _DPModelMixin:
             g, f"Non-finite gradient of {v.name} in a private step")
             for g, v in zip(gradients, self.trainable_variables)]
         sensitivities = self.sensitivities()
-        noise = _once_per_global_batch(lambda: [
-            tf.random.normal(tf.shape(g), stddev=std, dtype=g.dtype)
-            for g, std in zip(gradients, self._noise_stddevs(sensitivities))], gradients)
+        noise = _once_per_global_batch(
+            lambda: gaussian_noise(gradients, self._noise_stddevs(sensitivities)), gradients)
         noisy = [g + n for g, n in zip(gradients, noise)]
         return gradients, noisy, sensitivities, per_example, y_pred
 

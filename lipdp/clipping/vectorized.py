@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from lipdp.clipping.engine import ClippedBatch, checked, squared_norms_of, weighted_sum
 from lipdp.clipping.rules import ClippingRule
+from lipdp.noise import gaussian_noise
 from lipdp.per_example import per_example_gradients
 
 
@@ -56,8 +57,8 @@ class VectorizedEngine:
         with ``nu = rule.factors(||g_i + k z_i||^2)``, z standard normal (k = 0: z unused)."""
         gradients, losses, y_pred = forward_and_per_example_gradients(model, loss_fn, x, y)
         if self.preclip_noise > 0:
-            gradients = [g + tf.random.normal(tf.shape(g), stddev=self.preclip_noise, dtype=g.dtype)
-                         for g in gradients]
+            noise = gaussian_noise(gradients, [self.preclip_noise] * len(gradients))
+            gradients = [g + n for g, n in zip(gradients, noise)]
         squared = squared_norms_of(gradients)
         factors = rule.factors(squared)
         sums = [weighted_sum(nu, g) for nu, g in zip(factors, gradients)]
