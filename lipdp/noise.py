@@ -1,16 +1,16 @@
-"""Gaussian noise of the private step, drawn as one Box–Muller transform of TF uniforms.
+"""Gaussian noise of the private step: the Box–Muller transform of TF uniforms, vectorised.
 
 ``gaussian_noise(like, stddevs)`` returns ``stddev_i * z_i`` with ``z_i`` shaped like
-``like[i]`` and every coordinate of every ``z_i`` independent ``N(0, 1)``, from one draw for
-the whole list: ``u, v`` uniform on [0, 1) (``tf.random.uniform``: TensorFlow's stateful Philox
-generator, seeded as every TF random op is: never, unless the program sets a seed), then
-``sqrt(-2 log(1 - u)) * (cos(2 pi v), sin(2 pi v))``, the Box–Muller transform: for
-independent uniforms the two outputs are exactly independent standard normals.
+``like[i]`` and every coordinate of every ``z_i`` independent ``N(0, 1)``: ``u, v`` uniform
+on [0, 1) (``tf.random.uniform``: TensorFlow's stateful Philox generator, seeded as every TF
+random op is: never, unless the program sets a seed), then ``sqrt(-2 log(1 - u)) *
+(cos(2 pi v), sin(2 pi v))``, the Box–Muller transform: for independent uniforms the two
+outputs are exactly independent standard normals.
 
 ``tf.random.normal``'s CPU kernel computes the same transform of the same generator's
-uniforms one scalar pair at a time; here it runs as vectorised TensorFlow ops, in 0.57x the
-time for the 1.6M coordinates of the paper's CNN on this 2-core CPU (4.9 against 8.6 ms;
-`benchmarks/run.py`'s breakdown prints the noise's share of a step).
+uniforms one scalar pair at a time; here it runs as vectorised TensorFlow ops: the 1.63M
+coordinates of the paper's CNN in about 0.52x the time on this 2-core CPU (4.3 against
+8.4 ms; `benchmarks/run.py`'s breakdown prints the noise's share of a step).
 
 Float artefacts, no worse than ``tf.random.normal``'s: a float32 ``u`` is a multiple of 2^-23,
 so the radius takes finitely many values and never exceeds ``sqrt(2 * 23 * log 2) = 5.65``
@@ -35,8 +35,7 @@ def standard_normal(n, dtype=tf.float32) -> tf.Tensor:
     in float32 (float64 for ``dtype=tf.float64``, from float64 uniforms)."""
     compute = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
     n = tf.cast(n, tf.int32)
-    half = (n + 1) // 2
-    uniforms = tf.random.uniform(tf.stack([2, half]), dtype=compute)
+    uniforms = tf.random.uniform(tf.stack([2, (n + 1) // 2]), dtype=compute)
     radius = tf.sqrt(-2.0 * tf.math.log1p(-uniforms[0]))  # u < 1: 1 - u in (0, 1]
     angle = (2.0 * math.pi) * uniforms[1]
     return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)[:n]
@@ -44,20 +43,16 @@ def standard_normal(n, dtype=tf.float32) -> tf.Tensor:
 
 def gaussian_noise(like: Sequence[tf.Tensor], stddevs) -> list:
     """``[stddevs[i] * z_i]``, ``z_i`` independent standard normal tensors shaped like
-    ``like[i]`` and of its dtype, from one `standard_normal` draw per dtype.
+    ``like[i]`` and of its dtype (one `standard_normal` draw each).
 
     Args:
         like: tensors giving the shapes and dtypes (e.g. the gradients).
         stddevs: one standard deviation per tensor (scalars or scalar tensors).
     """
-    like = [tf.convert_to_tensor(t) for t in like]
-    noise = [None] * len(like)
-    for dtype in {t.dtype for t in like}:
-        members = [i for i, t in enumerate(like) if t.dtype == dtype]
-        sizes = [tf.size(like[i]) for i in members]
-        draw = standard_normal(tf.add_n(sizes), dtype)
-        pieces = tf.split(draw, tf.stack(sizes)) if len(members) > 1 else [draw]
-        for i, piece in zip(members, pieces):
-            z = tf.cast(tf.reshape(piece, tf.shape(like[i])), dtype)
-            noise[i] = tf.cast(stddevs[i], dtype) * z
+    noise = []
+    for tensor, stddev in zip(like, stddevs):
+        tensor = tf.convert_to_tensor(tensor)
+        z = standard_normal(tf.size(tensor), tensor.dtype)
+        z = tf.cast(tf.reshape(z, tf.shape(tensor)), tensor.dtype)
+        noise.append(tf.cast(stddev, tensor.dtype) * z)
     return noise

@@ -70,7 +70,7 @@ def test_noise_takes_each_tensors_shape_dtype_and_std():
         assert n.shape == t.shape and n.dtype == t.dtype
     assert_gaussian_noise(noise[0].numpy(), 2.0, "300x200, std 2", nb_tests=2)
     assert_gaussian_noise(noise[4].numpy(), 0.25, "400x250 float64, std 0.25", nb_tests=2)
-    # One draw for the float32 tensors: the pieces are different parts of it.
+    # Each tensor has a draw of its own (no value of one repeats in another).
     assert not np.any(np.isin(noise[1].numpy() / 0.5, noise[0].numpy() / 2.0))
 
 
