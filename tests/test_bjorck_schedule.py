@@ -48,8 +48,10 @@ class _Singular(tf.keras.callbacks.Callback):
 def test_bjorck_runs_on_its_schedule_and_spectral_normalisation_in_between(layer_cls):
     """bjorck_every=3: after the steps whose index is a multiple of 3 every singular value
     of the kernel is within 1e-2 of 1 (orthogonal); after the others the largest is near 1
-    (divided by a warm power-iteration estimate, which may fall short: the certificate, not
-    it, enters the bounds) but the spread stays (smallest < 0.97: not orthogonal).
+    (divided by a warm power-iteration estimate, which may fall short after a large noisy
+    step: up to 1.10 over three seeds and both layers; the certificate, not it, enters the
+    bounds; without the normalisation it is above 4 after the first such step and grows to
+    thousands) but the spread stays (smallest < 0.97: not orthogonal).
     With bjorck_every=1 every step ends orthogonal."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 24)).astype("float32"), one_hot_labels(rng, 64, 4)
@@ -61,7 +63,7 @@ def test_bjorck_runs_on_its_schedule_and_spectral_normalisation_in_between(layer
         model.fit(data, epochs=3, verbose=0, callbacks=[record])
         assert [t for t, _ in record.steps] == list(range(12))
         for step, singular in record.steps:
-            assert singular[0] <= 1 + 0.1, (every, step, singular[0])
+            assert singular[0] <= 1.25, (every, step, singular[0])
             if step % every == 0:
                 assert np.max(np.abs(singular - 1)) < 1e-2, (every, step, singular)
             else:
