@@ -188,7 +188,8 @@ def dense_norm_upper(kernel, hint=None) -> np.float32:
                 start = w @ start  # the top left singular vector, of the smaller side
         w = w.T
     p, k = w.shape
-    frobenius_sq = float(np.sum(w * w)) * (1.0 + 2.0 * gamma64(p * k))
+    flat = w.ravel()  # one inner product, no squared copy (any summation order: gamma_{pk})
+    frobenius_sq = float(flat @ flat) * (1.0 + 2.0 * gamma64(p * k))
     if frobenius_sq == 0.0:
         return np.float32(0.0)
     if not np.isfinite(frobenius_sq):

@@ -57,7 +57,8 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True):
     the spectral norm estimated by deel-lip's cached power iteration, then
     (when `orthogonalise` holds: a Python bool, or a boolean tensor for a
     schedule decided in the graph) orthogonalised with deel-lip's Björck
-    iteration; without it the kernel is only spectrally normalised. Björck only converges when
+    iteration (computed in Gram space for elongated kernels, `lipdp.layers._bjorck`);
+    without it the kernel is only spectrally normalised. Björck only converges when
     every singular value is below sqrt(3); after a large noisy step the cached
     vector can under-estimate the spectral norm by more than that, and Björck
     blows up. When its result is not finite, the projection restarts from the
@@ -68,14 +69,16 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True):
         ``(projected kernel with the input's shape, new power-iteration vector)``.
     """
     import tensorflow as tf
-    from deel.lip.normalizers import bjorck_normalization, spectral_normalization
+    from deel.lip.normalizers import spectral_normalization
+
+    from lipdp.layers._bjorck import orthogonalise as orthogonalise_bjorck
 
     matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
     normalised, u, _ = spectral_normalization(matrix, u, eps=config.eps_spectral,
                                               maxiter=maxiter_spectral)
     if config.eps_bjorck is not None and orthogonalise is not False:
         def bjorck(w):
-            return bjorck_normalization(w, eps=config.eps_bjorck, beta=config.beta_bjorck,
+            return orthogonalise_bjorck(w, eps=config.eps_bjorck, beta=config.beta_bjorck,
                                         maxiter=config.maxiter_bjorck)
 
         def orthogonalised():
