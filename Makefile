@@ -3,9 +3,10 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
-# make demo trains lipdp's most accurate private model (ScatterNet features, clipped DP-SGD;
-# not certifiable), then its certified-robust Lipschitz network; CONFIG=... picks others.
-CONFIG ?= configs/fashion_mnist_scatternet_clipped.yaml configs/fashion_mnist.yaml
+# make demo trains lipdp's most accurate private model (ScatterNet features at two scales,
+# clipped DP-SGD; not certifiable), then its certified-robust Lipschitz network; CONFIG=...
+# picks others.
+CONFIG ?= configs/fashion_mnist_scatternet_multiscale_clipped.yaml configs/fashion_mnist.yaml
 
 .PHONY: demo test data bench check-python clean
 

@@ -30,12 +30,13 @@ Schema (defaults shown)::
       conv_filters: [32, 64]   # cnn: filters of the 3x3 conv blocks (conv, GroupSort2, L2 pool 2x2)
       dense_width: 512         # cnn: width of the hidden dense layer
       use_bias: false          # biases in every dense / conv layer
-      scattering_J: 2          # scatternet: scales of the wavelet scattering (subsampling 2^J)
+      scattering_J: 2          # scatternet: scales of the wavelet scattering (subsampling 2^J);
+                               #   a list ([2, 1]) concatenates one scattering per J (group only)
       scattering_order_weights: [1.0, 1.0, 1.0]  # scatternet: weights of orders 0, 1, 2
       feature_bound: 3.0       # scatternet: L2 bound of the scattering features
       feature_normalization: none  # scatternet: none | group (per-example group
                                #   normalisation: accuracy, but NO certified radius)
-      feature_groups: 27       # scatternet, group: number of channel groups
+      feature_groups: 27       # scatternet, group: number of channel groups (a list: one per J)
       head: lipschitz          # mlp / scatternet: lipschitz (DP layers) | plain (Keras Dense
                                #   + tanh, zero-initialised output; clipped mode only)
     loss:
@@ -96,6 +97,10 @@ Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
   one image centred and scaled to unit variance, from that image alone, so it costs no privacy).
   Its epsilon is 1e-5 (theirs). It lifts the small order-2 coefficients, but it is not
   Lipschitz in any useful sense (its constant is ``1/sqrt(epsilon)``, 316): such a model gets no certified radius, and the summary says so.
+  With normalisation, ``scattering_J`` may list several scales (``[2, 1]``) and
+  ``feature_groups`` as many group counts (``[27, 3]``): one scattering per J (orders up to
+  ``min(2, J)``, the first order weights), each normalised by its own groups, flattened and
+  concatenated (a Keras functional model; J = 1 adds 9 paths of 14x14, the finer scale).
 - ``head: plain`` (``mlp`` and ``scatternet``, clipped mode only): the same widths as plain
   Keras layers, ``Flatten, [Dense(w), tanh] for w in widths, Dense(nb_classes)`` with a
   zero-initialised output layer, unconstrained: classic DP-SGD's usual model (Tramèr &
@@ -302,6 +307,13 @@ _NON_NEGATIVE = _number(low=0, expected="a finite non-negative number")
 _OPEN_UNIT = _number(low=0, high=1, low_open=True, high_open=True, expected="a number in (0, 1)")
 
 
+def _scales(key, value):
+    """A positive integer, or a non-empty list of them (one per scattering scale)."""
+    if isinstance(value, list):
+        return _int_list(key, value, allow_empty=False)
+    return _positive_int(key, value)
+
+
 def _order_weights(key, value):
     if not isinstance(value, list) or len(value) not in (2, 3):
         raise _invalid(key, "a list of 2 or 3 positive numbers (weights of the scattering orders "
@@ -327,11 +339,11 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "conv_filters": lambda k, v: _int_list(k, v, allow_empty=False),
         "dense_width": _positive_int,
         "use_bias": _bool,
-        "scattering_J": _positive_int,
+        "scattering_J": _scales,
         "scattering_order_weights": _order_weights,
         "feature_bound": _POSITIVE,
         "feature_normalization": _choice("none", "group"),
-        "feature_groups": _positive_int,
+        "feature_groups": _scales,
         "head": _choice("lipschitz", "plain"),
     },
     "loss": {
@@ -464,6 +476,22 @@ def _check_mode(model, privacy):
     if model["head"] == "plain" and model["architecture"] not in ("mlp", "scatternet"):
         raise ConfigError("model.head='plain' applies to the mlp and scatternet architectures. "
                           f"Received: model.architecture={model['architecture']!r}")
+    scales, groups = model["scattering_J"], model["feature_groups"]
+    if isinstance(scales, list) and model["feature_normalization"] != "group":
+        raise ConfigError("Several scattering scales (model.scattering_J a list) are "
+                          "concatenated after their group normalisation: they need "
+                          "model.feature_normalization='group' (the certified front end is one "
+                          f"scattering). Received: model.scattering_J={scales!r}, "
+                          f"model.feature_normalization={model['feature_normalization']!r}")
+    if isinstance(scales, list) and (not isinstance(groups, list) or len(groups) != len(scales)
+                                     or len(set(scales)) != len(scales)):
+        raise ConfigError("With several scattering scales, model.scattering_J lists distinct "
+                          "scales and model.feature_groups one group count per scale. Received: "
+                          f"model.scattering_J={scales!r}, model.feature_groups={groups!r}")
+    if not isinstance(scales, list) and isinstance(groups, list):
+        raise ConfigError("model.feature_groups is a list only when model.scattering_J is one. "
+                          f"Received: model.scattering_J={scales!r}, "
+                          f"model.feature_groups={groups!r}")
     if model["architecture"] == "tanh_cnn" and mode != "clipped":
         raise ConfigError("model.architecture='tanh_cnn' is made of plain Keras layers, whose "
                           "gradients lipdp cannot bound: train it with privacy.mode='clipped' "
@@ -606,6 +634,8 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
     from lipdp import layers
 
     weights = model_cfg["scattering_order_weights"]
+    if isinstance(model_cfg["scattering_J"], list):
+        return _multiscale_front_end(model_cfg, input_bound)
     try:
         stack = [layers.DP_BoundedInput(input_bound),
                  layers.DP_Scattering(J=model_cfg["scattering_J"], max_order=len(weights) - 1,
@@ -613,10 +643,58 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
     except ValueError as e:
         raise ConfigError(f"Cannot build the scattering front end: {e}") from None
     if model_cfg["feature_normalization"] == "group":
-        stack.append(tf.keras.layers.GroupNormalization(
-            groups=model_cfg["feature_groups"], axis=-1, epsilon=_GROUP_NORM_EPSILON,
-            center=False, scale=False))
+        stack.append(_group_normalization(model_cfg["feature_groups"]))
     return tf.keras.Sequential(stack)
+
+
+def _group_normalization(groups):
+    import tensorflow as tf
+
+    return tf.keras.layers.GroupNormalization(groups=groups, axis=-1,
+                                              epsilon=_GROUP_NORM_EPSILON, center=False,
+                                              scale=False)
+
+
+def _multiscale_front_end(model_cfg: Dict[str, Any], input_bound: float):
+    """Several scatterings of the bounded input (one per J of ``scattering_J``, orders up to
+    ``min(2, J)``), each group-normalised by its own ``feature_groups`` entry, flattened and
+    concatenated: a Keras functional model without variables, built on its first call."""
+    import tensorflow as tf
+
+    from lipdp import layers
+
+    weights = model_cfg["scattering_order_weights"]
+    bounded = layers.DP_BoundedInput(input_bound)
+    branches = []
+    try:
+        for J, groups in zip(model_cfg["scattering_J"], model_cfg["feature_groups"]):
+            max_order = min(len(weights) - 1, J)
+            branches.append([layers.DP_Scattering(J=J, max_order=max_order,
+                                                  order_weights=weights[:max_order + 1]),
+                             _group_normalization(groups), tf.keras.layers.Flatten()])
+    except ValueError as e:
+        raise ConfigError(f"Cannot build the scattering front end: {e}") from None
+
+    class MultiscaleScattering(tf.keras.Model):
+        def __init__(self):
+            super().__init__(name="multiscale_scattering")
+            self.bounded, self.branches = bounded, branches
+
+        def call(self, inputs):
+            x = self.bounded(inputs)
+            features = []
+            for branch in self.branches:
+                y = x
+                for layer in branch:
+                    y = layer(y)
+                features.append(y)
+            return tf.concat(features, axis=-1)
+
+    return MultiscaleScattering()
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _bound_argument(dataset_cfg: Dict[str, Any], max_norm: float) -> Dict[str, float]:
@@ -644,8 +722,9 @@ def certification_target(cfg: Dict[str, Dict[str, Any]], model, ds_test):
     _, images, metadata = load_dataset(d["name"], d["batch_size"], data_dir=d["data_dir"],
                                        nb_samples_train=d["nb_samples_train"],
                                        **_bound_argument(d, d["input_bound"]))
+    front_layers = front.layers if isinstance(front, tf.keras.Sequential) else [front]
     network = tf.keras.Sequential([tf.keras.layers.Input(metadata.input_shape)]
-                                  + front.layers + list(model.layers))
+                                  + front_layers + list(model.layers))
     return network, images
 
 
@@ -735,9 +814,9 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     front = build_front_end(cfg["model"], d["input_bound"])
     if front is not None:
         m = cfg["model"]
-        key = ("scatternet", d["input_bound"], m["scattering_J"],
+        key = ("scatternet", d["input_bound"], _hashable(m["scattering_J"]),
                tuple(m["scattering_order_weights"]), m["feature_normalization"],
-               m["feature_groups"])  # everything build_front_end reads
+               _hashable(m["feature_groups"]))  # everything build_front_end reads
         bound = {**_bound_argument(d, m["feature_bound"]), "feature_map": front,
                  "feature_cache_key": key}
     try:

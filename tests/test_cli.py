@@ -499,6 +499,48 @@ def test_scatternet_group_normalisation_is_per_example_and_not_certified(fake_fa
         config.build_from_config(load_config(path, ["model.feature_groups=4"]))
 
 
+def test_multiscale_scatternet_concatenates_each_scale_normalised_alone(fake_fashion, tmp_path,
+                                                                         capsys):
+    """``scattering_J: [2, 1]``: the J = 2 features exactly as the single-scale front end
+    computes them, then the J = 1 scattering (9 paths of 14 x 14, orders 0 and 1) normalised by
+    its own groups, per example; trained end to end by `lipdp train`, not certified."""
+    cfg = load_config(None, [
+        "dataset.batch_size=10", "dataset.nb_samples_train=40", "dataset.input_bound=28.0",
+        "model.architecture=scatternet", "model.head=plain", "model.widths=[]",
+        "model.feature_bound=76.0", "model.feature_normalization=group",
+        "model.scattering_J=[2, 1]", "model.feature_groups=[27, 3]", "privacy.mode=clipped",
+        "privacy.l2_norm_clip=0.1", "loss.tau=1.0", "optimizer.name=sgd",
+        "training.epochs=1", "privacy.epsilon_budget=null"])
+    front = config.build_front_end(cfg["model"], 28.0)
+    x = tf.random.stateless_uniform([3, 28, 28, 1], seed=[4, 3])
+    features = front(x).numpy()
+    assert features.shape == (3, 81 * 7 * 7 + 9 * 14 * 14) and front.count_params() == 0
+    single = config.build_front_end({**cfg["model"], "scattering_J": 2, "feature_groups": 27},
+                                    28.0)
+    np.testing.assert_array_equal(features[:, :81 * 7 * 7], single(x).numpy().reshape(3, -1))
+    from lipdp import layers
+
+    fine = layers.DP_Scattering(J=1, max_order=1, order_weights=(1.0, 1.0))(
+        layers.DP_BoundedInput(28.0)(x)).numpy()  # (3, 14, 14, 9)
+    groups = fine.reshape(3, 14 * 14, 3, 3).transpose(0, 2, 1, 3).reshape(3, 3, -1)
+    expected = ((groups - groups.mean(-1, keepdims=True))
+                / np.sqrt(groups.var(-1, keepdims=True) + 1e-5))
+    expected = expected.reshape(3, 3, 14 * 14, 3).transpose(0, 2, 1, 3).reshape(3, -1)
+    assert abs(features[:, 81 * 7 * 7:] - expected).max() < 1e-3 * abs(expected).max()
+    assert abs(front(x[:1]).numpy() - features[:1]).max() < 1e-5  # per example
+
+    path = write_yaml(tmp_path / "scat_multi.yaml", cfg)
+    assert cli.main(["train", path]) == 0
+    summary = capsys.readouterr().out.split("=== Summary ===")[1]
+    assert "certified accuracy : none: no certified Lipschitz constant for" in summary
+    for overrides, message in [(["model.feature_normalization=none"], "group"),
+                               (["model.feature_groups=27"], "one group count per scale"),
+                               (["model.scattering_J=[2, 2]"], "distinct"),
+                               (["model.scattering_J=2"], "a list only when")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, overrides)
+
+
 def test_data_command_and_a_quiet_console(tmp_path):
     """`lipdp data NAME` checks a dataset; the `lipdp` command prints lipdp's lines only:
     no TensorFlow start-up log (CUDA, cuDNN, TensorRT, CPU features) unless the user sets
