@@ -14,14 +14,14 @@ deviation from orthogonality ``D_k = I - W_k^T W_k`` (so ``M_k = I + b D_k``, a 
 - deel-lip's stopping quantity ``||W_{k+1} - W_k||_F = b ||W_k D_k||_F``, whose square is
   ``b^2 tr(D_k (I - D_k) D_k) = b^2 (||D_k||_F^2 - <D_k^2, D_k>)``.
 
-So one Gram matrix ``W_0^T W_0`` (m n^2 multiply-adds) starts the loop, each iteration costs
-three n x n products (n^3 each), and ``W_0 + W_0 Q_K`` (m n^2) ends it: for K iterations
-``2 m n^2 + (1 + 3K) n^3`` against deel-lip's ``2 K m n^2``. On the paper's CNN the dense
-kernel is 3136 x 512 and deel-lip runs two iterations a step: about half the time. Keeping
-the deviation ``D`` and the increment ``Q`` instead of ``W^T W`` and ``P`` avoids the
-cancellations of ``I - W^T W`` and ``W_0 P`` near orthogonality: the result agrees with
-deel-lip's to float32 rounding and is as orthogonal (`tests/test_gram_bjorck.py`). A wide
-kernel (m < n) is handled the same way on ``W W^T``.
+So one Gram matrix ``W_0^T W_0`` (m n^2 multiply-adds) and its square start the loop, each
+iteration after the first costs three n x n products (n^3 each), and ``W_0 + W_0 Q_K`` (m n^2)
+ends it: for K iterations ``2 m n^2 + (3K - 2) n^3`` against deel-lip's ``2 K m n^2``. On the
+paper's CNN the dense kernel is 3136 x 512 and deel-lip runs two or three iterations a step:
+about half the time. Keeping the deviation ``D`` and the increment ``Q`` instead of ``W^T W``
+and ``P`` avoids the cancellations of ``I - W^T W`` and ``W_0 P`` near orthogonality: the
+result agrees with deel-lip's to float32 rounding and is as orthogonal
+(`tests/test_gram_bjorck.py`). A wide kernel (m < n) is handled the same way on ``W W^T``.
 
 Privacy never rests on this projection: the bounds use the norms certified at every step on
 the kernel the forward pass uses (`lipdp.gram_certificates`).
