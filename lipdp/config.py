@@ -100,7 +100,8 @@ Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
   With normalisation, ``scattering_J`` may list several scales (``[2, 1]``) and
   ``feature_groups`` as many group counts (``[27, 3]``): one scattering per J (orders up to
   ``min(2, J)``, the first order weights), each normalised by its own groups, flattened and
-  concatenated (a Keras functional model; J = 1 adds 9 paths of 14x14, the finer scale).
+  concatenated (a Keras model without variables; J = 1 adds 9 paths of 14x14, the finer
+  scale).
 - ``head: plain`` (``mlp`` and ``scatternet``, clipped mode only): the same widths as plain
   Keras layers, ``Flatten, [Dense(w), tanh] for w in widths, Dense(nb_classes)`` with a
   zero-initialised output layer, unconstrained: classic DP-SGD's usual model (Tramèr &
@@ -633,9 +634,9 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
 
     from lipdp import layers
 
-    weights = model_cfg["scattering_order_weights"]
     if isinstance(model_cfg["scattering_J"], list):
         return _multiscale_front_end(model_cfg, input_bound)
+    weights = model_cfg["scattering_order_weights"]
     try:
         stack = [layers.DP_BoundedInput(input_bound),
                  layers.DP_Scattering(J=model_cfg["scattering_J"], max_order=len(weights) - 1,
@@ -658,7 +659,8 @@ def _group_normalization(groups):
 def _multiscale_front_end(model_cfg: Dict[str, Any], input_bound: float):
     """Several scatterings of the bounded input (one per J of ``scattering_J``, orders up to
     ``min(2, J)``), each group-normalised by its own ``feature_groups`` entry, flattened and
-    concatenated: a Keras functional model without variables, built on its first call."""
+    concatenated: a Keras model without variables, built on its first call (not a chain of DP
+    layers: nothing about it is certified)."""
     import tensorflow as tf
 
     from lipdp import layers
