@@ -25,7 +25,6 @@ import lipdp.layers as dp
 from lipdp import certify, rounding, zoo
 from lipdp.bounds import dp_layers, lipschitz_bound
 from lipdp.data import load_arrays
-from lipdp.layers.basic import _CLIP_SLACK
 from lipdp.layers.dense import _BoundedDense
 
 SQRT2 = math.sqrt(2.0)
@@ -198,7 +197,7 @@ def _reference_layer(layer, x):  # noqa: C901 (one branch per layer type)
         return np.asarray(v, np.float64)
 
     if isinstance(layer, dp.DP_BoundedInput):
-        target = float(np.float32(layer.upper_bound * (1.0 - _CLIP_SLACK)))
+        target = layer.target
         norms = np.sqrt(np.sum(x ** 2, axis=tuple(range(1, x.ndim)), keepdims=True))
         return x * np.minimum(1.0, target / np.maximum(norms, 1e-300))
     if isinstance(layer, dp.DP_SplitResidual):

@@ -247,6 +247,53 @@ def test_bounded_input_clips_in_forward_pass():
     np.testing.assert_allclose(layer(small).numpy(), small.numpy())
 
 
+@pytest.mark.parametrize("n", [1, 784, 3969, 4096, 2 ** 20])
+def test_clip_target_leaves_room_for_the_worst_case_rounding_of_n_coordinates(n):
+    """t + (eps + u (1 + eps)) t + 3 UNDERFLOW <= X0 in exact arithmetic (the proof of
+    `DP_BoundedInput.rounding_error` bounds the float32 output's distance to the t-ball's
+    projection by that), and the room is what the proof needs, about ``n u / 2``, not a
+    constant: a fixed 1e-6 below X0 is not enough from about 30 coordinates on."""
+    from fractions import Fraction
+
+    from lipdp.layers.basic import _rescaling_error, clip_target
+    from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF as u, gamma
+
+    for bound in (1.0, 3.0, 28.0, 1e4):
+        t = clip_target(bound, n)
+        assert float(np.float32(t)) == t  # what the layer computes with, exactly
+        eps = _rescaling_error(n)
+        worst = Fraction(t) * (1 + Fraction(eps)) * (1 + Fraction(u)) + 3 * Fraction(UNDERFLOW)
+        assert worst <= Fraction(bound)
+        room = 1.0 - t / bound
+        g = gamma(n + 1)
+        assert 0.5 * n * u < room < 0.5 * g + g * g + 6 * u
+
+
+def test_bounded_input_float32_outputs_never_exceed_the_bound():
+    """Float32 inputs made to stress the norm's rounding (heavy tails, one dominant
+    coordinate, equal coordinates, norms a few ulps above the bound): the float32 output's
+    norm, taken in float64, is at most X0 (propagate_inputs' promise). Clipping at X0 itself
+    instead of `clip_target` fails it."""
+    rng = np.random.default_rng(7)
+    for n, bound in [(784, 28.0), (784, 1.0), (4096, 3.0), (3969, 3.0)]:
+        layer = DP_BoundedInput(bound)
+        heavy = rng.standard_normal((400, n)) * np.exp(rng.uniform(-6, 6, (400, n)))
+        dominant = rng.standard_normal((100, n)) * 1e-3
+        dominant[:, 0] = 1e3
+        equal = np.ones((100, n)) * rng.uniform(0.1, 10.0, (100, 1))
+        near = rng.standard_normal((400, n))
+        near *= bound * (1.0 + rng.uniform(0, 1e-6, (400, 1))) / np.linalg.norm(near, axis=1,
+                                                                                 keepdims=True)
+        x = np.concatenate([heavy, dominant, equal, near]).astype(np.float32)
+        out = layer(tf.constant(x)).numpy().astype(np.float64)
+        assert np.linalg.norm(out, axis=1).max() <= bound
+
+
+def test_bounded_input_needs_a_known_input_size():
+    with pytest.raises(ValueError, match="known size"):
+        DP_BoundedInput(3.0).build((None, None, 3))
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "3"])
 def test_bounded_input_rejects_bad_bounds(bad):
     with pytest.raises(ValueError, match="upper_bound"):

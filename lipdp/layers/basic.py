@@ -13,17 +13,54 @@ from lipdp.layers._pair_sort import PAIRINGS, sort_pairs
 from lipdp.layers.base import DPLayer
 from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error, gamma
 
-# Inputs are clipped to (1 - _CLIP_SLACK) * bound so that float32 rounding in the
-# rescaling can never push a norm above the declared bound.
-_CLIP_SLACK = 1e-6
+# Relative slack on the float64 arithmetic of `clip_target` itself (a handful of roundings).
+_TARGET_SLACK = 2.0 ** -40
+
+
+def _rescaling_error(n):
+    """``eps``: relative error of the computed ratio ``t / ||z||`` on n coordinates
+    (`DP_BoundedInput.rounding_error`, proof (i)); inf when float32 cannot bound it."""
+    g = gamma(n + 1)
+    if g >= 1.0:
+        return math.inf
+    u = UNIT_ROUNDOFF
+    return max((1.0 + u) / (math.sqrt(1.0 - g) * (1.0 - u)) - 1.0,
+               1.0 - (1.0 - u) / (math.sqrt(1.0 + g) * (1.0 + u)))
+
+
+def clip_target(upper_bound, n) -> float:
+    """The float32 radius t that `DP_BoundedInput` clips n-coordinate inputs to, so that the
+    float32 output has norm <= `upper_bound` whatever the summation order: the largest float32
+    with ``(1 + eps_n)(1 + u) t + 3 UNDERFLOW <= X0`` (the output is within
+    ``(eps + u (1 + eps)) t + 3 UNDERFLOW`` of the exact projection onto the t-ball,
+    `DP_BoundedInput.rounding_error`). About ``X0 (1 - n u / 2)``: 2.4e-5 below X0 for 784
+    coordinates, 1.2e-4 for 4096.
+
+    Raises:
+        ValueError: n unknown, or too large (or X0 too small) for float32 to prove it.
+    """
+    eps = _rescaling_error(n) if n is not None else math.inf
+    t = ((float(upper_bound) - 3.0 * UNDERFLOW) / ((1.0 + eps) * (1.0 + UNIT_ROUNDOFF))
+         * (1.0 - _TARGET_SLACK))
+    if n is None or not (eps < 1.0 and t >= math.sqrt(n) * 2.0 ** -48):
+        raise ValueError(
+            f"DP_BoundedInput cannot clip {n} coordinates to the bound {upper_bound} provably "
+            "in float32: it needs inputs of known size below 2^24 and a bound above "
+            "sqrt(size) 2^-48.")
+    rounded = np.float32(t)
+    if float(rounded) > t:
+        rounded = np.nextafter(rounded, np.float32(0.0))
+    return float(rounded)
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
     """Clips every example to the declared L2 bound, in the forward pass.
 
-    ``f(x) = x * min(1, X0 / ||x||_2)`` where the norm runs over all non-batch
-    axes. This is the projection onto the ball of radius X0 (1-Lipschitz), so
+    ``f(x) = x * min(1, t / ||x||_2)`` where the norm runs over all non-batch
+    axes and t (`clip_target`) sits just below X0, by the most that float32 rounding of
+    the norm and the rescaling can add (any summation order), so that the float32 output
+    itself has norm <= X0. This is the projection onto the ball of radius t (1-Lipschitz), so
 
     - ``propagate_inputs(X) = min(X, X0)``: the bound every later layer starts from;
     - ``backpropagate_inputs(X, G) = G``.
@@ -48,13 +85,20 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
     def build(self, input_shape):
         shape = tf.TensorShape(input_shape)[1:]
         self._size = math.prod(shape.as_list()) if shape.is_fully_defined() else None
+        self._target = clip_target(self.upper_bound, self._size)
         super().build(input_shape)
+
+    @property
+    def target(self) -> float:
+        """The float32 radius the inputs are clipped to (`clip_target`): just below X0, so
+        that the float32 output's norm is at most X0."""
+        return self._target
 
     def call(self, inputs):
         axes = list(range(1, inputs.shape.rank))
         norms = tf.sqrt(tf.reduce_sum(tf.square(inputs), axis=axes, keepdims=True))
-        target = self.upper_bound * (1.0 - _CLIP_SLACK)
-        scale = tf.minimum(1.0, target / tf.maximum(norms, 1e-30))
+        target = tf.constant(self._target, inputs.dtype)
+        scale = tf.minimum(tf.constant(1.0, inputs.dtype), target / tf.maximum(norms, 1e-30))
         return inputs * scale
 
     def propagate_inputs(self, input_bound):
@@ -66,8 +110,9 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
     def rounding_error(self, input_bound):
         """``(eps + u (1 + eps)) t + 3 UNDERFLOW`` for every raw input of norm <= 2^62.
 
-        f is the projection onto the ball of radius t, the float32 value of
-        ``X0 (1 - slack)`` that `call` uses (so ``X_out <= X0`` and Lip 1 hold for it);
+        f is the projection onto the ball of radius t, the float32 `clip_target` that
+        `call` uses (``t + (eps + u (1 + eps)) t + 3 UNDERFLOW <= X0``, so ``X_out <= X0``
+        holds for the float32 output, and Lip 1 for f);
         n is the number of coordinates, ``eps`` the relative error of the computed
         ratio ``t / ||z||`` below. `input_bound` is not needed: the bound holds for
         all inputs of norm <= 2^62 (`lipdp.rounding`, A4), raw inputs included.
@@ -91,15 +136,8 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
         per coordinate). QED
         """
         del input_bound
-        n = self._size
-        target = float(np.float32(self.upper_bound * (1.0 - _CLIP_SLACK)))
-        g = gamma(n + 1) if n is not None else math.inf
-        if g >= 1.0 or target < math.sqrt(n) * 2.0 ** -48:
-            return math.inf
-        u = UNIT_ROUNDOFF
-        eps = max((1.0 + u) / (math.sqrt(1.0 - g) * (1.0 - u)) - 1.0,
-                  1.0 - (1.0 - u) / (math.sqrt(1.0 + g) * (1.0 + u)))
-        return (eps + u * (1.0 + eps)) * target + 3.0 * UNDERFLOW
+        eps, target = _rescaling_error(self._size), self._target
+        return (eps + UNIT_ROUNDOFF * (1.0 + eps)) * target + 3.0 * UNDERFLOW
 
     def get_config(self):
         return {**super().get_config(), "upper_bound": self.upper_bound}
