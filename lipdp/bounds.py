@@ -21,8 +21,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers.base import (DPLayer, cached_operator_norm, chain_backward, chain_lipschitz,
-                               operator_norm_cache)
+from lipdp.layers.base import (DPLayer, as_bound, cached_operator_norm, chain_backward,
+                               chain_lipschitz, operator_norm_cache, with_pass_slack)
 from lipdp.layers.basic import DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
 from lipdp.operator_norms import certified_norms
@@ -200,21 +200,24 @@ def _bound_pass(layers):
 
 
 def backpropagate_bounds(layers: Sequence[DPLayer], loss_lipschitz) -> List[Tuple[tf.Variable, tf.Tensor]]:
-    """Per-example gradient bound of every trainable variable of `layers` (TF scalars).
+    """Per-example gradient bound of every trainable variable of `layers` (float64 TF
+    scalars, with the pass's rounding slack: `lipdp.layers.base`, "Precision").
 
     Inputs are unbounded here: the first layer, `DP_BoundedInput`, bounds them.
     """
     with _bound_pass(layers):
-        return chain_backward(list(layers), tf.constant(float("inf")),
-                              tf.cast(loss_lipschitz, tf.float32))[0]
+        bounds = chain_backward(list(layers), as_bound(float("inf")),
+                                as_bound(loss_lipschitz))[0]
+    return [(v, with_pass_slack(b)) for v, b in bounds]
 
 
 def lipschitz_bound(model) -> tf.Tensor:
     """Certified Lipschitz constant of the model w.r.t. its input (product over layers,
-    with the two paths of residual sections added)."""
+    with the two paths of residual sections added); a float64 scalar, with the pass's
+    rounding slack."""
     layers = dp_layers(model)
     with _bound_pass(layers):
-        return chain_lipschitz(layers, tf.constant(float("inf")), tf.constant(1.0))
+        return with_pass_slack(chain_lipschitz(layers, as_bound(float("inf")), as_bound(1.0)))
 
 
 def _is_step_loss(model, loss) -> bool:

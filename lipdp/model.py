@@ -42,8 +42,8 @@ import tensorflow as tf
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
-from lipdp.layers.base import DPLayer
-from lipdp.layers.gradient_clipping import clip_gradient_rows
+from lipdp.layers.base import DPLayer, as_bound, round_up_to_float32, with_pass_slack
+from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
@@ -400,7 +400,8 @@ class _DPModelMixin:
         by the public denominator D. In clipless mode ``bound(v)`` is the
         analytic gradient bound at the current weights (`lipdp.bounds`); in
         clipped mode it is the clipping rule's (C for flat and global clipping,
-        ``C_v`` per layer). Aligned with `trainable_variables`.
+        ``C_v`` per layer). Aligned with `trainable_variables`; float64 scalars in clipless
+        mode (the bound pass's precision), float32 in clipped mode.
         """
         if self.dp_loss is None:
             raise RuntimeError("Compile the model first: the sensitivities depend on the loss "
@@ -414,11 +415,12 @@ class _DPModelMixin:
 
     def top_gradient_bound(self):
         """Bound on each example's gradient of the loss w.r.t. the logits, where the bound
-        pass starts: the loss constant L, or ``min(L, C_t)`` with `AdaptiveClipping`."""
+        pass starts: the loss constant L, or with `AdaptiveClipping` the bound of an
+        example's logit gradient clipped at C_t in float32, about ``min(L, C_t)``
+        (`lipdp.layers.gradient_clipping.clipped_norm_bound`; float64)."""
         if self.dp_parameters.loss_gradient_clipping is None:
             return self._loss_lipschitz
-        return tf.minimum(tf.constant(self._loss_lipschitz, tf.float32),
-                          self._logit_clip.read_value())
+        return clipped_norm_bound(self._loss_lipschitz, self._logit_clip.read_value())
 
     def per_example_step_loss(self, y_true, y_pred):
         """The per-example losses the private step differentiates: the DP loss, behind the
@@ -454,14 +456,21 @@ class _DPModelMixin:
             clip * tf.exp(-clipping.learning_rate * (fraction - clipping.target_quantile)))
 
     def _noise_stddevs(self, sensitivities):
+        """Standard deviation of each variable's noise: ``sigma`` times its sensitivity (per
+        layer) or the global one, computed in float64 with the bound pass's slack after the
+        last operation, then rounded *up* to float32 (`lipdp.layers.base`, "Precision")."""
         mechanism = self._step_mechanism
         if mechanism.mode is DPMode.CLIPPED:
-            return [self._clipped_dpsgd.noise_stddev for _ in sensitivities]
-        sigma = mechanism.noise_multiplier
-        if mechanism.noisify_strategy == NoiseStrategy.GLOBAL:
-            global_sensitivity = tf.sqrt(tf.add_n([tf.square(s) for s in sensitivities]))
-            return [sigma * global_sensitivity for _ in sensitivities]
-        return [sigma * s for s in sensitivities]
+            stddevs = [as_bound(self._clipped_dpsgd.noise_stddev) for _ in sensitivities]
+        else:
+            sigma = mechanism.noise_multiplier
+            sensitivities = [as_bound(s) for s in sensitivities]
+            if mechanism.noisify_strategy == NoiseStrategy.GLOBAL:
+                global_sensitivity = tf.sqrt(tf.add_n([tf.square(s) for s in sensitivities]))
+                stddevs = [sigma * global_sensitivity for _ in sensitivities]
+            else:
+                stddevs = [sigma * s for s in sensitivities]
+        return [round_up_to_float32(with_pass_slack(s)) for s in stddevs]
 
     def private_gradients(self, x, y):
         """Averaged gradient of the batch, its noisy version, and the sensitivities.

@@ -45,7 +45,8 @@ A4. Per example, activations have fewer than 2^32 coordinates, and every norm
 
 Lemmas (proofs below each function): matrix products (`product_error`), adding a
 vector (`addition_error`), element-wise functions (`elementwise_error`),
-comparisons (`comparison_error`), scaled L2 norms of blocks (`block_norm_error`).
+comparisons (`comparison_error`), scaled L2 norms of blocks (`block_norm_error`),
+the ratio of a rescaling to a given norm (`rescaling_error`).
 Underflow terms are per coordinate, multiplied by ``2^16 > sqrt(coordinates)``
 (A4) to bound their L2 norm: about 1e-33, kept only so that the bounds are proofs.
 
@@ -159,6 +160,26 @@ def comparison_error() -> float:
     norm: each output is within ``3 mu`` of its exact value. QED
     """
     return 3.0 * UNDERFLOW
+
+
+def rescaling_error(n) -> float:
+    """Lemma 6: the ratio ``q^ = fl(t / fl(||z||_2))`` of a rescaling to norm t, on n
+    coordinates (the clipping of `DP_BoundedInput` and of `DP_ClipGradient`).
+
+    Bound: ``|q^ - q| <= eps q`` with ``q = t / ||z||`` and ``eps = max((1 + u) /
+    (sqrt(1 - g) (1 - u)) - 1, 1 - (1 - u) / (sqrt(1 + g) (1 + u)))``, ``g = gamma_{n+1}``,
+    whenever ``||z||^2 >= 4 n mu / u``; inf when ``g >= 1``.
+
+    Proof. The sum of squares is ``s (1 + t1) + h`` with ``|t1| <= gamma_n`` (any order)
+    and ``|h| <= 4 n mu``, so ``s (1 + t1')`` with ``|t1'| <= gamma_{n+1}`` when
+    ``|h| <= u s``; the square root and the division are correctly rounded (A1):
+    ``q^ = q (1 + d3) / (sqrt(1 + t1') (1 + d2))``. QED
+    """
+    g = gamma(n + 1)
+    if g >= 1.0:
+        return math.inf
+    return max((1.0 + _U) / (math.sqrt(1.0 - g) * (1.0 - _U)) - 1.0,
+               1.0 - (1.0 - _U) / (math.sqrt(1.0 + g) * (1.0 + _U)))
 
 
 def block_norm_error(block_size, divisor, coefficient, output_bound) -> float:

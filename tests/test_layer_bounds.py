@@ -255,13 +255,13 @@ def test_clip_target_leaves_room_for_the_worst_case_rounding_of_n_coordinates(n)
     constant: a fixed 1e-6 below X0 is not enough from about 30 coordinates on."""
     from fractions import Fraction
 
-    from lipdp.layers.basic import _rescaling_error, clip_target
-    from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF as u, gamma
+    from lipdp.layers.basic import clip_target
+    from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF as u, gamma, rescaling_error
 
     for bound in (1.0, 3.0, 28.0, 1e4):
         t = clip_target(bound, n)
         assert float(np.float32(t)) == t  # what the layer computes with, exactly
-        eps = _rescaling_error(n)
+        eps = rescaling_error(n)
         worst = Fraction(t) * (1 + Fraction(eps)) * (1 + Fraction(u)) + 3 * Fraction(UNDERFLOW)
         assert worst <= Fraction(bound)
         room = 1.0 - t / bound
@@ -287,6 +287,32 @@ def test_bounded_input_float32_outputs_never_exceed_the_bound():
         x = np.concatenate([heavy, dominant, equal, near]).astype(np.float32)
         out = layer(tf.constant(x)).numpy().astype(np.float64)
         assert np.linalg.norm(out, axis=1).max() <= bound
+
+
+def test_clipped_cotangent_rows_never_exceed_their_float32_bound():
+    """Rows of cotangents clipped by `DP_ClipGradient` (the same code as `AdaptiveClipping`),
+    with the stress rows of the input clipping: their float32 norms, taken in float64, stay
+    within `clipped_norm_bound` (about min(G, C)), and never grow. Clipping at C itself
+    instead of ``C f_n`` fails it."""
+    from lipdp.layers.gradient_clipping import clipped_norm_bound
+
+    rng = np.random.default_rng(8)
+    for n, clip in [(10, 1.0), (10, 0.1), (100, 3.0), (4096, 0.5)]:
+        layer = DP_ClipGradient(clip)
+        heavy = rng.standard_normal((2000, n)) * np.exp(rng.uniform(-4, 4, (2000, n)))
+        near = rng.standard_normal((2000, n))
+        near *= clip * (1.0 + rng.uniform(0, 1e-6, (2000, 1))) / np.linalg.norm(near, axis=1,
+                                                                                 keepdims=True)
+        rows = tf.constant(np.concatenate([heavy, near]).astype(np.float32))
+        x = tf.zeros_like(rows)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = layer(x)
+        clipped = tape.gradient(out, x, output_gradients=rows).numpy().astype(np.float64)
+        norms = np.linalg.norm(clipped, axis=1)
+        before = np.linalg.norm(rows.numpy().astype(np.float64), axis=1)
+        assert np.all(norms <= clipped_norm_bound(before, clip).numpy())
+        assert np.all(norms <= before)
 
 
 def test_bounded_input_needs_a_known_input_size():

@@ -151,9 +151,9 @@ class ProjectedKernelMixin:
         self._project(self.projection.maxiter_spectral, orthogonalise)
 
     def _bias_norm(self):
-        import tensorflow as tf
+        from lipdp.layers.base import as_bound, weight_norm
 
-        return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
+        return weight_norm(self.bias) if self.use_bias else as_bound(0.0)
 
     def _projected_config(self, config, hidden=()):
         """Drop the Keras arguments this layer refuses; add the projection's."""

@@ -1,8 +1,8 @@
 """The contract every DP layer fulfils: backpropagation for bounds.
 
 A DP layer is a Keras layer that also implements three pure functions of scalar
-bounds (TF float32 scalars, evaluated at the layer's *current* weights so that
-they run inside the compiled train step):
+bounds (TF scalars, evaluated at the layer's *current* weights so that they run
+inside the compiled train step; float64 in lipdp's passes, see "Precision" below):
 
 ``propagate_inputs(X_in) -> X_out``
     an upper bound of ``||f(x)||_2`` over all ``||x||_2 <= X_in`` (one example).
@@ -28,6 +28,18 @@ variable by a constant, the bound carries that constant.
 Layers whose weights are constrained also implement ``project()``, which applies
 the projection in place (after each optimizer step, and once at build so that
 the constraints hold from the first step on).
+
+**Precision.** The bound pass runs in float64 (`BOUND_DTYPE`): its inputs are exact
+float64 values (float32 weights and certified norms, converted exactly) and float64
+constants, and every bound is built from them by sums, products, quotients, square
+roots and minima of non-negative numbers (no subtraction), so a computed bound is at
+least ``(1 - gamma_K)`` times the exact value of the same formula, K the number of
+roundings along its longest path (a few per layer, plus the terms of a bias norm:
+far below 2^22, so ``gamma_K < 2^-30``). `lipdp.bounds` multiplies every bound it
+returns by ``1 + BOUND_PASS_SLACK`` (2^-28) after its last operation, which covers
+that, and the noise's standard deviation is rounded *up* to float32
+(`round_up_to_float32`). Layers convert what they combine with their own float64
+values through `as_bound`, so callers may pass python numbers or float32 tensors.
 """
 
 from __future__ import annotations
@@ -40,6 +52,11 @@ import tensorflow as tf
 
 from lipdp.operator_norms import certified_norms
 from lipdp.rounding import ACTIVATION_RANGE
+
+#: Precision of the bound pass (module docstring, "Precision").
+BOUND_DTYPE = tf.float64
+#: Relative slack on every bound the pass returns: covers its float64 roundings.
+BOUND_PASS_SLACK = 2.0 ** -28
 
 # Certified operator norms computed during one pass of backpropagation for bounds,
 # by layer: each is needed forward (propagate_inputs) and backward
@@ -73,9 +90,38 @@ def cached_operator_norm(layer, compute):
 
 def certified_operator_norm(layer):
     """The certified norm that ``layer.certified_norm_request()`` describes
-    (`lipdp.operator_norms.certified_norms`), through `cached_operator_norm`."""
-    return cached_operator_norm(
-        layer, lambda: certified_norms([layer.certified_norm_request()])[0])
+    (`lipdp.operator_norms.certified_norms`), through `cached_operator_norm`; a float64
+    scalar (the float32 bound, converted exactly)."""
+    return as_bound(cached_operator_norm(
+        layer, lambda: certified_norms([layer.certified_norm_request()])[0]))
+
+
+def as_bound(value):
+    """`value` (a python number or a scalar tensor) as a `BOUND_DTYPE` scalar tensor. A python
+    float converts exactly (``tf.cast`` would pass it through float32 first)."""
+    if isinstance(value, (int, float)):
+        return tf.constant(value, BOUND_DTYPE)
+    return tf.cast(value, BOUND_DTYPE)
+
+
+def weight_norm(variable):
+    """``||variable||_2`` in float64, from its float32 values (converted exactly; the sum
+    of squares' roundings are within the pass's slack for fewer than 2^22 entries)."""
+    return tf.norm(tf.cast(variable, BOUND_DTYPE))
+
+
+def with_pass_slack(bound):
+    """`bound` times ``1 + BOUND_PASS_SLACK`` (module docstring, "Precision")."""
+    return as_bound(bound) * (1.0 + BOUND_PASS_SLACK)
+
+
+def round_up_to_float32(value):
+    """The smallest float32 >= `value` (a non-negative float64 tensor), element-wise."""
+    value = as_bound(value)
+    rounded = tf.cast(value, tf.float32)
+    below = tf.cast(rounded, BOUND_DTYPE) < value
+    return tf.where(below, tf.math.nextafter(rounded, tf.fill(tf.shape(rounded), float("inf"))),
+                    rounded)
 
 
 class DPLayer(abc.ABC):
@@ -139,7 +185,7 @@ class DPLayer(abc.ABC):
 
     def lipschitz_bound(self):
         """Certified Lipschitz constant w.r.t. the input (``G_in`` for ``G = 1``)."""
-        return self.backpropagate_lipschitz(tf.constant(float("inf")), tf.constant(1.0))
+        return self.backpropagate_lipschitz(as_bound(float("inf")), as_bound(1.0))
 
 
 def check_no_activation(layer_name, activation):
@@ -163,6 +209,7 @@ def chain_backward(layers, input_bound, gradient_bound):
         ``([(variable, per-example gradient bound), ...], input cotangent bound)``.
     """
     input_bounds = _input_bounds(layers, input_bound)
+    gradient_bound = _as_bounds(gradient_bound)
     bounds = []
     for layer, x_in in zip(reversed(layers), reversed(input_bounds)):
         bounds.extend(layer.backpropagate_params(x_in, gradient_bound))
@@ -173,6 +220,7 @@ def chain_backward(layers, input_bound, gradient_bound):
 def chain_lipschitz(layers, input_bound, gradient_bound):
     """`gradient_bound` times the certified Lipschitz constant of the chain's forward map
     (`DPLayer.backpropagate_lipschitz`, layer by layer)."""
+    gradient_bound = _as_bounds(gradient_bound)
     for layer, x_in in zip(reversed(layers), reversed(_input_bounds(layers, input_bound))):
         gradient_bound = layer.backpropagate_lipschitz(x_in, gradient_bound)
     return gradient_bound
@@ -196,8 +244,15 @@ def chain_rounding_error(layers, input_bound, input_error):
     return input_error
 
 
+def _as_bounds(value):
+    """A bound, or the pair of a residual section, in `BOUND_DTYPE`."""
+    if isinstance(value, tuple):
+        return tuple(as_bound(v) for v in value)
+    return as_bound(value)
+
+
 def _input_bounds(layers, input_bound):
-    bounds = [input_bound]
+    bounds = [_as_bounds(input_bound)]
     for layer in layers[:-1]:
         bounds.append(layer.propagate_inputs(bounds[-1]))
     return bounds
@@ -205,6 +260,7 @@ def _input_bounds(layers, input_bound):
 
 def chain_forward(layers, input_bound):
     """Output norm bound of a chain of DP layers for inputs of norm <= `input_bound`."""
+    input_bound = _as_bounds(input_bound)
     for layer in layers:
         input_bound = layer.propagate_inputs(input_bound)
     return input_bound

@@ -10,22 +10,12 @@ from deel.lip.layers import GroupSort, ScaledL2NormPooling2D
 
 from lipdp import kernels
 from lipdp.layers._pair_sort import PAIRINGS, sort_pairs
-from lipdp.layers.base import DPLayer
-from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error, gamma
+from lipdp.layers.base import DPLayer, as_bound
+from lipdp.rounding import (UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error,
+                            rescaling_error)
 
 # Relative slack on the float64 arithmetic of `clip_target` itself (a handful of roundings).
 _TARGET_SLACK = 2.0 ** -40
-
-
-def _rescaling_error(n):
-    """``eps``: relative error of the computed ratio ``t / ||z||`` on n coordinates
-    (`DP_BoundedInput.rounding_error`, proof (i)); inf when float32 cannot bound it."""
-    g = gamma(n + 1)
-    if g >= 1.0:
-        return math.inf
-    u = UNIT_ROUNDOFF
-    return max((1.0 + u) / (math.sqrt(1.0 - g) * (1.0 - u)) - 1.0,
-               1.0 - (1.0 - u) / (math.sqrt(1.0 + g) * (1.0 + u)))
 
 
 def clip_target(upper_bound, n) -> float:
@@ -39,7 +29,7 @@ def clip_target(upper_bound, n) -> float:
     Raises:
         ValueError: n unknown, or too large (or X0 too small) for float32 to prove it.
     """
-    eps = _rescaling_error(n) if n is not None else math.inf
+    eps = rescaling_error(n) if n is not None else math.inf
     t = ((float(upper_bound) - 3.0 * UNDERFLOW) / ((1.0 + eps) * (1.0 + UNIT_ROUNDOFF))
          * (1.0 - _TARGET_SLACK))
     if n is None or not (eps < 1.0 and t >= math.sqrt(n) * 2.0 ** -48):
@@ -102,7 +92,7 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
         return inputs * scale
 
     def propagate_inputs(self, input_bound):
-        return tf.minimum(input_bound, self.upper_bound)
+        return tf.minimum(as_bound(input_bound), self.upper_bound)
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return gradient_bound
@@ -136,7 +126,7 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
         per coordinate). QED
         """
         del input_bound
-        eps, target = _rescaling_error(self._size), self._target
+        eps, target = rescaling_error(self._size), self._target
         return (eps + UNIT_ROUNDOFF * (1.0 + eps)) * target + 3.0 * UNDERFLOW
 
     def get_config(self):
@@ -246,13 +236,13 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
             eps=float(self.eps_grad_sqrt))
 
     def _coef(self):
-        return tf.constant(float(self.k_coef_lip), tf.float32)
+        return as_bound(float(self.k_coef_lip))
 
     def propagate_inputs(self, input_bound):
-        return self._coef() * input_bound
+        return self._coef() * as_bound(input_bound)
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
-        return self._coef() * gradient_bound
+        return self._coef() * as_bound(gradient_bound)
 
     def rounding_error(self, input_bound):
         """`lipdp.rounding.block_norm_error` on windows of ``a = ph pw`` pixels: the

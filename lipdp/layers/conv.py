@@ -10,7 +10,7 @@ from deel.lip.layers.convolutional import _compute_conv_lip_factor
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
-from lipdp.layers.base import DPLayer, certified_operator_norm, check_no_activation
+from lipdp.layers.base import DPLayer, as_bound, certified_operator_norm, check_no_activation
 from lipdp.operator_norms import conv_frequency_grid, dense_spectral_norm_upper
 from lipdp.rounding import SMALLEST_NORMAL, addition_error, product_error
 
@@ -135,18 +135,19 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
         return certified_operator_norm(self)
 
     def propagate_inputs(self, input_bound):
-        return (self._operator_bound() * input_bound
+        return (self._operator_bound() * as_bound(input_bound)
                 + math.sqrt(self._output_pixels) * self._bias_norm())
 
     def backpropagate_params(self, input_bound, gradient_bound):
         kernel_factor = self.coef * math.sqrt(self._multiplicity)
-        bounds = [(self.kernel, kernel_factor * input_bound * gradient_bound)]
+        gradient_bound = as_bound(gradient_bound)
+        bounds = [(self.kernel, kernel_factor * as_bound(input_bound) * gradient_bound)]
         if self.use_bias:
             bounds.append((self.bias, math.sqrt(self._output_pixels) * gradient_bound))
         return bounds
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
-        return self._operator_bound() * gradient_bound
+        return self._operator_bound() * as_bound(gradient_bound)
 
     def rounding_error(self, input_bound):
         effective = self.effective_kernel()

@@ -10,7 +10,8 @@ import tensorflow as tf
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
-from lipdp.layers.base import DPLayer, certified_operator_norm, check_no_activation
+from lipdp.layers.base import (DPLayer, as_bound, certified_operator_norm, check_no_activation,
+                               weight_norm)
 from lipdp.rounding import addition_error, product_error
 
 _FORBIDDEN = ("kernel_constraint", "kernel_regularizer", "bias_regularizer", "activity_regularizer")
@@ -63,7 +64,7 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
         return self.kernel
 
     def _bias_norm(self):
-        return tf.norm(self.bias) if self.use_bias else tf.constant(0.0)
+        return weight_norm(self.bias) if self.use_bias else as_bound(0.0)
 
     def certified_norm_request(self):
         """What `lipdp.operator_norms.certified_norms` needs to certify S (with the
@@ -77,17 +78,18 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
         return certified_operator_norm(self)
 
     def propagate_inputs(self, input_bound):
-        return (self._spectral_bound() * input_bound
+        return (self._spectral_bound() * as_bound(input_bound)
                 + math.sqrt(self._positions) * self._bias_norm())
 
     def backpropagate_params(self, input_bound, gradient_bound):
-        bounds = [(self.kernel, input_bound * gradient_bound)]
+        gradient_bound = as_bound(gradient_bound)
+        bounds = [(self.kernel, as_bound(input_bound) * gradient_bound)]
         if self.use_bias:
             bounds.append((self.bias, math.sqrt(self._positions) * gradient_bound))
         return bounds
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
-        return self._spectral_bound() * gradient_bound
+        return self._spectral_bound() * as_bound(gradient_bound)
 
     def rounding_error(self, input_bound):
         kernel = np.asarray(self.bounded_kernel(), np.float64)

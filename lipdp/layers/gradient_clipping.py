@@ -1,17 +1,60 @@
-"""Clipping of the cotangent inside the network (loss-logits gradient clipping)."""
+"""Clipping of the cotangent inside the network (loss-logits gradient clipping).
+
+**What the clipped rows' float32 norms are proven to be.** A row z of n coordinates is
+multiplied by ``c = min(1, fl(t / fl(||z||)))`` with the target ``t = fl(C f_n)``,
+``f_n = (1 - 2^-40) / ((1 + eps_n) (1 + u)^2)`` (`lipdp.rounding.rescaling_error`). Then
+
+- ``||fl(z c)|| <= ||z||``: c is 1 (exact) or at most ``1 - u``, and ``|fl(z_i c)| <=
+  |z_i| c (1 + u) <= |z_i|`` (flushing only shrinks);
+- when ``||z||^2 >= 4 n mu / u``: ``c <= (1 + eps_n) t / ||z||``, so ``||fl(z c)|| <=
+  (1 + eps_n)(1 + u) t + 3 UNDERFLOW <= C (1 - 2^-40) + 3 UNDERFLOW`` (the proof of
+  `DP_BoundedInput.rounding_error`); otherwise ``||z|| < sqrt(n) 2^-49 < 2^-33``.
+
+So every clipped row has norm at most ``min(||z||, max(C, 2^-32) + 3 UNDERFLOW)``
+(`clipped_norm_bound`), what the bound pass uses.
+"""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer, check_positive
+from lipdp.layers.base import DPLayer, as_bound, check_positive
+from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, rescaling_error
+
+# Below this clip value the clipped norm is bounded by it instead (module docstring).
+_SMALLEST_CLIP = 2.0 ** -32
+
+
+def row_clip_factor(n) -> float:
+    """``f_n``: rows of n coordinates are rescaled to norm ``fl(C f_n)`` (module docstring).
+
+    Raises:
+        ValueError: float32 cannot bound the rounding of n coordinates (n >= 2^24 - 1).
+    """
+    eps = rescaling_error(n)
+    if not eps < 1.0:
+        raise ValueError(f"Cannot clip rows of {n} coordinates provably in float32.")
+    return (1.0 - 2.0 ** -40) / ((1.0 + eps) * (1.0 + UNIT_ROUNDOFF) ** 2)
+
+
+def clipped_norm_bound(gradient_bound, clip_value):
+    """Bound of the norm of a clipped row whose unclipped norm is at most `gradient_bound`:
+    ``min(G, max(C, 2^-32) + 3 UNDERFLOW)`` (float64; module docstring)."""
+    return tf.minimum(as_bound(gradient_bound),
+                      tf.maximum(as_bound(clip_value), _SMALLEST_CLIP) + 3.0 * UNDERFLOW)
 
 
 def _clip_rows(cotangent, clip_value):
-    """Rescale each example's cotangent (all non-batch axes) to norm <= clip_value."""
+    """Rescale each example's cotangent (all non-batch axes) to norm <= ``clip_value``, up to
+    the float32 rounding `clipped_norm_bound` accounts for."""
+    size = cotangent.shape[1:].num_elements()
+    if size is None:
+        raise ValueError("Clipping per-example cotangents needs their size to be known; "
+                         f"got the shape {cotangent.shape}.")
     axes = list(range(1, cotangent.shape.rank))
     norms = tf.sqrt(tf.reduce_sum(tf.square(cotangent), axis=axes, keepdims=True))
-    return cotangent * tf.minimum(1.0, clip_value / tf.maximum(norms, 1e-30))
+    target = tf.cast(clip_value, cotangent.dtype) * row_clip_factor(size)
+    return cotangent * tf.minimum(1.0, target / tf.maximum(norms, 1e-30))
 
 
 def clip_gradient_rows(inputs, clip_value):
@@ -57,7 +100,7 @@ class DP_ClipGradient(tf.keras.layers.Layer, DPLayer):
         return input_bound
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
-        return tf.minimum(gradient_bound, self.clip_value)
+        return clipped_norm_bound(gradient_bound, self.clip_value)
 
     def backpropagate_lipschitz(self, input_bound, gradient_bound):
         return gradient_bound  # the forward map is the identity

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer, check_positive
+from lipdp.layers.base import DPLayer, as_bound, check_positive, weight_norm
 from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, addition_error, gamma
 
 
@@ -120,7 +120,7 @@ class DP_AddBias(tf.keras.layers.Layer, DPLayer):
         self.bias.assign(self.bias * tf.minimum(1.0, self.norm_max / tf.maximum(norm, 1e-30)))
 
     def propagate_inputs(self, input_bound):
-        return input_bound + math.sqrt(self._positions) * tf.norm(self.bias)
+        return as_bound(input_bound) + math.sqrt(self._positions) * weight_norm(self.bias)
 
     def backpropagate_params(self, input_bound, gradient_bound):
         return [(self.bias, math.sqrt(self._positions) * gradient_bound)]
