@@ -1,8 +1,9 @@
 """Clipping of the cotangent inside the network (loss-logits gradient clipping).
 
 **What the clipped rows' float32 norms are proven to be.** A row z of n coordinates is
-multiplied by ``c = min(1, fl(t / fl(||z||)))`` with the target ``t = fl(C f_n)``,
-``f_n = (1 - 2^-40) / ((1 + eps_n) (1 + u)^2)`` (`lipdp.rounding.rescaling_error`). Then
+multiplied by ``c = min(1, fl(t / fl(||z||)))`` with the target ``t = fl(C fl(f_n))``,
+``f_n = (1 - 2^-40) / ((1 + eps_n) (1 + u)^3)`` (`lipdp.rounding.rescaling_error`): the
+float32 factor and the product each round by at most u, so ``t <= C f_n (1 + u)^2``. Then
 
 - ``||fl(z c)|| <= ||z||``: c is 1 (exact) or at most ``1 - u``, and ``|fl(z_i c)| <=
   |z_i| c (1 + u) <= |z_i|`` (flushing only shrinks);
@@ -34,7 +35,7 @@ def row_clip_factor(n) -> float:
     eps = rescaling_error(n)
     if not eps < 1.0:
         raise ValueError(f"Cannot clip rows of {n} coordinates provably in float32.")
-    return (1.0 - 2.0 ** -40) / ((1.0 + eps) * (1.0 + UNIT_ROUNDOFF) ** 2)
+    return (1.0 - 2.0 ** -40) / ((1.0 + eps) * (1.0 + UNIT_ROUNDOFF) ** 3)
 
 
 def clipped_norm_bound(gradient_bound, clip_value):
