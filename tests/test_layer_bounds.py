@@ -289,6 +289,26 @@ def test_bounded_input_float32_outputs_never_exceed_the_bound():
         assert np.linalg.norm(out, axis=1).max() <= bound
 
 
+@pytest.mark.parametrize("n", [2, 10, 100, 4096])
+def test_row_clip_target_leaves_room_for_its_own_rounding_and_the_norms(n):
+    """For float32 clip values C, the target ``t = fl(C fl(f_n))`` the clipping computes
+    satisfies ``(1 + eps_n)(1 + u) t <= C (1 - 2^-40)`` in exact arithmetic (the proof in
+    `lipdp.layers.gradient_clipping`); f_n with ``(1 + u)^2`` instead of ``(1 + u)^3`` in its
+    denominator fails it."""
+    from fractions import Fraction
+
+    from lipdp.layers.gradient_clipping import row_clip_factor
+    from lipdp.rounding import UNIT_ROUNDOFF as u, rescaling_error
+
+    eps = Fraction(rescaling_error(n))
+    factor = np.float32(row_clip_factor(n))
+    clips = np.random.default_rng(n).uniform(0.01, 10.0, 400).astype(np.float32)
+    for clip in clips:
+        target = Fraction(float(np.float32(clip * factor)))  # float32 product, as the layer
+        assert (1 + eps) * (1 + Fraction(u)) * target <= Fraction(float(clip)) * (
+            1 - Fraction(2) ** -40)
+
+
 def test_clipped_cotangent_rows_never_exceed_their_float32_bound():
     """Rows of cotangents clipped by `DP_ClipGradient` (the same code as `AdaptiveClipping`),
     with the stress rows of the input clipping: their float32 norms, taken in float64, stay
