@@ -42,7 +42,8 @@ import tensorflow as tf
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
-from lipdp.layers.base import DPLayer, as_bound, round_up_to_float32, with_pass_slack
+from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
+                               with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
@@ -363,6 +364,7 @@ class _DPModelMixin:
         if nb_outputs != metadata.nb_classes:
             raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata declares "
                              f"nb_classes={self.dataset_metadata.nb_classes}.")
+        check_float32(leaf_layers(self))
         self.dp_loss = loss
         self._loss_lipschitz = float(loss.lipschitz(nb_outputs))
         self._check_every_variable_bounded(layers)

@@ -257,6 +257,23 @@ def test_non_dp_layers_and_unbounded_inputs_are_refused():
             loss=DP_TauCategoricalCrossentropy(1.0))
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "float64"])
+def test_dtype_policies_other_than_float32_are_refused_by_name(policy):
+    """The bounds' rounding proofs are for float32: a float16 or float64 policy used to fail
+    deep in a projection or in the traced step with a dtype mismatch."""
+    try:
+        tf.keras.mixed_precision.set_global_policy(policy)
+        with pytest.raises(ValueError, match=f"computes in {policy.split('_')[-1]}.*float32"):
+            mlp()
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    one_layer = DP_Sequential(
+        [DP_BoundedInput(X0, input_shape=(10,)), DP_QuickSpectralDense(3, dtype="float64")],
+        dp_parameters=DPParameters(1.0), dataset_metadata=metadata((10,), 3))
+    with pytest.raises(ValueError, match="dp__quick_spectral_dense.*float64"):
+        one_layer.compile(loss=DP_TauCategoricalCrossentropy(1.0))
+
+
 @pytest.mark.parametrize("loss", ["categorical_crossentropy", tf.keras.losses.CategoricalCrossentropy(), None])
 def test_losses_without_lipschitz_constant_are_refused(loss):
     with pytest.raises(TypeError, match="DP loss"):

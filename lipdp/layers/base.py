@@ -188,6 +188,23 @@ class DPLayer(abc.ABC):
         return self.backpropagate_lipschitz(as_bound(float("inf")), as_bound(1.0))
 
 
+def check_float32(layers):
+    """Raise a ValueError naming the first of `layers` that computes or stores its weights in
+    another dtype than float32: lipdp's bounds and their rounding proofs (`lipdp.rounding`,
+    the clipping targets, the certified norms) are stated for float32 arithmetic, and a
+    float16 or float64 policy breaks them or the step."""
+    for layer in layers:
+        dtypes = {getattr(layer, "compute_dtype", "float32"), getattr(layer, "dtype", "float32")}
+        if dtypes - {"float32", None}:
+            policy = getattr(getattr(layer, "dtype_policy", None), "name", "?")
+            raise ValueError(
+                f"Layer '{layer.name}' computes in {layer.compute_dtype} with {layer.dtype} "
+                f"weights (dtype policy {policy!r}), but lipdp's DP layers compute in float32: "
+                "their bounds' rounding proofs are for float32 arithmetic. Use "
+                "tf.keras.mixed_precision.set_global_policy('float32') (or dtype='float32') "
+                "before building the model.")
+
+
 def check_no_activation(layer_name, activation):
     """DP dense/conv layers are linear: activations must be separate DP layers."""
     if activation not in (None, "linear"):

@@ -10,7 +10,7 @@ from deel.lip.layers import GroupSort, ScaledL2NormPooling2D
 
 from lipdp import kernels
 from lipdp.layers._pair_sort import PAIRINGS, sort_pairs
-from lipdp.layers.base import DPLayer, as_bound
+from lipdp.layers.base import DPLayer, as_bound, check_float32
 from lipdp.rounding import (UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error,
                             rescaling_error)
 
@@ -73,6 +73,7 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
         self.upper_bound = float(upper_bound)
 
     def build(self, input_shape):
+        check_float32([self])  # first layer of every DP model: before a projection fails
         shape = tf.TensorShape(input_shape)[1:]
         self._size = math.prod(shape.as_list()) if shape.is_fully_defined() else None
         self._target = clip_target(self.upper_bound, self._size)
