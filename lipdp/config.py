@@ -33,6 +33,8 @@ Schema (defaults shown)::
       scattering_J: 2          # scatternet: scales of the wavelet scattering (subsampling 2^J);
                                #   a list ([2, 1]) concatenates one scattering per J (group only)
       scattering_order_weights: [1.0, 1.0, 1.0]  # scatternet: weights of orders 0, 1, 2
+      scattering_padding: reflect  # scatternet: reflect (kymatio's) | zero (half the
+                               #   Lipschitz constant on 28x28: each pixel in the padded grid once)
       feature_bound: 3.0       # scatternet: L2 bound of the scattering features
       feature_normalization: none  # scatternet: none | group (per-example group
                                #   normalisation: accuracy, but NO certified radius)
@@ -170,6 +172,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "use_bias": False,
         "scattering_J": 2,
         "scattering_order_weights": [1.0, 1.0, 1.0],
+        "scattering_padding": "reflect",
         "feature_bound": 3.0,
         "feature_normalization": "none",
         "feature_groups": 27,
@@ -342,6 +345,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "use_bias": _bool,
         "scattering_J": _scales,
         "scattering_order_weights": _order_weights,
+        "scattering_padding": _choice("reflect", "zero"),
         "feature_bound": _POSITIVE,
         "feature_normalization": _choice("none", "group"),
         "feature_groups": _scales,
@@ -640,7 +644,8 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
     try:
         stack = [layers.DP_BoundedInput(input_bound),
                  layers.DP_Scattering(J=model_cfg["scattering_J"], max_order=len(weights) - 1,
-                                      order_weights=weights)]
+                                      order_weights=weights,
+                                      padding=model_cfg["scattering_padding"])]
     except ValueError as e:
         raise ConfigError(f"Cannot build the scattering front end: {e}") from None
     if model_cfg["feature_normalization"] == "group":
@@ -672,7 +677,8 @@ def _multiscale_front_end(model_cfg: Dict[str, Any], input_bound: float):
         for J, groups in zip(model_cfg["scattering_J"], model_cfg["feature_groups"]):
             max_order = min(len(weights) - 1, J)
             branches.append([layers.DP_Scattering(J=J, max_order=max_order,
-                                                  order_weights=weights[:max_order + 1]),
+                                                  order_weights=weights[:max_order + 1],
+                                                  padding=model_cfg["scattering_padding"]),
                              _group_normalization(groups), tf.keras.layers.Flatten()])
     except ValueError as e:
         raise ConfigError(f"Cannot build the scattering front end: {e}") from None
@@ -817,8 +823,9 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     if front is not None:
         m = cfg["model"]
         key = ("scatternet", d["input_bound"], _hashable(m["scattering_J"]),
-               tuple(m["scattering_order_weights"]), m["feature_normalization"],
-               _hashable(m["feature_groups"]))  # everything build_front_end reads
+               tuple(m["scattering_order_weights"]), m["scattering_padding"],
+               m["feature_normalization"], _hashable(m["feature_groups"]))
+        # everything build_front_end reads
         bound = {**_bound_argument(d, m["feature_bound"]), "feature_map": front,
                  "feature_cache_key": key}
     try:

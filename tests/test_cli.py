@@ -608,3 +608,22 @@ def test_every_shipped_config_is_valid(name):
     # Every shipped row states its budget and samples as the accountant assumes.
     assert cfg["privacy"]["epsilon_budget"] is not None
     assert cfg["dataset"]["sampling"] == "poisson"
+
+
+def test_scattering_padding_reaches_every_scattering_layer_and_its_constant():
+    """``model.scattering_padding: zero`` builds zero-padded scatterings (single and multiscale
+    front ends): half the reflection constant on 28 x 28; anything else is a ConfigError."""
+    cfg = load_config(None, ["model.architecture=scatternet", "model.scattering_padding=zero"])
+    front = config.build_front_end(cfg["model"], 28.0)
+    front(tf.zeros([1, 28, 28, 1]))
+    reflect = config.build_front_end({**cfg["model"], "scattering_padding": "reflect"}, 28.0)
+    reflect(tf.zeros([1, 28, 28, 1]))
+    zero_layer, reflect_layer = front.layers[1], reflect.layers[1]
+    assert zero_layer.padding == "zero" and reflect_layer.padding == "reflect"
+    assert zero_layer.lipschitz_constant == pytest.approx(reflect_layer.lipschitz_constant / 2)
+    multi = config.build_front_end({**cfg["model"], "scattering_J": [2, 1],
+                                    "feature_groups": [27, 3], "feature_normalization": "group"},
+                                   28.0)
+    assert all(branch[0].padding == "zero" for branch in multi.branches)
+    with pytest.raises(ConfigError, match="scattering_padding"):
+        load_config(None, ["model.scattering_padding=circular"])

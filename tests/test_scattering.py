@@ -84,7 +84,27 @@ def test_padding_multiplicity_counts_the_copies_of_the_most_copied_pixel():
     basis = tf.reshape(tf.eye(256, dtype=tf.float64), (256, 16, 16))
     padded = tf.pad(basis, [[0, 0], [top, bottom], [left, right]], mode="REFLECT")
     copies = tf.reduce_sum(padded, axis=[1, 2]).numpy()
-    assert _padding_multiplicity(scattering, (16, 16)) == int(copies.max())
+    assert _padding_multiplicity(scattering, (16, 16)) == int(copies.max()) == 4
+    zero_padded = DP_Scattering(J=2, padding="zero")
+    zero_padded(_images(1, 0))
+    assert _padding_multiplicity(zero_padded._scattering, (16, 16)) == 1
+
+
+def test_zero_padding_matches_kymatio_on_an_image_padded_beforehand_and_halves_the_constant():
+    x = _images(2, 11)
+    layer = DP_Scattering(J=2, padding="zero")
+    y = layer(x).numpy()
+    from kymatio.numpy import Scattering2D as NumpyScattering2D
+
+    kymatio = NumpyScattering2D(J=2, shape=(16, 16), pre_pad=True)  # takes a padded image
+    top, bottom, left, right = Scattering2D(J=2, shape=(16, 16)).pad.pad_size
+    padded = np.pad(np.transpose(x.numpy(), [0, 3, 1, 2]).astype(np.float64),
+                    [[0, 0], [0, 0], [top, bottom], [left, right]])
+    expected = np.transpose(kymatio(padded), (0, 3, 4, 1, 2)).reshape(y.shape)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    reflect = DP_Scattering(J=2)
+    reflect(x)
+    assert layer.lipschitz_constant == pytest.approx(reflect.lipschitz_constant / 2, rel=1e-12)
 
 
 def test_output_matches_kymatio_and_is_channels_last():
@@ -100,10 +120,12 @@ def test_output_matches_kymatio_and_is_channels_last():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_order,weights", [(2, (1.0, 1.0, 1.0)), (2, (0.3, 2.0, 12.0)),
-                                               (1, (1.0, 1.0))])
-def test_lipschitz_constant_holds_against_gradient_ascent_and_power_iteration(max_order, weights):
-    layer = DP_Scattering(J=2, max_order=max_order, order_weights=weights)
+@pytest.mark.parametrize("max_order,weights,padding", [
+    (2, (1.0, 1.0, 1.0), "reflect"), (2, (0.3, 2.0, 12.0), "reflect"), (1, (1.0, 1.0), "reflect"),
+    (2, (0.3, 2.0, 12.0), "zero")])
+def test_lipschitz_constant_holds_against_gradient_ascent_and_power_iteration(max_order, weights,
+                                                                              padding):
+    layer = DP_Scattering(J=2, max_order=max_order, order_weights=weights, padding=padding)
     layer(_images(1, 0))
     bound = layer.lipschitz_constant
     # Gradient ascent on the difference quotient, from random pairs (small and large gaps).
@@ -149,7 +171,8 @@ def test_bounds_and_certification_of_a_scatternet_classifier():
 
 
 def test_config_round_trip_and_argument_errors():
-    layer = DP_Scattering(J=1, angles=4, max_order=1, order_weights=(1.0, 2.0), name="scat")
+    layer = DP_Scattering(J=1, angles=4, max_order=1, order_weights=(1.0, 2.0), padding="zero",
+                          name="scat")
     clone = DP_Scattering.from_config(layer.get_config())
     x = _images(2, 9)
     np.testing.assert_array_equal(layer(x).numpy(), clone(x).numpy())
@@ -160,6 +183,9 @@ def test_config_round_trip_and_argument_errors():
         DP_Scattering(J=2)(tf.zeros((1, 14, 14, 1)))
     with pytest.raises(ValueError, match="max_order"):
         DP_Scattering(max_order=3)
+    with pytest.raises(ValueError, match="padding"):
+        DP_Scattering(padding="circular")
+    assert clone.padding == "zero"
 
 
 def test_scattering_lipschitz_grows_with_the_order_weights():
