@@ -150,11 +150,6 @@ class ProjectedKernelMixin:
         `project_kernel`; `lipdp.DP_Model.compile`'s ``bjorck_every`` schedules it)."""
         self._project(self.projection.maxiter_spectral, orthogonalise)
 
-    def _bias_norm(self):
-        from lipdp.layers.base import as_bound, weight_norm
-
-        return weight_norm(self.bias) if self.use_bias else as_bound(0.0)
-
     def _projected_config(self, config, hidden=()):
         """Drop the Keras arguments this layer refuses; add the projection's."""
         for key in _FORBIDDEN_KWARGS + ("activation", "bias_constraint") + tuple(hidden):

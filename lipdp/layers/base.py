@@ -110,6 +110,11 @@ def weight_norm(variable):
     return tf.norm(tf.cast(variable, BOUND_DTYPE))
 
 
+def bias_norm(layer):
+    """``||layer.bias||_2`` in float64 (`weight_norm`), 0 for a layer built without bias."""
+    return weight_norm(layer.bias) if layer.use_bias else as_bound(0.0)
+
+
 def with_pass_slack(bound):
     """`bound` times ``1 + BOUND_PASS_SLACK`` (module docstring, "Precision")."""
     return as_bound(bound) * (1.0 + BOUND_PASS_SLACK)

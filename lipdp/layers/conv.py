@@ -10,7 +10,8 @@ from deel.lip.layers.convolutional import _compute_conv_lip_factor
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
-from lipdp.layers.base import DPLayer, as_bound, certified_operator_norm, check_no_activation
+from lipdp.layers.base import (DPLayer, as_bound, bias_norm, certified_operator_norm,
+                               check_no_activation)
 from lipdp.operator_norms import conv_frequency_grid, dense_spectral_norm_upper
 from lipdp.rounding import SMALLEST_NORMAL, addition_error, product_error
 
@@ -136,7 +137,7 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
 
     def propagate_inputs(self, input_bound):
         return (self._operator_bound() * as_bound(input_bound)
-                + math.sqrt(self._output_pixels) * self._bias_norm())
+                + math.sqrt(self._output_pixels) * bias_norm(self))
 
     def backpropagate_params(self, input_bound, gradient_bound):
         kernel_factor = self.coef * math.sqrt(self._multiplicity)

@@ -10,8 +10,8 @@ import tensorflow as tf
 
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
-from lipdp.layers.base import (DPLayer, as_bound, certified_operator_norm, check_no_activation,
-                               weight_norm)
+from lipdp.layers.base import (DPLayer, as_bound, bias_norm, certified_operator_norm,
+                               check_no_activation)
 from lipdp.rounding import addition_error, product_error
 
 _FORBIDDEN = ("kernel_constraint", "kernel_regularizer", "bias_regularizer", "activity_regularizer")
@@ -63,9 +63,6 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
         """The kernel the forward pass multiplies by (what S bounds)."""
         return self.kernel
 
-    def _bias_norm(self):
-        return weight_norm(self.bias) if self.use_bias else as_bound(0.0)
-
     def certified_norm_request(self):
         """What `lipdp.operator_norms.certified_norms` needs to certify S (with the
         power-iteration vector of a projected layer as a hint for its estimate)."""
@@ -79,7 +76,7 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
 
     def propagate_inputs(self, input_bound):
         return (self._spectral_bound() * as_bound(input_bound)
-                + math.sqrt(self._positions) * self._bias_norm())
+                + math.sqrt(self._positions) * bias_norm(self))
 
     def backpropagate_params(self, input_bound, gradient_bound):
         gradient_bound = as_bound(gradient_bound)
