@@ -44,6 +44,9 @@ Schema (defaults shown)::
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce
+      margin: 0.0              # tau_cce: raise the other classes' logits by this before the
+                               #   softmax (Lipschitz-margin training; sqrt(2) Lip r aims at
+                               #   certified radius r)
       min_margin: 1.0          # margin of hinge / hkr
       alpha: 10.0              # hinge weight of hkr
     optimizer:
@@ -178,7 +181,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "feature_groups": 27,
         "head": "lipschitz",
     },
-    "loss": {"name": "tau_cce", "tau": 10.0, "min_margin": 1.0, "alpha": 10.0},
+    "loss": {"name": "tau_cce", "tau": 10.0, "margin": 0.0, "min_margin": 1.0, "alpha": 10.0},
     "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9, "ema_momentum": None},
     "privacy": {
         "noise_multiplier": 3.0,
@@ -354,6 +357,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
     "loss": {
         "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
         "tau": _POSITIVE,
+        "margin": _NON_NEGATIVE,
         "min_margin": _POSITIVE,
         "alpha": _POSITIVE,
     },
@@ -525,6 +529,11 @@ def validate_config(cfg: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
                           "training.epochs. Received: privacy.noise_multiplier=0, "
                           f"privacy.epsilon_budget={privacy['epsilon_budget']!r}")
     _check_mode(out["model"], privacy)
+    loss = out["loss"]
+    if loss["margin"] and loss["name"] != "tau_cce":
+        raise ConfigError("loss.margin shifts the logits of the softmax cross-entropy: it needs "
+                          f"loss.name='tau_cce'. Received: loss.name={loss['name']!r}, "
+                          f"loss.margin={loss['margin']!r}")
     dataset = out["dataset"]
     n = dataset["nb_samples_train"]
     if n is not None and dataset["batch_size"] > n:
@@ -742,7 +751,8 @@ def build_loss(loss_cfg: Dict[str, Any]):
 
     name = loss_cfg["name"]
     if name == "tau_cce":
-        return losses.DP_TauCategoricalCrossentropy(tau=loss_cfg["tau"])
+        return losses.DP_TauCategoricalCrossentropy(tau=loss_cfg["tau"],
+                                                    margin=loss_cfg["margin"])
     if name == "tau_bce":
         return losses.DP_TauBCE(tau=loss_cfg["tau"])
     if name == "hinge":

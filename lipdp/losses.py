@@ -125,6 +125,12 @@ def target_labels(loss, y_true, y_pred) -> tf.Tensor:
     return tf.cast(_same_batch(y_true, y_pred), y_pred.dtype)
 
 
+def _python_float(variable) -> float:
+    """A deel-lip temperature (a tf.Variable) as a python float: its own get_config returns a
+    numpy float32, which the constructors' checks (and JSON) refuse."""
+    return float(variable.numpy())
+
+
 def _to_simplex_subset(y):
     """Map label rows to {y >= 0, sum(y) <= 1}; one-hot and smoothed labels are unchanged."""
     y = tf.nn.relu(y)
@@ -138,23 +144,40 @@ def _to_one_hot(y):
 
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
-    """Softmax cross-entropy with temperature (deel-lip): ``CE(y, softmax(tau y_pred)) / tau``.
+    """Softmax cross-entropy with temperature (deel-lip): ``CE(y, softmax(tau y_pred)) / tau``;
+    with a `margin` m > 0, ``CE(y, softmax(tau (y_pred + m (1 - y)))) / tau``.
 
-    Gradient: ``(sum_j y_j) softmax(tau y_pred) - y``. With labels mapped to
-    ``{y >= 0, sum y <= 1}``, both terms lie in the unit simplex (scaled by at most
-    1) and have non-negative inner product, so its squared norm is at most
-    ``||p||^2 + ||y||^2 <= 2``: ``L = sqrt(2)``, for every ``tau``.
+    The margin raises every other class's logit by m before the softmax (Lipschitz-margin
+    training, Tsuzuku et al. 2018): the loss keeps pushing an example until its true logit
+    leads the others by about m, and a margin m certifies an L2 radius of
+    ``m / (sqrt(2) Lip)`` on a ``Lip``-Lipschitz network (`lipdp.certify`), so
+    ``m = sqrt(2) Lip r`` aims the training at radius r.
+
+    Gradient: ``(sum_j y_j) softmax(tau (y_pred + s)) - y`` with ``s = m (1 - y)`` constant
+    in ``y_pred``. With labels mapped to ``{y >= 0, sum y <= 1}``, both terms lie in the unit
+    simplex (scaled by at most 1) and have non-negative inner product, so its squared norm is
+    at most ``||p||^2 + ||y||^2 <= 2``: ``L = sqrt(2)``, for every ``tau`` and every margin.
     """
 
-    def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauCategoricalCrossentropy"):
+    def __init__(self, tau=1.0, margin=0.0, reduction=Reduction.AUTO,
+                 name="DP_TauCategoricalCrossentropy"):
         check_positive(tau, "tau")
+        if margin != 0:
+            check_positive(margin, "margin")
         super().__init__(tau=tau, reduction=reduction, name=name)
+        self.margin = float(margin)
 
     def call(self, y_true, y_pred, *args, **kwargs):
-        return super().call(_to_simplex_subset(class_labels(self, y_true, y_pred)), y_pred)
+        y = _to_simplex_subset(class_labels(self, y_true, y_pred))
+        if self.margin:
+            y_pred = y_pred + self.margin * (1.0 - y)
+        return super().call(y, y_pred)
 
     def lipschitz(self, nb_outputs):
         return math.sqrt(2.0)
+
+    def get_config(self):
+        return {**super().get_config(), "tau": _python_float(self.tau), "margin": self.margin}
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -174,6 +197,9 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
 
     def lipschitz(self, nb_outputs):
         return 1.0 / math.sqrt(nb_outputs)
+
+    def get_config(self):
+        return {**super().get_config(), "tau": _python_float(self.tau)}
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")

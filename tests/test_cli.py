@@ -113,6 +113,7 @@ def test_defaults_partial_file_and_overrides(tmp_path):
     ("model.use_bias=yes please", ["true or false", "model.use_bias='yes please'"]),
     ("loss.name=mse", ["'tau_cce'", "loss.name='mse'"]),
     ("loss.tau=-1", ["loss.tau=-1"]),
+    ("loss.margin=-0.1", ["non-negative", "loss.margin=-0.1"]),
     ("optimizer.momentum=1.0", ["[0, 1)", "optimizer.momentum=1.0"]),
     ("optimizer.ema_momentum=1.0", ["(0, 1)", "optimizer.ema_momentum=1.0"]),
     ("privacy.delta=2", ["(0, 1)", "privacy.delta=2"]),
@@ -140,6 +141,7 @@ def test_bad_values_are_echoed(override, fragments):
     (["model.head=plain"], "train it with privacy.mode='clipped'"),
     (["model.head=plain", "model.architecture=cnn", "privacy.mode=clipped",
       "privacy.l2_norm_clip=1.0"], "applies to the mlp and scatternet architectures"),
+    (["loss.name=hinge", "loss.margin=0.1"], "needs loss.name='tau_cce'"),
 ])
 def test_clipped_mode_cross_field_rules(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(".", r"\.")):

@@ -12,6 +12,8 @@ LOSSES = [
     ("cce tau=1", lambda: DP_TauCategoricalCrossentropy(1.0), 10),
     ("cce tau=30", lambda: DP_TauCategoricalCrossentropy(30.0), 10),
     ("cce tau=0.1 two classes", lambda: DP_TauCategoricalCrossentropy(0.1), 2),
+    ("cce tau=100 margin=0.2", lambda: DP_TauCategoricalCrossentropy(100.0, margin=0.2), 10),
+    ("cce tau=1 margin=30", lambda: DP_TauCategoricalCrossentropy(1.0, margin=30.0), 3),
     ("bce one output", lambda: DP_TauBCE(5.0), 1),
     ("bce multilabel", lambda: DP_TauBCE(2.0), 6),
     ("hinge", lambda: DP_MulticlassHinge(1.0), 10),
@@ -122,3 +124,53 @@ def test_bad_hyper_parameters_are_echoed(make, arg, bad):
 def test_one_vs_all_losses_need_two_classes():
     with pytest.raises(ValueError, match="at least 2"):
         DP_MulticlassHinge().lipschitz(1)
+
+
+def test_margin_raises_the_other_logits_before_the_softmax():
+    """``CE(y, softmax(tau (z + m (1 - y)))) / tau`` against numpy, on one-hot and soft labels."""
+    rng = np.random.default_rng(3)
+    tau, margin = 7.0, 0.3
+    logits = rng.normal(size=(6, 4)).astype("float32")
+    labels = np.concatenate([np.eye(4, dtype="float32")[[0, 1, 2, 3]],
+                             [[0.5, 0.5, 0, 0], [0.1, 0.2, 0.3, 0.4]]]).astype("float32")
+    shifted = tau * (logits.astype(np.float64) + margin * (1.0 - labels))
+    log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    expected = -(labels * log_softmax).sum(-1) / tau
+    value = DP_TauCategoricalCrossentropy(tau, margin=margin).call(labels, logits).numpy()
+    np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+    # An example whose true logit leads by exactly the margin sits where an unshifted one
+    # with tied logits does.
+    leading = np.array([[margin, 0.0, 0.0, 0.0]], np.float32)
+    tied = np.zeros((1, 4), np.float32)
+    np.testing.assert_allclose(
+        DP_TauCategoricalCrossentropy(tau, margin=margin).call(labels[:1], leading).numpy(),
+        DP_TauCategoricalCrossentropy(tau).call(labels[:1], tied).numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_bad_margin_is_echoed(bad):
+    with pytest.raises(ValueError, match="margin"):
+        DP_TauCategoricalCrossentropy(10.0, margin=bad)
+
+
+def test_margin_config_round_trip():
+    loss = DP_TauCategoricalCrossentropy(30.0, margin=0.25)
+    config = loss.get_config()
+    assert config["margin"] == 0.25 and config["tau"] == pytest.approx(30.0)
+    again = DP_TauCategoricalCrossentropy.from_config(config)
+    assert again.margin == 0.25
+    logits, labels = np.array([[0.1, 0.3, -0.2]], np.float32), np.eye(3, dtype=np.float32)[[1]]
+    np.testing.assert_allclose(again.call(labels, logits).numpy(),
+                               loss.call(labels, logits).numpy())
+    assert DP_TauCategoricalCrossentropy(30.0).get_config()["margin"] == 0.0
+
+
+@pytest.mark.parametrize("name,make,k", LOSSES, ids=IDS)
+def test_config_round_trip(name, make, k):
+    """``from_config(get_config())`` rebuilds the same loss (deel-lip's temperature losses
+    return their tau as a numpy float32, which the constructors refused)."""
+    loss, rng = make(), np.random.default_rng(4)
+    again = type(loss).from_config(loss.get_config())
+    logits, labels = rng.normal(size=(5, k)).astype("float32"), _labels(rng, 5, k)
+    np.testing.assert_allclose(again.call(labels, logits).numpy(),
+                               loss.call(labels, logits).numpy(), rtol=1e-6)
