@@ -71,7 +71,8 @@ def _model(name):
     metadata = lipdp.DatasetMetadata(SHAPE, 3, 32, 8, 8, 4.0, "shuffle")
     model = lipdp.DP_Sequential(layers, dp_parameters=lipdp.DPParameters(2.0, 1e-6, "per-layer"),
                                 dataset_metadata=metadata, name=f"contract_{name.lower()}")
-    model.compile(loss=DP_TauCategoricalCrossentropy(4.0), optimizer=tf.keras.optimizers.SGD(0.5))
+    model.compile(loss=DP_TauCategoricalCrossentropy(4.0, margin=0.1),
+                  optimizer=tf.keras.optimizers.SGD(0.5))
     return model, layer
 
 
@@ -105,6 +106,7 @@ def test_layer_serialization_contract(name, tmp_path):
     assert gradient_bounds(loaded) == gradient_bounds(model)
     assert float(lipschitz_bound(loaded)) == float(lipschitz_bound(model))
     assert type(loaded.dp_loss) is DP_TauCategoricalCrossentropy
+    assert (float(loaded.dp_loss.tau.numpy()), loaded.dp_loss.margin) == (4.0, 0.1)
 
 
 def test_dp_model_round_trip_and_training_resumes(tmp_path):
