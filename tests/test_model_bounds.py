@@ -17,6 +17,7 @@ from tests._soundness import (REL_TOL, adversarial_inputs, assert_within_bounds,
 
 LOSSES = {
     "cce": lambda: DP_TauCategoricalCrossentropy(5.0),
+    "cce margin": lambda: DP_TauCategoricalCrossentropy(5.0, margin=0.5),
     "bce": lambda: DP_TauBCE(3.0),
     "hinge": lambda: DP_MulticlassHinge(1.0),
     "kr": lambda: DP_MulticlassKR(),
