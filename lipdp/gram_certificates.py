@@ -152,7 +152,8 @@ def _power_estimate(grams) -> float:
 
 def max_eigenvalue_upper(grams, gram_error, complex_arithmetic=False, start=None) -> float:
     """Upper bound of ``max_b lambda_max(G_b)`` for every Hermitian ``G_b`` with
-    ``||G_b - grams[b]||_2 <= gram_error`` (steps 2, 3 and 5 of the module docstring).
+    ``||G_b - grams[b]||_2 <= gram_error`` (steps 2, 3 and 5 of the module docstring; a
+    1 x 1 matrix is its own eigenvalue: the largest real part plus the error).
 
     Args:
         grams: ``(batch, k, k)`` computed Gram matrices (float64 or complex128).
@@ -163,6 +164,8 @@ def max_eigenvalue_upper(grams, gram_error, complex_arithmetic=False, start=None
     """
     batch, k, _ = grams.shape
     diagonal_index = np.arange(k)
+    if k == 1:  # the eigenvalue of a 1 x 1 Hermitian matrix is its (real) entry
+        return float(np.max(np.real(grams))) + gram_error
     if batch == 1 and not complex_arithmetic:
         gram = grams[0]
         centre = float(np.trace(gram)) / k
