@@ -25,7 +25,7 @@ elongated dense kernel (p x k with p >= 3 k and ``p k^2 >= CHUNKED_GRAM_MIN_WORK
 paper's CNN's 3136 x 512, not the main job's 784 x 1024) the Gram matrix is computed on the
 CPU by TensorFlow as float32 products of blocks of at most 392 rows summed in float64, with
 its proven rounding error (`lipdp.gram_certificates`, step 4: on that kernel the
-certificate is 0.4% above the norm, in 0.57x the time), unless oneDNN is told to trade
+certificate is 0.4% above the norm, in 0.54x the time), unless oneDNN is told to trade
 float32 precision for speed (``ONEDNN_DEFAULT_FPMATH_MODE`` set to anything but
 ``strict``): then the float64 one. On a squarer kernel the float64 Gram matrix costs little
 more than the chunked one and its certificate stays within 1e-5 of the norm.
