@@ -55,6 +55,8 @@ Schema (defaults shown)::
       momentum: 0.9            # sgd only
       ema_momentum: null       # float in (0, 1): the final model is the exponential moving
                                #   average of the iterates (Keras use_ema; post-processing)
+      learning_rate_decay: null  # null | cosine: the learning rate falls to 0 along a half
+                               #   cosine over the planned steps (training.epochs or budget)
     privacy:
       noise_multiplier: 3.0    # sigma (0: no noise, not private: epsilon is infinite)
       delta: 1.0e-5
@@ -130,7 +132,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -182,7 +184,8 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "head": "lipschitz",
     },
     "loss": {"name": "tau_cce", "tau": 10.0, "margin": 0.0, "min_margin": 1.0, "alpha": 10.0},
-    "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9, "ema_momentum": None},
+    "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9, "ema_momentum": None,
+                  "learning_rate_decay": None},
     "privacy": {
         "noise_multiplier": 3.0,
         "delta": 1.0e-5,
@@ -366,6 +369,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "learning_rate": _POSITIVE,
         "momentum": _number(low=0, high=1, high_open=True, expected="a number in [0, 1)"),
         "ema_momentum": lambda k, v: None if v is None else _OPEN_UNIT(k, v),
+        "learning_rate_decay": lambda k, v: None if v is None else _choice("cosine")(k, v),
     },
     "privacy": {
         "noise_multiplier": _NON_NEGATIVE,
@@ -762,7 +766,7 @@ def build_loss(loss_cfg: Dict[str, Any]):
     return losses.DP_MulticlassHKR(alpha=loss_cfg["alpha"], min_margin=loss_cfg["min_margin"])
 
 
-def build_optimizer(optimizer_cfg: Dict[str, Any]):
+def build_optimizer(optimizer_cfg: Dict[str, Any], total_steps: Optional[int] = None):
     """The Keras optimizer of the ``optimizer`` section.
 
     With ``ema_momentum`` m the optimizer keeps ``a <- m a + (1 - m) w`` after every step and
@@ -771,14 +775,28 @@ def build_optimizer(optimizer_cfg: Dict[str, Any]):
     layers the average is taken before each step's projection, so the final weights may sit
     slightly outside the Lipschitz set; certified radii use the certified constant of the
     weights as they are, so they stay proven.
+
+    With ``learning_rate_decay: cosine`` the learning rate of step t is
+    ``lr (1 + cos(pi min(t, T) / T)) / 2`` over ``T = total_steps`` (Keras's `CosineDecay`,
+    counted by the optimizer's own step counter, which checkpoints keep). A schedule fixed
+    before training is public: it costs no privacy.
+
+    Raises:
+        ValueError: a decay without ``total_steps``.
     """
     import tensorflow as tf
 
     ema = {} if optimizer_cfg["ema_momentum"] is None else {
         "use_ema": True, "ema_momentum": optimizer_cfg["ema_momentum"]}
+    learning_rate = optimizer_cfg["learning_rate"]
+    if optimizer_cfg.get("learning_rate_decay") == "cosine":
+        if not total_steps or total_steps < 1:
+            raise ValueError("A cosine learning-rate decay needs the planned number of steps "
+                             f"(got total_steps={total_steps!r}).")
+        learning_rate = tf.keras.optimizers.schedules.CosineDecay(learning_rate, int(total_steps))
     if optimizer_cfg["name"] == "adam":
-        return tf.keras.optimizers.Adam(learning_rate=optimizer_cfg["learning_rate"], **ema)
-    return tf.keras.optimizers.SGD(learning_rate=optimizer_cfg["learning_rate"],
+        return tf.keras.optimizers.Adam(learning_rate=learning_rate, **ema)
+    return tf.keras.optimizers.SGD(learning_rate=learning_rate,
                                    momentum=optimizer_cfg["momentum"], **ema)
 
 
@@ -861,8 +879,9 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
         dp_parameters = DPParameters(noise_multiplier=p["noise_multiplier"], delta=p["delta"],
                                      noisify_strategy=p["noisify_strategy"], **clipped)
         model = build_model(cfg["model"], metadata, dp_parameters)
-        model.compile(loss=build_loss(cfg["loss"]), optimizer=build_optimizer(cfg["optimizer"]),
-                      metrics=["accuracy"],
+        epochs = planned_epochs(cfg, model)
+        optimizer = build_optimizer(cfg["optimizer"], epochs * metadata.steps_per_epoch)
+        model.compile(loss=build_loss(cfg["loss"]), optimizer=optimizer, metrics=["accuracy"],
                       private_logs_only=cfg["training"]["private_logs_only"],
                       bjorck_every=cfg["training"]["bjorck_every"])
     except ConfigError:
@@ -870,7 +889,7 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     except ValueError as e:
         raise ConfigError(f"Cannot build the model from the config: {e}") from None
     fit_kwargs = {
-        "epochs": planned_epochs(cfg, model),
+        "epochs": epochs,
         "validation_data": ds_test,
         "callbacks": [DP_Accountant(epsilon_budget=p["epsilon_budget"], log_fn="print")],
     }

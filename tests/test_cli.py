@@ -116,6 +116,7 @@ def test_defaults_partial_file_and_overrides(tmp_path):
     ("loss.margin=-0.1", ["non-negative", "loss.margin=-0.1"]),
     ("optimizer.momentum=1.0", ["[0, 1)", "optimizer.momentum=1.0"]),
     ("optimizer.ema_momentum=1.0", ["(0, 1)", "optimizer.ema_momentum=1.0"]),
+    ("optimizer.learning_rate_decay=linear", ["'cosine'", "optimizer.learning_rate_decay='linear'"]),
     ("privacy.delta=2", ["(0, 1)", "privacy.delta=2"]),
     ("privacy.noise_multiplier=abc", ["privacy.noise_multiplier='abc'"]),
     ("privacy.noisify_strategy=local", ["'per-layer'", "privacy.noisify_strategy='local'"]),
@@ -262,6 +263,39 @@ def test_ema_momentum_releases_the_average_of_the_iterates(fake_fashion):
     for v, a, last in zip(model.trainable_variables, average, iterates[-1]):
         np.testing.assert_allclose(v.numpy(), a, rtol=1e-5, atol=1e-6)
         assert np.abs(v.numpy() - last).max() > 1e-4  # not the last iterate
+
+
+def test_cosine_decay_takes_the_closed_form_steps_over_the_planned_steps(fake_fashion):
+    """optimizer.learning_rate_decay=cosine: the rate each step applies (Keras records it in
+    ``optimizer.learning_rate`` when it applies the step) is ``lr (1 + cos(pi t / T)) / 2``
+    over the planned ``T = epochs x steps_per_epoch`` steps, t = 0, 1, ..."""
+    cfg = load_config(None, ["model.head=plain", "model.widths=[]", "privacy.mode=clipped",
+                             "privacy.l2_norm_clip=1.0", "dataset.batch_size=20",
+                             "privacy.epsilon_budget=null", "training.epochs=2",
+                             "optimizer.name=sgd", "optimizer.learning_rate=0.5",
+                             "optimizer.learning_rate_decay=cosine"])
+    model, ds_train, _, metadata, fit_kwargs = config.build_from_config(cfg)
+    total = fit_kwargs["epochs"] * metadata.steps_per_epoch
+    assert total == 6
+    rates = []
+
+    class Record(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            rates.append(float(model.optimizer.learning_rate))
+
+    model.fit(ds_train, epochs=fit_kwargs["epochs"], verbose=0, callbacks=[Record()])
+    np.testing.assert_allclose(
+        rates, [0.25 * (1 + np.cos(np.pi * t / total)) for t in range(total)], rtol=1e-6)
+
+
+def test_a_decay_needs_the_planned_steps():
+    with pytest.raises(ValueError, match="planned number of steps"):
+        config.build_optimizer({**config.DEFAULT_CONFIG["optimizer"],
+                                "learning_rate_decay": "cosine"})
+    optimizer = config.build_optimizer({**config.DEFAULT_CONFIG["optimizer"],
+                                        "learning_rate_decay": "cosine"}, total_steps=10)
+    schedule = optimizer.get_config()["learning_rate"]  # serialised with the optimizer
+    assert "CosineDecay" in str(schedule) and schedule["config"]["decay_steps"] == 10
 
 
 def test_build_rejects_what_the_data_rejects(fake_fashion):
