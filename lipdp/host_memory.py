@@ -6,15 +6,16 @@ heap whenever a free leaves more than ``M_TOP_PAD`` (128 KiB by default) on top,
 megabytes of temporaries a certificate allocates (Fourier transforms and Gram matrices of a
 convolution's kernel: about 20 MB on the paper's CNN) are handed back to the kernel and
 faulted in again, zero-filled, on the next step. On this 2-core machine the same numpy code
-then ran 1.9x slower in the train step than on the main thread (8.4 against 4.5 ms for the
-paper's CNN's two convolutions), about 6% of the whole clipless step.
+then ran 1.6-1.9x slower in a host call than on the main thread (7.5 against 4.7 ms for the
+paper's CNN's two convolutions; 5.7 against 5.6 ms with this module's setting).
 
 `keep_host_memory` raises ``M_TOP_PAD`` (``mallopt``) to `TOP_PAD_BYTES` once per process:
 each arena then keeps up to that much free memory on top of its heap (a resident-memory
 cost of at most that per arena that grew, and in practice the certificates' working set).
-Measured with `benchmarks/run.py` (paired rounds): the clipless step of the paper's CNN at
-batch 1024 from 1.15x to 1.08-1.10x its non-private twin's. It changes no result, only
-when memory is returned. ``LIPDP_KEEP_HOST_MEMORY=0`` leaves glibc's default; other C
+The clipless step of the paper's CNN at batch 1024: 0.983x with the setting (paired, 24
+steps toggling it); `benchmarks/run.py --models cnn --configs floor twin clipless
+--batch-sizes 1024 --no-isolated` read 1.11x and 1.11x its twin with it, 1.14x and 1.12x
+without (alternate runs). It changes no result, only when memory is returned. ``LIPDP_KEEP_HOST_MEMORY=0`` leaves glibc's default; other C
 libraries (musl, macOS, Windows) are left alone.
 """
 
