@@ -61,10 +61,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from lipdp.rounding import SMALLEST_NORMAL as MU32  # float32: what an underflow moves a value
+from lipdp.rounding import gamma as gamma32  # float32's gamma_n
+
 U64 = 2.0 ** -53
-U32 = 2.0 ** -24
-#: The smallest normal float32: the most an underflow (or a flushed operand) moves a value.
-MU32 = 2.0 ** -126
 CHOLESKY_SHIFTS = (1e-6, 3e-4, 3e-3, 3e-2, 1.0)
 NEAR_MULTIPLE_OF_IDENTITY = 1e-4
 EIG_RELATIVE_MARGIN = 1e-9
@@ -77,11 +77,6 @@ _FINAL_SLACK = 1.0 + 16.0 * U64
 def gamma64(n) -> float:
     """``n u / (1 - n u)`` in float64 (Higham's gamma_n)."""
     return n * U64 / (1.0 - n * U64)
-
-
-def gamma32(n) -> float:
-    """``n u / (1 - n u)`` for float32's ``u = 2^-24`` (inf when ``n u >= 1``)."""
-    return n * U32 / (1.0 - n * U32) if n * U32 < 1.0 else np.inf
 
 
 def round_up_float32(value) -> np.float32:
@@ -247,10 +242,8 @@ def chunked_dense_norm_upper(kernel, gram, stats, chunk_rows, chunks, start=None
     if not (np.all(np.isfinite(stats)) and 2.0 ** -40 <= stats[2] <= 2.0 ** 40
             and np.all(np.isfinite(gram))):
         return dense_norm_upper(kernel)
-    w_shape = np.shape(kernel)
-    rows, cols = int(np.prod(w_shape[:-1])), int(w_shape[-1])
-    p, k = max(rows, cols), min(rows, cols)
-    error = chunked_gram_error(p, k, chunk_rows, chunks, *stats)
+    k = gram.shape[0]  # the short side; the long one holds the rest of the entries
+    error = chunked_gram_error(np.size(kernel) // k, k, chunk_rows, chunks, *stats)
     # G^ need not be symmetric (a block product may sum (i, j) and (j, i) in different
     # orders): every step reads one triangle or bounds ``v^T G^ v`` by a norm of all of
     # ``G^ - c I``, and the entry-wise error bound holds for every entry.

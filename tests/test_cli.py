@@ -238,15 +238,21 @@ def test_build_plain_head_for_clipped_dpsgd(fake_fashion):
     assert model.dp_parameters.mode.value == "clipped"
 
 
+def _plain_sgd_config(*overrides):
+    """A plain linear head in clipped mode trained by SGD 0.5 for 2 epochs of 3 steps (no
+    budget), plus `overrides`: what the optimizer options' tests train."""
+    return load_config(None, ["model.head=plain", "model.widths=[]", "privacy.mode=clipped",
+                              "privacy.l2_norm_clip=1.0", "dataset.batch_size=20",
+                              "privacy.epsilon_budget=null", "training.epochs=2",
+                              "optimizer.name=sgd", "optimizer.learning_rate=0.5",
+                              *overrides])
+
+
 def test_ema_momentum_releases_the_average_of_the_iterates(fake_fashion):
     """optimizer.ema_momentum m: after fit the weights are ``a_T`` with ``a_0 = w_0``,
     ``a_t = m a_{t-1} + (1 - m) w_t`` over the iterates w_t (recorded after every step; a
     plain head in clipped mode, so no projection moves them after the optimizer)."""
-    cfg = load_config(None, ["model.head=plain", "model.widths=[]", "privacy.mode=clipped",
-                             "privacy.l2_norm_clip=1.0", "dataset.batch_size=20",
-                             "privacy.epsilon_budget=null", "training.epochs=2",
-                             "optimizer.name=sgd", "optimizer.learning_rate=0.5",
-                             "optimizer.ema_momentum=0.6"])
+    cfg = _plain_sgd_config("optimizer.ema_momentum=0.6")
     model, ds_train, _, _, fit_kwargs = config.build_from_config(cfg)
     assert model.optimizer.use_ema and model.optimizer.ema_momentum == 0.6
     average = [v.numpy() for v in model.trainable_variables]
@@ -269,11 +275,7 @@ def test_cosine_decay_takes_the_closed_form_steps_over_the_planned_steps(fake_fa
     """optimizer.learning_rate_decay=cosine: the rate each step applies (Keras records it in
     ``optimizer.learning_rate`` when it applies the step) is ``lr (1 + cos(pi t / T)) / 2``
     over the planned ``T = epochs x steps_per_epoch`` steps, t = 0, 1, ..."""
-    cfg = load_config(None, ["model.head=plain", "model.widths=[]", "privacy.mode=clipped",
-                             "privacy.l2_norm_clip=1.0", "dataset.batch_size=20",
-                             "privacy.epsilon_budget=null", "training.epochs=2",
-                             "optimizer.name=sgd", "optimizer.learning_rate=0.5",
-                             "optimizer.learning_rate_decay=cosine"])
+    cfg = _plain_sgd_config("optimizer.learning_rate_decay=cosine")
     model, ds_train, _, metadata, fit_kwargs = config.build_from_config(cfg)
     total = fit_kwargs["epochs"] * metadata.steps_per_epoch
     assert total == 6
