@@ -4,8 +4,9 @@ GroupSort2 must be the reference bit for bit (comparisons and copies only), forw
 backward, at ties, signed zeros, infinities and NaNs; L2-norm pooling must be deel-lip's
 computation (same order of operations, so the rounding bound of
 lipdp.rounding.block_norm_error keeps holding): bit for bit here too, on window sizes whose
-division is exact and not. Then: the layers really run the kernels in a traced step, fall
-back under XLA, vectorise under tf.vectorized_map without a while loop, have second-order
+division is exact and not. GroupSort2 followed by L2-norm pooling runs as one kernel that
+must give the two kernels' values bit for bit. Then: the layers really run the kernels in a
+traced step, fall back under XLA, vectorise under tf.vectorized_map without a while loop, have second-order
 gradients; and the loader falls back, with a warning, when it cannot compile.
 """
 
@@ -105,6 +106,60 @@ def test_fused_l2_norm_pooling_is_deel_lips_computation(pool_size, spatial):
     assert np.all(np.isfinite(dx.numpy())) and not np.any(dx.numpy()[0, :2, :2])
 
 
+@pytest.mark.parametrize("pairing", ["halves", "interleaved"])
+@pytest.mark.parametrize("pool_size", [2, (2, 3)])
+@pytest.mark.parametrize("spatial", [(8, 6), (7, 5)])
+def test_groupsort2_then_pooling_run_as_one_kernel_with_the_same_values(pairing, pool_size,
+                                                                         spatial):
+    """``DP_GroupSort(2)`` then ``DP_ScaledL2NormPooling2D`` in a traced function become
+    ``LipdpSortPool`` (and its gradient): bit for bit the two fused kernels one after the
+    other, forward and backward, at ties, signed zeros, infinities, NaNs and uncovered
+    border pixels; and the reference layers' values (forward bit for bit; backward bit for
+    bit on areas that are powers of 2 and normal inputs, as the pooling kernel alone)."""
+    x = _activations((3,) + spatial + (8,), seed=sum(spatial))
+    sort, pool = DP_GroupSort(2, pairing=pairing), DP_ScaledL2NormPooling2D(pool_size)
+    cotangent = tf.random.stateless_normal(pool.compute_output_shape(x.shape), seed=(4, 6))
+    ops = kernels.fused_ops()
+    pool.build(x.shape)
+    attrs = dict(pool_h=pool.pool_size[0], pool_w=pool.pool_size[1],
+                 coef=float(pool._get_coef()), eps=float(pool.eps_grad_sqrt))  # pylint: disable=protected-access
+
+    def one_after_the_other(t):
+        return ops.lipdp_l2_norm_pool(ops.lipdp_pair_permute(
+            t, t, interleaved=pairing == "interleaved"), **attrs)
+
+    fused = tf.function(lambda x: _value_and_input_gradient(lambda t: pool(sort(t)), x,
+                                                            cotangent))
+    separate = tf.function(lambda x: _value_and_input_gradient(one_after_the_other, x,
+                                                               cotangent))
+    theirs = ScaledL2NormPooling2D(pool_size)
+    reference = tf.function(lambda x: _value_and_input_gradient(
+        lambda t: theirs(reference_sort_pairs(t, pairing)), x, cotangent))
+    assert {"LipdpSortPool", "LipdpSortPoolGrad"} <= _ops_in(fused, x)
+    assert not {"LipdpL2NormPool", "LipdpL2NormPoolGrad"} & _ops_in(fused, x)
+    (y, dx), (y_sep, dx_sep), (y_ref, dx_ref) = fused(x), separate(x), reference(x)
+    assert _same(y, y_sep) and _same(dx, dx_sep)
+    assert _same(y, y_ref)
+    if np.prod(pool.pool_size) in (2, 4, 8):  # backward, on inputs without special values
+        finite = tf.random.stateless_normal(x.shape, seed=(5, 6))
+        assert _same(fused(finite)[1], reference(finite)[1])
+    assert np.any(np.isnan(y.numpy())) and np.any(np.isnan(dx.numpy()))
+
+
+def test_only_a_groupsort2_output_is_pooled_in_one_kernel():
+    """The pooling fuses with its input's producer only when that is GroupSort2's forward
+    kernel (keys = values); eagerly, or after another op, it pools alone."""
+    x = _activations((2, 4, 4, 6), seed=3)
+    pool = DP_ScaledL2NormPooling2D(2)
+    ops = kernels.fused_ops()
+    after_backward_permute = tf.function(lambda x: pool(ops.lipdp_pair_permute(x, 2.0 * x)))
+    after_another_op = tf.function(lambda x: pool(tf.abs(DP_GroupSort(2)(x))))
+    for function in (after_backward_permute, after_another_op):
+        assert "LipdpSortPool" not in _ops_in(function, x)
+        assert "LipdpL2NormPool" in _ops_in(function, x)
+    assert _same(pool(DP_GroupSort(2)(x)), tf.function(lambda x: pool(DP_GroupSort(2)(x)))(x))
+
+
 def test_layers_fall_back_to_the_reference_under_xla():
     x = _activations((4, 6, 6, 8), seed=5)
     for layer in (DP_GroupSort(2), DP_ScaledL2NormPooling2D(2)):
@@ -113,9 +168,10 @@ def test_layers_fall_back_to_the_reference_under_xla():
         assert _same(compiled(x), layer(x))
 
 
-@pytest.mark.parametrize("layer", [DP_GroupSort(2), DP_GroupSort(2, pairing="interleaved"),
-                                   DP_ScaledL2NormPooling2D(2)], ids=["gs-halves",
-                                                                       "gs-interleaved", "pool"])
+@pytest.mark.parametrize("layer", [
+    DP_GroupSort(2), DP_GroupSort(2, pairing="interleaved"), DP_ScaledL2NormPooling2D(2),
+    tf.keras.Sequential([DP_GroupSort(2, pairing="interleaved"), DP_ScaledL2NormPooling2D(2)]),
+], ids=["gs-halves", "gs-interleaved", "pool", "gs-then-pool"])
 def test_per_example_gradients_vectorise_without_a_while_loop(layer):
     """lipdp.per_example and the clipped engines run layers inside tf.vectorized_map: the
     kernels have converters (a loop would be correct but slow), and each row must be that
@@ -123,6 +179,7 @@ def test_per_example_gradients_vectorise_without_a_while_loop(layer):
     x = tf.random.stateless_normal((5, 6, 6, 4), seed=(6, 7))
     g = tf.random.stateless_normal((5,) + tuple(layer.compute_output_shape((1, 6, 6, 4))[1:]),
                                    seed=(8, 9))
+    wanted = {"LipdpSortPool", "LipdpSortPoolGrad"} if len(getattr(layer, "layers", [])) else set()
 
     def one(example):
         y, dx = _value_and_input_gradient(layer, example[0][None], example[1][None])
@@ -130,7 +187,7 @@ def test_per_example_gradients_vectorise_without_a_while_loop(layer):
 
     vectorised = tf.function(lambda x, g: tf.vectorized_map(one, (x, g)))
     graph_ops = _ops_in(vectorised, x, g)
-    assert any(op.startswith("Lipdp") for op in graph_ops)
+    assert any(op.startswith("Lipdp") for op in graph_ops) and wanted <= graph_ops
     assert not {"While", "StatelessWhile"} & graph_ops
     rows = vectorised(x, g)
     for i in range(len(x)):
@@ -141,7 +198,9 @@ def test_per_example_gradients_vectorise_without_a_while_loop(layer):
 @pytest.mark.parametrize("fused_layer, reference", [
     (DP_GroupSort(2), lambda x: reference_sort_pairs(x, "halves")),
     (DP_ScaledL2NormPooling2D(2), ScaledL2NormPooling2D(2)),
-], ids=["groupsort2", "l2-norm-pooling"])
+    (tf.keras.Sequential([DP_GroupSort(2), DP_ScaledL2NormPooling2D(2)]),
+     lambda x: ScaledL2NormPooling2D(2)(reference_sort_pairs(x, "halves"))),
+], ids=["groupsort2", "l2-norm-pooling", "groupsort2-then-pooling"])
 def test_second_order_gradients_match_the_reference(fused_layer, reference):
     x = tf.random.stateless_normal((3, 4, 4, 6), seed=(10, 11))
     direction = tf.random.stateless_normal(x.shape, seed=(12, 13))
@@ -168,6 +227,11 @@ def test_kernels_refuse_malformed_inputs():
         ops.lipdp_pair_permute(tf.ones((2, 4)), tf.ones((2, 6)))
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="rank"):
         ops.lipdp_l2_norm_pool(tf.ones((2, 4, 4)), pool_h=2, pool_w=2, coef=1.0, eps=0.0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="even size"):
+        ops.lipdp_sort_pool(tf.ones((2, 4, 4, 3)), pool_h=2, pool_w=2, coef=1.0, eps=0.0)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="shape"):
+        ops.lipdp_sort_pool_grad(tf.ones((2, 4, 4, 2)), tf.ones((2, 4, 4, 2)), pool_h=2,
+                                 pool_w=2, coef=1.0, eps=0.0)
 
 
 def _run_python(code, **env):

@@ -37,7 +37,8 @@ import warnings
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("lipdp_ops.cc")
-CXX_FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+CXX_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared",
+             "-fPIC")
 COMPILE_TIMEOUT_S = 600
 ENV_SWITCH = "LIPDP_FUSED_KERNELS"
 ENV_CACHE = "LIPDP_KERNEL_CACHE"

@@ -13,11 +13,38 @@ def _pool_attrs(node):
     return {key: node.get_attr(key) for key in ("pool_h", "pool_w", "coef", "eps")}
 
 
+def _sort_pool_attrs(node):
+    """The attributes of a ``LipdpSortPool`` op (or its gradient's), or of the op a pfor
+    converter is given."""
+    return {**_pool_attrs(node), "interleaved": node.get_attr("interleaved")}
+
+
 def reference_l2_norm_pool(x, pool_h, pool_w, coef, eps):
     """deel-lip's ScaledL2NormPooling2D in TensorFlow ops: ``coef * sqrt(avg_pool(x^2))``,
     with its square-root gradient ``dy / (2 (sqrt(u) + eps))`` (deel-lip's own op)."""
     pooled = tf.nn.avg_pool2d(tf.square(x), (pool_h, pool_w), (pool_h, pool_w), "VALID")
     return ScaledL2NormPooling2D._sqrt(eps)(pooled) * coef  # pylint: disable=protected-access
+
+
+def reference_sort_pool(x, pool_h, pool_w, coef, eps, interleaved):
+    """GroupSort2 then `reference_l2_norm_pool`, in TensorFlow ops (what ``LipdpSortPool``
+    computes in one pass)."""
+    from lipdp.layers._pair_sort import reference_sort_pairs
+
+    pairs = reference_sort_pairs(x, "interleaved" if interleaved else "halves")
+    return reference_l2_norm_pool(pairs, pool_h, pool_w, coef, eps)
+
+
+def _second_order(reference, x, dy, attrs, grad):
+    """Gradient of a fused backward op ``dx(x, dy)``: `reference`'s backward pass,
+    differentiated by TensorFlow (rarely needed)."""
+    with tf.GradientTape() as outer:
+        outer.watch([x, dy])
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            y = reference(x, **attrs)
+        dx = inner.gradient(y, x, output_gradients=dy)
+    return outer.gradient(dx, [x, dy], output_gradients=grad)
 
 
 def register(ops):
@@ -38,16 +65,15 @@ def register(ops):
 
     @tf.RegisterGradient("LipdpL2NormPoolGrad")
     def _pool_grad_grad(op, grad):
-        # Second order (rarely needed): differentiate the reference backward pass.
-        x, dy = op.inputs
-        attrs = _pool_attrs(op)
-        with tf.GradientTape() as outer:
-            outer.watch([x, dy])
-            with tf.GradientTape() as inner:
-                inner.watch(x)
-                y = reference_l2_norm_pool(x, **attrs)
-            dx = inner.gradient(y, x, output_gradients=dy)
-        return outer.gradient(dx, [x, dy], output_gradients=grad)
+        return _second_order(reference_l2_norm_pool, *op.inputs, _pool_attrs(op), grad)
+
+    @tf.RegisterGradient("LipdpSortPool")
+    def _sort_pool_grad(op, grad):
+        return ops.lipdp_sort_pool_grad(op.inputs[0], grad, **_sort_pool_attrs(op))
+
+    @tf.RegisterGradient("LipdpSortPoolGrad")
+    def _sort_pool_grad_grad(op, grad):
+        return _second_order(reference_sort_pool, *op.inputs, _sort_pool_attrs(op), grad)
 
     @RegisterPFor("LipdpPairPermute")
     def _pair_permute_pfor(pfor_input):
@@ -76,4 +102,18 @@ def register(ops):
         x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
         dy, _ = _merge_loop_axis(pfor_input.stacked_input(1))
         dx = ops.lipdp_l2_norm_pool_grad(x, dy, **_pool_attrs(pfor_input))
+        return wrap(_split_loop_axis(dx, loop_shape), True)
+
+    @RegisterPFor("LipdpSortPool")
+    def _sort_pool_pfor(pfor_input):
+        x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
+        y = ops.lipdp_sort_pool(x, **_sort_pool_attrs(pfor_input))
+        return wrap(_split_loop_axis(y, loop_shape), True)
+
+    @RegisterPFor("LipdpSortPoolGrad")
+    def _sort_pool_grad_pfor(pfor_input):
+        pfor_input.stack_inputs()
+        x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
+        dy, _ = _merge_loop_axis(pfor_input.stacked_input(1))
+        dx = ops.lipdp_sort_pool_grad(x, dy, **_sort_pool_attrs(pfor_input))
         return wrap(_split_loop_axis(dx, loop_shape), True)

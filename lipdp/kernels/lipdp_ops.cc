@@ -19,6 +19,13 @@
 //   dx = ((dy * coef) / (2 (sqrt(s / area) + eps)) / area) * (2 x), and 0 * (2 x) on
 //   dropped pixels.
 //
+// * LipdpSortPool(x) / LipdpSortPoolGrad(x, dy): GroupSort2 followed by that pooling,
+//   LipdpL2NormPool(LipdpPairPermute(x, x)), and its backward pass,
+//   LipdpPairPermute(x, LipdpL2NormPoolGrad(LipdpPairPermute(x, x), dy)), in one pass each
+//   way: each pair's sorted values are formed on the fly, window by window, and squared and
+//   summed in the pooling kernel's order, so the results are the composition's bit for bit,
+//   without the sorted activations (written, then read twice) in memory.
+//
 // Compiled with -ffp-contract=off: no fused multiply-add changes a rounding.
 
 #include <cmath>
@@ -244,5 +251,189 @@ class L2NormPoolOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPool").Device(DEVICE_CPU), L2NormPoolOp<false>);
 REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPoolGrad").Device(DEVICE_CPU), L2NormPoolOp<true>);
+
+REGISTER_OP("LipdpSortPool")
+    .Input("x: float")
+    .Output("y: float")
+    .Attr("pool_h: int")
+    .Attr("pool_w: int")
+    .Attr("coef: float")
+    .Attr("eps: float")
+    .Attr("interleaved: bool = false")
+    .SetShapeFn(PooledShape);
+
+REGISTER_OP("LipdpSortPoolGrad")
+    .Input("x: float")
+    .Input("dy: float")
+    .Output("dx: float")
+    .Attr("pool_h: int")
+    .Attr("pool_w: int")
+    .Attr("coef: float")
+    .Attr("eps: float")
+    .Attr("interleaved: bool = false")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle input;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &input));
+      c->set_output(0, input);
+      return OkStatus();
+    });
+
+// One pair (a, b) at one pixel: the GroupSort2 outputs (min to a, max to b; a tie swaps, as
+// LipdpPairPermute does) and whether the pair was swapped.
+inline bool SortPair(const float* p, int64_t a, int64_t b, float* low, float* high) {
+  const float va = p[a], vb = p[b];
+  const bool swap = va >= vb;
+  *low = swap ? vb : va;
+  *high = swap ? va : vb;
+  return swap;
+}
+
+template <bool kGrad>
+class SortPoolOp : public OpKernel {
+ public:
+  explicit SortPoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_h", &pool_h_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_w", &pool_w_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("coef", &coef_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("interleaved", &interleaved_));
+    OP_REQUIRES(ctx, pool_h_ >= 1 && pool_w_ >= 1,
+                errors::InvalidArgument("pool sizes must be positive"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    OP_REQUIRES(ctx, x.dims() == 4,
+                errors::InvalidArgument("expected NHWC input of rank 4, got shape ",
+                                        x.shape().DebugString()));
+    const int64_t batch = x.dim_size(0), height = x.dim_size(1), width = x.dim_size(2),
+                  channels = x.dim_size(3);
+    OP_REQUIRES(ctx, channels % 2 == 0,
+                errors::InvalidArgument("the last axis must have an even size, got shape ",
+                                        x.shape().DebugString()));
+    const int64_t out_h = height / pool_h_, out_w = width / pool_w_;
+    const float* dy = nullptr;
+    if (kGrad) {
+      const Tensor& grad = ctx->input(1);
+      OP_REQUIRES(ctx, grad.shape() == TensorShape({batch, out_h, out_w, channels}),
+                  errors::InvalidArgument("dy has shape ", grad.shape().DebugString(),
+                                          ", expected the pooled shape of ",
+                                          x.shape().DebugString()));
+      dy = grad.flat<float>().data();
+    }
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, kGrad ? x.shape() : TensorShape({batch, out_h, out_w, channels}),
+                            &output));
+    if (output->NumElements() == 0) return;
+    float* out = output->flat<float>().data();
+    const float* xs = x.flat<float>().data();
+    const int64_t half = channels / 2;
+    const bool interleaved = interleaved_;
+    if (kGrad && (out_h * pool_h_ != height || out_w * pool_w_ != width)) {
+      // Pixels no window covers: the pooling's zero cotangent times 2 x (its sorted value,
+      // sent back to x's own position), as the composition computes it; covered pixels
+      // are overwritten below.
+      const int64_t size = x.NumElements();
+      ParallelFor(ctx, size, 2, [=](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) out[i] = 0.0f * (2.0f * xs[i]);
+      });
+    }
+    if (out_h == 0 || out_w == 0 || channels == 0) return;
+    const int64_t ph = pool_h_, pw = pool_w_;
+    const float area = static_cast<float>(ph * pw);
+    const float coef = coef_, eps = eps_;
+    ParallelFor(ctx, batch * out_h, out_w * channels * ph * pw * (kGrad ? 6 : 3),
+                [=](int64_t begin, int64_t end) {
+      std::vector<float> sums(channels);
+      float* __restrict s = sums.data();
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / out_h, oi = row % out_h;
+        for (int64_t oj = 0; oj < out_w; ++oj) {
+          const int64_t corner = ((b * height + oi * ph) * width + oj * pw) * channels;
+          for (int64_t c = 0; c < channels; ++c) s[c] = 0.0f;
+          for (int64_t di = 0; di < ph; ++di) {
+            for (int64_t dj = 0; dj < pw; ++dj) {
+              const float* __restrict p = xs + corner + (di * width + dj) * channels;
+              if (interleaved) {
+                for (int64_t i = 0; i < half; ++i) {
+                  float low, high;
+                  SortPair(p, 2 * i, 2 * i + 1, &low, &high);
+                  s[2 * i] += low * low;
+                  s[2 * i + 1] += high * high;
+                }
+                continue;
+              }
+              // Halves: unit strides, so the loop vectorises.
+              const float* __restrict pa = p;
+              const float* __restrict pb = p + half;
+              float* __restrict sa = s;
+              float* __restrict sb = s + half;
+              for (int64_t i = 0; i < half; ++i) {
+                const float va = pa[i], vb = pb[i];
+                const bool swap = va >= vb;
+                const float low = swap ? vb : va, high = swap ? va : vb;
+                sa[i] += low * low;
+                sb[i] += high * high;
+              }
+            }
+          }
+          const int64_t o = (row * out_w + oj) * channels;
+          if (!kGrad) {
+            float* __restrict y = out + o;
+            for (int64_t c = 0; c < channels; ++c) y[c] = std::sqrt(s[c] / area) * coef;
+            continue;
+          }
+          for (int64_t c = 0; c < channels; ++c) {
+            s[c] = (dy[o + c] * coef) / (2.0f * (std::sqrt(s[c] / area) + eps)) / area;
+          }
+          for (int64_t di = 0; di < ph; ++di) {
+            for (int64_t dj = 0; dj < pw; ++dj) {
+              const int64_t at = corner + (di * width + dj) * channels;
+              const float* __restrict p = xs + at;
+              float* __restrict d = out + at;
+              // The pooling's cotangents of the sorted pair, sent back through the pair's
+              // permutation.
+              if (interleaved) {
+                for (int64_t i = 0; i < half; ++i) {
+                  const int64_t a = 2 * i, c = a + 1;
+                  float low, high;
+                  const bool swap = SortPair(p, a, c, &low, &high);
+                  const float d_low = s[a] * (2.0f * low), d_high = s[c] * (2.0f * high);
+                  d[a] = swap ? d_high : d_low;
+                  d[c] = swap ? d_low : d_high;
+                }
+                continue;
+              }
+              const float* __restrict pa = p;
+              const float* __restrict pb = p + half;
+              const float* __restrict sa = s;
+              const float* __restrict sb = s + half;
+              float* __restrict da = d;
+              float* __restrict db = d + half;
+              // Swapped, a's cotangent is the maximum's, sb * (2 high) with high = va, else the
+              // minimum's, sa * (2 low) with low = va: (swap ? sb : sa) * (2 va), the same
+              // operations on the same values.
+              for (int64_t i = 0; i < half; ++i) {
+                const float va = pa[i], vb = pb[i], ga = sa[i], gb = sb[i];
+                const bool swap = va >= vb;
+                da[i] = (swap ? gb : ga) * (2.0f * va);
+                db[i] = (swap ? ga : gb) * (2.0f * vb);
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+
+ private:
+  int pool_h_, pool_w_;
+  float coef_, eps_;
+  bool interleaved_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("LipdpSortPool").Device(DEVICE_CPU), SortPoolOp<false>);
+REGISTER_KERNEL_BUILDER(Name("LipdpSortPoolGrad").Device(DEVICE_CPU), SortPoolOp<true>);
 
 }  // namespace lipdp

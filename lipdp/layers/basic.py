@@ -228,13 +228,21 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
     def call(self, x):
         """deel-lip's computation; as one fused CPU kernel each way when
         `lipdp.kernels.usable_for` allows it (same order of operations, so the same
-        rounding bound: `rounding_error`)."""
+        rounding bound: `rounding_error`). When `x` is, in the graph being traced, the
+        output of `DP_GroupSort`'s fused kernel (GroupSort2 of some ``z``), the two layers
+        run as one kernel on ``z`` instead (``LipdpSortPool``: the same values bit for bit,
+        without the sorted activations in memory; the sort's own op, then unused, is
+        pruned from the graph)."""
         if self.data_format != "channels_last" or not kernels.usable_for(x):
             return super().call(x)
         pool_h, pool_w = self.pool_size
-        return kernels.fused_ops().lipdp_l2_norm_pool(
-            x, pool_h=pool_h, pool_w=pool_w, coef=float(self._get_coef()),
-            eps=float(self.eps_grad_sqrt))
+        attrs = dict(pool_h=pool_h, pool_w=pool_w, coef=float(self._get_coef()),
+                     eps=float(self.eps_grad_sqrt))
+        sorted_input = _fused_group_sort_input(x)
+        if sorted_input is not None:
+            z, interleaved = sorted_input
+            return kernels.fused_ops().lipdp_sort_pool(z, interleaved=interleaved, **attrs)
+        return kernels.fused_ops().lipdp_l2_norm_pool(x, **attrs)
 
     def _coef(self):
         return as_bound(float(self.k_coef_lip))
@@ -252,3 +260,16 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
         area = math.prod(self.pool_size)
         k = float(self.k_coef_lip)
         return block_norm_error(area, area, k, k * input_bound)
+
+
+def _fused_group_sort_input(x):
+    """``(z, interleaved)`` when the symbolic tensor `x` is GroupSort2 of ``z`` computed by
+    the fused kernel (``LipdpPairPermute(z, z)``: keys and values the same tensor, which
+    only `lipdp.layers._pair_sort.sort_pairs` writes; its backward pass permutes another
+    tensor), else None (eager tensors included)."""
+    if tf.executing_eagerly() or not hasattr(x, "op") or x.op.type != "LipdpPairPermute":
+        return None
+    keys, values = x.op.inputs
+    if keys.name != values.name:
+        return None
+    return keys, x.op.get_attr("interleaved")
