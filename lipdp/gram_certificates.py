@@ -37,11 +37,11 @@ LAPACK; ``gamma_n = n u / (1 - n u)``; complex arithmetic is covered by taking
    1e-2 (0.5% above the norm), the present one two, at 3e-4 (1.5e-4 above).
 4. **Chunked float32 Gram matrices** (large dense kernels, `chunked_gram_error`): for a
    p x k matrix W split into ``c`` blocks of ``b`` rows (zero rows pad the last one),
-   ``G^ = fl64(sum_c fl32(W_c^T W_c))``: each block product in float32 (any summation
+   ``G^ = fl32(sum_c fl32(W_c^T W_c))``: each block product in float32 (any summation
    order, fused or not: ``gamma32_b |W_c|^T |W_c|``, Higham eq. 3.13, plus underflow), the
-   blocks converted exactly and summed in float64 (``gamma64_c`` of the sum of their
-   absolute values). Entry-wise, ``|G^ - G| <= eps |W|^T |W| + a`` with
-   ``eps = gamma32_b + gamma64_c (1 + gamma32_b)`` and a per-entry underflow term a, so
+   c blocks summed in float32 in any order (``gamma32_{c-1}`` of the sum of their absolute
+   values, plus underflow). Entry-wise, ``|G^ - G| <= eps |W|^T |W| + a`` with
+   ``eps = gamma32_b + gamma32_{c-1} (1 + gamma32_b)`` and a per-entry underflow term a, so
    ``||G^ - G||_2 <= eps rho(|W|^T |W|) + k a``, and ``rho(|W|^T |W|) <= max_i
    (|W|^T |W| 1)_i`` (Collatz-Wielandt: the Perron root of a non-negative matrix A is at
    most ``max_i (A x)_i / x_i`` for every positive x; here x = 1), computed in float32 from the
@@ -209,16 +209,18 @@ def chunked_gram_error(rows, cols, chunk_rows, chunks, abs_gram_row_sum, abs_row
     ((s^ + p mu (max_abs + r^ + 3)) / (1 - gamma32_{p+1}) + 2 k mu p max_abs) /
     (1 - gamma32_k)``. A block product's entry sums b terms, each losing at most
     ``mu (2 max_abs + 2)`` to underflow and each sum ``mu``, carried by ``(1 + u)^b <= 2``:
-    ``a_c = 2 b mu (2 max_abs + 3)``; the float64 sum carries c of them by
-    ``1 + gamma64_c``. The float64 evaluation of this formula (non-negative terms, a few
-    operations) is covered by a final ``1 + 16 u64``.
+    ``a_c = 2 b mu (2 max_abs + 3)``. The float32 sum of the c blocks loses at most
+    ``mu`` to each flushed operand and each underflowing partial sum, ``2 c mu`` in all,
+    and carries the c block terms by ``1 + gamma32_{c-1}``. The float64 evaluation of this
+    formula (non-negative terms, a few operations) is covered by a final ``1 + 16 u64``.
     """
     p, k, b, c = int(rows), int(cols), int(chunk_rows), int(chunks)
     s_hat, r_hat, max_abs = float(abs_gram_row_sum), float(abs_row_sum), float(max_abs)
     rho = ((s_hat + p * MU32 * (max_abs + r_hat + 3.0)) / (1.0 - gamma32(p + 1))
            + 2.0 * k * MU32 * p * max_abs) / (1.0 - gamma32(k))
-    eps = gamma32(b) + gamma64(c) * (1.0 + gamma32(b))
-    underflow = (1.0 + gamma64(c)) * c * 2.0 * b * MU32 * (2.0 * max_abs + 3.0)
+    eps = gamma32(b) + gamma32(c - 1) * (1.0 + gamma32(b))
+    underflow = (1.0 + gamma32(c - 1)) * c * (2.0 * b * MU32 * (2.0 * max_abs + 3.0)
+                                               + 2.0 * MU32)
     return (eps * rho + k * underflow) * (1.0 + 16.0 * U64)
 
 
@@ -231,7 +233,7 @@ def chunked_dense_norm_upper(kernel, gram, stats, chunk_rows, chunks, start=None
             returned instead when the chunked inputs cannot serve: entries outside
             ``[2^-40, 2^40]`` in magnitude (float32 products would underflow or overflow),
             or anything non-finite.
-        gram: ``fl64(sum_c fl32(W_c^T W_c))`` for W oriented with ``rows >= cols``.
+        gram: ``fl32(sum_c fl32(W_c^T W_c))`` for W oriented with ``rows >= cols``.
         stats: float32 ``(max_i fl(sum_l |W_li| fl(r_l)), max_l fl(r_l), max |W|)`` of the
             oriented W (`chunked_gram_error`).
         chunk_rows, chunks: b and c.

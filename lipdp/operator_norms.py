@@ -23,7 +23,7 @@ train step), with every rounding error bounded: `lipdp.gram_certificates` states
 the arithmetic model and the proofs. The results are float32, rounded up. For a large,
 elongated dense kernel (p x k with p >= 3 k and ``p k^2 >= CHUNKED_GRAM_MIN_WORK``: the
 paper's CNN's 3136 x 512, not the main job's 784 x 1024) the Gram matrix is computed on the
-CPU by TensorFlow as float32 products of blocks of at most 392 rows summed in float64, with
+CPU by TensorFlow as float32 products of blocks of at most 392 rows summed in float32, with
 its proven rounding error (`lipdp.gram_certificates`, step 4: on that kernel the
 certificate is 0.4% above the norm, in 0.54x the time), unless oneDNN is told to trade
 float32 precision for speed (``ONEDNN_DEFAULT_FPMATH_MODE`` set to anything but
@@ -149,7 +149,7 @@ def _chunked_gram(kernel, hint=None):
         if wide:
             w = tf.transpose(w)
         blocks = tf.reshape(tf.pad(w, [[0, rows * chunks - p], [0, 0]]), [chunks, rows, k])
-        gram = tf.reduce_sum(tf.cast(tf.matmul(blocks, blocks, transpose_a=True), tf.float64), 0)
+        gram = tf.reduce_sum(tf.matmul(blocks, blocks, transpose_a=True), 0)
         magnitudes = tf.abs(w)
         row_sums = tf.reduce_sum(magnitudes, 1)
         stats = tf.stack([tf.reduce_max(tf.linalg.matvec(magnitudes, row_sums, transpose_a=True)),

@@ -1,7 +1,7 @@
 """The chunked float32 Gram certificate of large dense kernels against exact norms.
 
 `lipdp.operator_norms.certified_norms` certifies an elongated dense kernel from float32
-block products summed in float64 (`lipdp.gram_certificates`, step 4). The certificate must
+block products summed in float32 (`lipdp.gram_certificates`, step 4). The certificate must
 bound the exact spectral norm (float64 SVD of the exactly converted kernel) for every
 kernel, its stated Gram error must cover the rounding of the Gram matrix it describes
 (exact reference: float64 products of float32 entries are exact, their sums err by ~1e-16),
