@@ -9,9 +9,10 @@ the result by far more than the tolerance of the comparison.
 import numpy as np
 import pytest
 import tensorflow as tf
-from deel.lip.normalizers import bjorck_normalization
+from deel.lip.normalizers import bjorck_normalization, spectral_normalization
 
-from lipdp.layers._bjorck import GRAM_SPACE_MIN_ASPECT, gram_space_bjorck, orthogonalise
+from lipdp.layers._bjorck import (GRAM_SPACE_MIN_ASPECT, gram_space_bjorck,
+                                  normalised_gram_space_bjorck, orthogonalise)
 from lipdp.layers._projection import ProjectionConfig, project_kernel
 
 SHAPES = [(600, 96), (96, 600), (300, 40), (40, 300), (3136, 64)]
@@ -89,6 +90,59 @@ def test_results_are_as_orthogonal_as_deel_lips(shape):
     got = gram_space_bjorck(w, eps=1e-3, beta=0.5, maxiter=15).numpy()
     assert _deviation(got) <= max(2 * _deviation(expected), 1e-5)
     assert _deviation(got) < 1e-4  # within the certificate's near-orthogonal shortcut
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] > s[1]])
+@pytest.mark.parametrize("bjorck_iterations", [1, 15])
+def test_normalisation_from_the_gram_matrix_matches_deel_lips(shape, bjorck_iterations):
+    """`normalised_gram_space_bjorck` is deel-lip's `spectral_normalization` (power
+    iteration from a cached vector, its stopping rule, ``W / (sigma + eps)``) then Björck:
+    the same vector and kernel to float32 rounding. From a random kernel and vector, with
+    the power iteration's tolerance placed between the moves of its 2nd and 3rd iterations
+    (a stop one iteration early or late moves the vector by far more than the comparison's
+    tolerance), and one Björck iteration (whose result scales with the normalisation) or
+    up to 15; then from a kernel after a step (norm 1.3) and the vector cached before it.
+    `project_kernel` takes this path for tall kernels."""
+    rng = np.random.default_rng(5)
+    left, _ = np.linalg.qr(rng.standard_normal(shape))
+    right, _ = np.linalg.qr(rng.standard_normal((shape[1], shape[1])))
+    singular = np.concatenate([[1.2], np.linspace(0.1, 0.6, shape[1] - 1)])  # a gap
+    w = tf.constant(((left * singular) @ right.T).astype(np.float32))
+    u = rng.uniform(size=(1, shape[1]))
+    iterates = [u / np.linalg.norm(u)]  # the power iteration in float64
+    gram = w.numpy().astype(np.float64).T @ w.numpy().astype(np.float64)
+    for _ in range(4):
+        iterates.append(iterates[-1] @ gram / np.linalg.norm(iterates[-1] @ gram))
+    moves = [np.linalg.norm(b - a) for a, b in zip(iterates, iterates[1:])]
+    assert moves[1] > 2 * moves[2] > 4 * moves[3]
+    eps_spectral = float(np.sqrt(moves[1] * moves[2]))  # deel-lip stops after iteration 3
+    cases = [(w, tf.constant(u, tf.float32), eps_spectral, iterates[3],
+              min(moves[2], moves[3]))]
+    w = tf.constant(1.3 * _near_orthogonal(shape, seed=4))
+    top = np.linalg.svd(w.numpy().astype(np.float64))[2][:1] + 1e-3
+    cases.append((w, tf.constant(top, tf.float32), 1e-3, None, None))
+    bjorck_eps = 1e-30 if bjorck_iterations == 1 else 1e-3
+    for w, u, eps_spectral, u_stop, margin in cases:
+        normalised, u_expected, _ = spectral_normalization(w, u, eps=eps_spectral, maxiter=10)
+        if u_stop is not None:  # deel-lip stopped after 3 iterations, far from 2 or 4
+            np.testing.assert_allclose(u_expected.numpy(), u_stop, rtol=0, atol=1e-5)
+            assert margin > 100 * 1e-5
+        expected = bjorck_normalization(normalised, eps=bjorck_eps, beta=0.5,
+                                        maxiter=bjorck_iterations).numpy()
+        got, u_got = normalised_gram_space_bjorck(w, u, eps_spectral, 10, bjorck_eps, 0.5,
+                                                  bjorck_iterations)
+        np.testing.assert_allclose(u_got.numpy(), u_expected.numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=5e-6)
+        config = ProjectionConfig(eps_spectral=eps_spectral, eps_bjorck=bjorck_eps,
+                                  maxiter_bjorck=bjorck_iterations)
+        projected, u_projected = project_kernel(w, u, config, 10)
+        np.testing.assert_array_equal(projected.numpy(), got.numpy())
+        np.testing.assert_array_equal(u_projected.numpy(), u_got.numpy())
+
+
+def test_the_normalised_form_refuses_wide_kernels():
+    with pytest.raises(ValueError, match="tall"):
+        normalised_gram_space_bjorck(tf.ones((4, 40)), tf.ones((1, 40)), 1e-3, 3, 1e-3, 0.5, 15)
 
 
 def test_divergence_is_reported_as_deel_lips_and_the_projection_recovers():

@@ -56,9 +56,44 @@ def gram_space_bjorck(w, eps, beta, maxiter):
     deel-lip's is, for the caller to restart from a safer scaling."""
     w = tf.convert_to_tensor(w)
     wide = w.shape[0] < w.shape[1]  # then W_k = P_k W_0 and the Gram matrix is W W^T
-    size = min(w.shape)
-    eye = tf.eye(size, dtype=w.dtype)
-    deviation = _symmetric(eye - tf.matmul(w, w, transpose_a=not wide, transpose_b=wide))
+    gram = tf.matmul(w, w, transpose_a=not wide, transpose_b=wide)
+    return _from_gram(w, gram, eps, beta, maxiter)
+
+
+def normalised_gram_space_bjorck(w, u, eps_spectral, maxiter_spectral, eps, beta, maxiter):
+    """deel-lip's ``spectral_normalization(w, u, eps_spectral, maxiter_spectral)`` followed
+    by `gram_space_bjorck`, for a tall `w` (rows >= cols), from one Gram matrix.
+
+    deel-lip's power iteration ``u <- normalise((u W^T) W)`` is ``u <- normalise(u G)``
+    with ``G = W^T W``, and its estimate ``||u W^T||`` is ``sqrt(u G u^T)``; the kernel it
+    returns, ``W / s`` with ``s = sigma + eps_spectral``, has the Gram matrix ``G / s^2``,
+    which starts Björck. So the power iteration runs on k x k matrices instead of reading
+    the m x k kernel twice per iteration, and the Gram matrix is formed once for both (the
+    same iterates and stopping rules, to float32 rounding).
+
+    Returns:
+        ``(orthogonalised kernel, new power-iteration vector)``; the kernel is not finite
+        when Björck diverged (as `gram_space_bjorck`'s).
+    """
+    from deel.lip.normalizers import _power_iteration  # pylint: disable=import-outside-toplevel
+
+    w = tf.convert_to_tensor(w)
+    if w.shape[0] < w.shape[1]:
+        raise ValueError(f"Expected a tall kernel (rows >= cols). Received: shape {w.shape}")
+    gram = _symmetric(tf.matmul(w, w, transpose_a=True))
+    u = _power_iteration(lambda u: tf.matmul(u, gram), lambda v: v, u, eps=eps_spectral,
+                         maxiter=maxiter_spectral)
+    sigma = tf.sqrt(tf.maximum(tf.reduce_sum(tf.matmul(u, gram) * u), 0.0))
+    scale = sigma + eps_spectral
+    return _from_gram(w / scale, gram / (scale * scale), eps, beta, maxiter), u
+
+
+def _from_gram(w, gram, eps, beta, maxiter):
+    """`gram_space_bjorck` of `w` whose Gram matrix (``W^T W``, or ``W W^T`` when `w` is
+    wide) is `gram`."""
+    wide = w.shape[0] < w.shape[1]
+    eye = tf.eye(min(w.shape), dtype=w.dtype)
+    deviation = _symmetric(eye - gram)
 
     def moved(deviation):
         """``(||W_{k+1} - W_k||_F, D_k^2)``."""

@@ -57,8 +57,9 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True):
     the spectral norm estimated by deel-lip's cached power iteration, then
     (when `orthogonalise` holds: a Python bool, or a boolean tensor for a
     schedule decided in the graph) orthogonalised with deel-lip's Björck
-    iteration (computed in Gram space for elongated kernels, `lipdp.layers._bjorck`);
-    without it the kernel is only spectrally normalised. Björck only converges when
+    iteration (computed in Gram space for elongated kernels, `lipdp.layers._bjorck`;
+    a tall one orthogonalised at every step runs its power iteration there too, from
+    the same Gram matrix); without it the kernel is only spectrally normalised. Björck only converges when
     every singular value is below sqrt(3); after a large noisy step the cached
     vector can under-estimate the spectral norm by more than that, and Björck
     blows up. When its result is not finite, the projection restarts from the
@@ -71,23 +72,36 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True):
     import tensorflow as tf
     from deel.lip.normalizers import spectral_normalization
 
+    from lipdp.layers._bjorck import GRAM_SPACE_MIN_ASPECT, normalised_gram_space_bjorck
     from lipdp.layers._bjorck import orthogonalise as orthogonalise_bjorck
 
     matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
+
+    def bjorck(w):
+        return orthogonalise_bjorck(w, eps=config.eps_bjorck, beta=config.beta_bjorck,
+                                    maxiter=config.maxiter_bjorck)
+
+    def recovered(candidate):
+        return tf.cond(
+            tf.reduce_all(tf.math.is_finite(candidate)),
+            lambda: candidate,
+            lambda: bjorck(matrix / (tf.norm(matrix) + config.eps_spectral)),
+        )
+
+    rows, cols = matrix.shape
+    if (config.eps_bjorck is not None and orthogonalise is True
+            and rows >= GRAM_SPACE_MIN_ASPECT * cols):
+        # Every step orthogonalises a tall kernel: the power iteration and Björck share
+        # one Gram matrix (`normalised_gram_space_bjorck`).
+        candidate, u = normalised_gram_space_bjorck(
+            matrix, u, config.eps_spectral, maxiter_spectral, config.eps_bjorck,
+            config.beta_bjorck, config.maxiter_bjorck)
+        return tf.reshape(recovered(candidate), kernel.shape), u
     normalised, u, _ = spectral_normalization(matrix, u, eps=config.eps_spectral,
                                               maxiter=maxiter_spectral)
     if config.eps_bjorck is not None and orthogonalise is not False:
-        def bjorck(w):
-            return orthogonalise_bjorck(w, eps=config.eps_bjorck, beta=config.beta_bjorck,
-                                        maxiter=config.maxiter_bjorck)
-
         def orthogonalised():
-            candidate = bjorck(normalised)
-            return tf.cond(
-                tf.reduce_all(tf.math.is_finite(candidate)),
-                lambda: candidate,
-                lambda: bjorck(matrix / (tf.norm(matrix) + config.eps_spectral)),
-            )
+            return recovered(bjorck(normalised))
 
         normalised = (orthogonalised() if orthogonalise is True
                       else tf.cond(orthogonalise, orthogonalised, lambda: normalised))
