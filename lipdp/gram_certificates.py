@@ -69,8 +69,11 @@ CHOLESKY_SHIFTS = (1e-6, 3e-4, 3e-3, 3e-2, 1.0)
 NEAR_MULTIPLE_OF_IDENTITY = 1e-4
 EIG_RELATIVE_MARGIN = 1e-9
 LANCZOS_STEPS = 30
-POWER_ITERATIONS = 20
-POWER_CANDIDATES = 4
+# Ten batched iterations rank the frequency matrices well enough for eight candidates to hold
+# the largest eigenvalue (20 and 4 before: the same estimates on trained, perturbed, Gaussian
+# and orthogonal 3x3x32x64 kernels, in 0.7x the time; 10 and 4 missed on a Gaussian 64->32).
+POWER_ITERATIONS = 10
+POWER_CANDIDATES = 8
 _FINAL_SLACK = 1.0 + 16.0 * U64
 
 
