@@ -31,10 +31,12 @@ Schema (defaults shown)::
       dense_width: 512         # cnn: width of the hidden dense layer
       use_bias: false          # biases in every dense / conv layer
       scattering_J: 2          # scatternet: scales of the wavelet scattering (subsampling 2^J);
-                               #   a list ([2, 1]) concatenates one scattering per J (group only)
+                               #   a list ([2, 1]) concatenates one scattering per J
       scattering_order_weights: [1.0, 1.0, 1.0]  # scatternet: weights of orders 0, 1, 2
       scattering_padding: reflect  # scatternet: reflect (kymatio's) | zero (half the
                                #   Lipschitz constant on 28x28: each pixel in the padded grid once)
+      scattering_scale_weights: null  # scatternet, several J, no normalisation: a factor per
+                               #   scale on its order weights (null: all 1)
       feature_bound: 3.0       # scatternet: L2 bound of the scattering features
       feature_normalization: none  # scatternet: none | group (per-example group
                                #   normalisation: accuracy, but NO certified radius)
@@ -108,7 +110,9 @@ Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
   ``feature_groups`` as many group counts (``[27, 3]``): one scattering per J (orders up to
   ``min(2, J)``, the first order weights), each normalised by its own groups, flattened and
   concatenated (a Keras model without variables; J = 1 adds 9 paths of 14x14, the finer
-  scale).
+  scale). Without normalisation, a list of scales makes the certified
+  ``DP_MultiscaleScattering(scattering_J, order_weights, scale_weights=scattering_scale_weights)``
+  (flattened scatterings concatenated, Lipschitz constant ``sqrt(sum_j L_j^2)``).
 - ``head: plain`` (``mlp`` and ``scatternet``, clipped mode only): the same widths as plain
   Keras layers, ``Flatten, [Dense(w), tanh] for w in widths, Dense(nb_classes)`` with a
   zero-initialised output layer, unconstrained: classic DP-SGD's usual model (Tramèr &
@@ -178,6 +182,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "scattering_J": 2,
         "scattering_order_weights": [1.0, 1.0, 1.0],
         "scattering_padding": "reflect",
+        "scattering_scale_weights": None,
         "feature_bound": 3.0,
         "feature_normalization": "none",
         "feature_groups": 27,
@@ -324,6 +329,12 @@ def _scales(key, value):
     return _positive_int(key, value)
 
 
+def _positive_list(key, value):
+    if not isinstance(value, list) or not value:
+        raise _invalid(key, "a non-empty list of positive numbers", value)
+    return [_POSITIVE(key, v) for v in value]
+
+
 def _order_weights(key, value):
     if not isinstance(value, list) or len(value) not in (2, 3):
         raise _invalid(key, "a list of 2 or 3 positive numbers (weights of the scattering orders "
@@ -352,6 +363,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "scattering_J": _scales,
         "scattering_order_weights": _order_weights,
         "scattering_padding": _choice("reflect", "zero"),
+        "scattering_scale_weights": lambda k, v: None if v is None else _positive_list(k, v),
         "feature_bound": _POSITIVE,
         "feature_normalization": _choice("none", "group"),
         "feature_groups": _scales,
@@ -490,19 +502,27 @@ def _check_mode(model, privacy):
         raise ConfigError("model.head='plain' applies to the mlp and scatternet architectures. "
                           f"Received: model.architecture={model['architecture']!r}")
     scales, groups = model["scattering_J"], model["feature_groups"]
-    if isinstance(scales, list) and model["feature_normalization"] != "group":
-        raise ConfigError("Several scattering scales (model.scattering_J a list) are "
-                          "concatenated after their group normalisation: they need "
-                          "model.feature_normalization='group' (the certified front end is one "
-                          f"scattering). Received: model.scattering_J={scales!r}, "
-                          f"model.feature_normalization={model['feature_normalization']!r}")
-    if isinstance(scales, list) and (not isinstance(groups, list) or len(groups) != len(scales)
-                                     or len(set(scales)) != len(scales)):
-        raise ConfigError("With several scattering scales, model.scattering_J lists distinct "
-                          "scales and model.feature_groups one group count per scale. Received: "
+    grouped = model["feature_normalization"] == "group"
+    if isinstance(scales, list) and len(set(scales)) != len(scales):
+        raise ConfigError("model.scattering_J lists distinct scales. Received: "
+                          f"model.scattering_J={scales!r}")
+    if isinstance(scales, list) and grouped and (not isinstance(groups, list)
+                                                 or len(groups) != len(scales)):
+        raise ConfigError("With several scattering scales and group normalisation, "
+                          "model.feature_groups lists one group count per scale. Received: "
                           f"model.scattering_J={scales!r}, model.feature_groups={groups!r}")
-    if not isinstance(scales, list) and isinstance(groups, list):
-        raise ConfigError("model.feature_groups is a list only when model.scattering_J is one. "
+    scale_weights = model["scattering_scale_weights"]
+    if scale_weights is not None and (grouped or not isinstance(scales, list)
+                                      or len(scale_weights) != len(scales)):
+        raise ConfigError("model.scattering_scale_weights weighs the scales of a certified "
+                          "multiscale front end: one number per entry of a list "
+                          "model.scattering_J, without group normalisation (which would undo "
+                          f"it). Received: model.scattering_J={scales!r}, "
+                          f"model.scattering_scale_weights={scale_weights!r}, "
+                          f"model.feature_normalization={model['feature_normalization']!r}")
+    if isinstance(groups, list) and not (isinstance(scales, list) and grouped):
+        raise ConfigError("model.feature_groups is a list only when model.scattering_J is one "
+                          "(with group normalisation). "
                           f"Received: model.scattering_J={scales!r}, "
                           f"model.feature_groups={groups!r}")
     if model["architecture"] == "tanh_cnn" and mode != "clipped":
@@ -651,17 +671,24 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
 
     from lipdp import layers
 
-    if isinstance(model_cfg["scattering_J"], list):
+    grouped = model_cfg["feature_normalization"] == "group"
+    if isinstance(model_cfg["scattering_J"], list) and grouped:
         return _multiscale_front_end(model_cfg, input_bound)
     weights = model_cfg["scattering_order_weights"]
     try:
-        stack = [layers.DP_BoundedInput(input_bound),
-                 layers.DP_Scattering(J=model_cfg["scattering_J"], max_order=len(weights) - 1,
-                                      order_weights=weights,
-                                      padding=model_cfg["scattering_padding"])]
+        if isinstance(model_cfg["scattering_J"], list):  # certified: one DP layer
+            scattering = layers.DP_MultiscaleScattering(
+                scales=model_cfg["scattering_J"], order_weights=weights,
+                scale_weights=model_cfg["scattering_scale_weights"],
+                padding=model_cfg["scattering_padding"])
+        else:
+            scattering = layers.DP_Scattering(J=model_cfg["scattering_J"],
+                                              max_order=len(weights) - 1, order_weights=weights,
+                                              padding=model_cfg["scattering_padding"])
+        stack = [layers.DP_BoundedInput(input_bound), scattering]
     except ValueError as e:
         raise ConfigError(f"Cannot build the scattering front end: {e}") from None
-    if model_cfg["feature_normalization"] == "group":
+    if grouped:
         stack.append(_group_normalization(model_cfg["feature_groups"]))
     return tf.keras.Sequential(stack)
 
@@ -852,7 +879,8 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
         m = cfg["model"]
         key = ("scatternet", d["input_bound"], _hashable(m["scattering_J"]),
                tuple(m["scattering_order_weights"]), m["scattering_padding"],
-               m["feature_normalization"], _hashable(m["feature_groups"]))
+               _hashable(m["scattering_scale_weights"]), m["feature_normalization"],
+               _hashable(m["feature_groups"]))
         # everything build_front_end reads
         bound = {**_bound_argument(d, m["feature_bound"]), "feature_map": front,
                  "feature_cache_key": key}

@@ -571,10 +571,50 @@ def test_multiscale_scatternet_concatenates_each_scale_normalised_alone(fake_fas
     assert cli.main(["train", path]) == 0
     summary = capsys.readouterr().out.split("=== Summary ===")[1]
     assert "certified accuracy : none: no certified Lipschitz constant for" in summary
-    for overrides, message in [(["model.feature_normalization=none"], "group"),
+    for overrides, message in [(["model.feature_normalization=none"], "group normalisation"),
                                (["model.feature_groups=27"], "one group count per scale"),
                                (["model.scattering_J=[2, 2]"], "distinct"),
                                (["model.scattering_J=2"], "a list only when")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, overrides)
+
+
+def test_certified_multiscale_scatternet_trains_and_certifies_in_pixel_space(fake_fashion,
+                                                                               tmp_path, capsys):
+    """``scattering_J: [2, 1]`` without normalisation: one `DP_MultiscaleScattering` (its
+    constant the root of the sum of the scales' squared constants, the scale weights
+    folded into each scale's order weights) before the Lipschitz head; `lipdp train`
+    certifies radii through front end + head; scale weights need a list of scales and no
+    group normalisation."""
+    cfg = load_config(None, [
+        "dataset.batch_size=10", "dataset.nb_samples_train=40", "dataset.input_bound=28.0",
+        "model.architecture=scatternet", "model.widths=[]", "model.use_bias=true",
+        "model.scattering_J=[2, 1]", "model.scattering_order_weights=[0.3, 1.0, 4.0]",
+        "model.scattering_scale_weights=[1.0, 0.5]", "model.scattering_padding=zero",
+        "privacy.mode=clipped", "privacy.l2_norm_clip=1.0", "training.epochs=1",
+        "privacy.epsilon_budget=null"])
+    front = config.build_front_end(cfg["model"], 28.0)
+    from lipdp import layers
+
+    assert isinstance(front.layers[1], layers.DP_MultiscaleScattering)
+    x = tf.random.stateless_uniform([2, 28, 28, 1], seed=[5, 3])
+    features = front(x).numpy()
+    assert features.shape == (2, 81 * 7 * 7 + 9 * 14 * 14)
+    fine = layers.DP_Scattering(J=1, max_order=1, order_weights=(0.15, 0.5), padding="zero")
+    np.testing.assert_array_equal(features[:, 81 * 7 * 7:], fine(x).numpy().reshape(2, -1))
+    coarse, fine_constant = (s.lipschitz_constant for s in front.layers[1].scatterings)
+    assert fine_constant == pytest.approx(fine.lipschitz_constant)
+    assert front.layers[1].lipschitz_constant == pytest.approx(np.hypot(coarse, fine_constant))
+
+    path = write_yaml(tmp_path / "scat_multi_certified.yaml", cfg)
+    assert cli.main(["train", path]) == 0
+    summary = capsys.readouterr().out.split("=== Summary ===")[1]
+    assert "certified accuracy" in summary and "none:" not in summary
+    for overrides, message in [(["model.scattering_J=2"], "scale_weights"),
+                               (["model.scattering_scale_weights=[1.0]"], "scale_weights"),
+                               (["model.feature_normalization=group",
+                                 "model.feature_groups=[27, 3]"], "scale_weights"),
+                               (["model.scattering_scale_weights=[1.0, -1.0]"], "positive")]:
         with pytest.raises(ConfigError, match=message):
             load_config(path, overrides)
 

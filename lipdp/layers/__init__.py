@@ -11,7 +11,7 @@ from lipdp.layers.pooling import DP_GlobalL2NormPooling2D, DP_MaxPool2D
 from lipdp.layers.reshaping import DP_Patches, DP_Permute, DP_Reshape
 from lipdp.layers.residual import (DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual,
                                    make_residuals)
-from lipdp.layers.scattering import DP_Scattering
+from lipdp.layers.scattering import DP_MultiscaleScattering, DP_Scattering
 
 __all__ = [
     "DPLayer",
@@ -24,6 +24,7 @@ __all__ = [
     "DP_LayerCentering",
     "DP_MaxPool2D",
     "DP_MergeResidual",
+    "DP_MultiscaleScattering",
     "DP_Patches",
     "DP_Permute",
     "DP_QuickFrobeniusDense",

@@ -68,7 +68,7 @@ import tensorflow as tf
 from lipdp.layers.base import DPLayer
 from lipdp.rounding import UNIT_ROUNDOFF
 
-__all__ = ["DP_Scattering", "scattering_lipschitz"]
+__all__ = ["DP_MultiscaleScattering", "DP_Scattering", "scattering_lipschitz"]
 
 # Relative error of the float64 evaluation (module docstring, "Rounding").
 _FLOAT64_EVALUATION_ERROR = 2.0 ** -30
@@ -286,4 +286,97 @@ class DP_Scattering(tf.keras.layers.Layer, DPLayer):
         config = super().get_config()
         config.update(J=self.J, angles=self.angles, max_order=self.max_order,
                       order_weights=list(self.order_weights), padding=self.padding)
+        return config
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
+class DP_MultiscaleScattering(tf.keras.layers.Layer, DPLayer):
+    """`DP_Scattering` of the same images at several scales J, flattened and concatenated.
+
+    Output ``(batch, sum_j F_j)``: the features of each scale (``F_j`` of them) one after
+    the other. The scales fill disjoint coordinates, so for inputs x, y
+    ``||F x - F y||^2 = sum_j ||S_j x - S_j y||^2 <= (sum_j L_j^2) ||x - y||^2``: the
+    Lipschitz constant is ``Lip = sqrt(sum_j L_j^2)`` (each ``L_j`` computed as
+    `DP_Scattering`'s, plus a float64 slack), ``X_out = (1 + r) Lip X_in`` and
+    ``G_in = Lip G``; the rounding error of each scale is within ``r L_j X`` (its own
+    bound), hence of the whole within ``r Lip X``. No variables, no data.
+
+    Args:
+        scales: the J of each scale, distinct positive integers (``(2, 1)``: 81 paths of
+            7 x 7 and 9 of 14 x 14 on 28 x 28 images).
+        angles: number of orientations L.
+        order_weights: weights of orders 0, 1 (and 2); scale J uses orders up to
+            ``min(len(order_weights) - 1, J)`` and the first weights.
+        scale_weights: one positive factor per scale, multiplying its order weights
+            (how much each scale weighs against the others); all 1 by default.
+        padding: ``"reflect"`` or ``"zero"``, as `DP_Scattering`'s.
+    """
+
+    def __init__(self, scales=(2, 1), angles=8, order_weights=(1.0, 1.0, 1.0),
+                 scale_weights=None, padding="reflect", **kwargs):
+        kwargs.setdefault("trainable", False)
+        super().__init__(**kwargs)
+        scales = tuple(scales)
+        if not scales or len(set(scales)) != len(scales) or not all(
+                isinstance(J, int) and J >= 1 for J in scales):
+            raise ValueError("Received an invalid value for `scales`, expected distinct "
+                             f"positive integers. Received: scales={scales!r}")
+        scale_weights = (1.0,) * len(scales) if scale_weights is None else tuple(scale_weights)
+        if len(scale_weights) != len(scales) or not all(
+                isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+                for v in scale_weights):
+            raise ValueError(f"`scale_weights` needs {len(scales)} finite positive numbers. "
+                             f"Received: scale_weights={scale_weights!r}")
+        self.scales, self.angles, self.padding = scales, angles, padding
+        self.order_weights = tuple(float(v) for v in order_weights)
+        self.scale_weights = tuple(float(v) for v in scale_weights)
+        self.scatterings = []
+        for J, factor in zip(scales, self.scale_weights):
+            max_order = min(len(self.order_weights) - 1, J)
+            self.scatterings.append(DP_Scattering(
+                J=J, angles=angles, max_order=max_order, padding=padding,
+                order_weights=[factor * v for v in self.order_weights[:max_order + 1]],
+                name=f"scattering_J{J}"))
+
+    def build(self, input_shape):
+        for scattering in self.scatterings:
+            scattering.build(input_shape)
+        self._lipschitz = math.sqrt(sum(s.lipschitz_constant ** 2 for s in self.scatterings)) \
+            * (1.0 + _CONSTANT_SLACK)
+        self._sizes = [math.prod(s.compute_output_shape(input_shape)[1:])
+                       for s in self.scatterings]
+        self._features = sum(self._sizes)
+        super().build(input_shape)
+
+    def call(self, inputs):
+        flat = [tf.reshape(s(inputs), [-1, size])
+                for s, size in zip(self.scatterings, self._sizes)]
+        return tf.concat(flat, axis=-1)
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape([input_shape[0], self._features])
+
+    @property
+    def lipschitz_constant(self) -> float:
+        """``sqrt(sum_j L_j^2)``, a python float (class docstring)."""
+        return self._lipschitz
+
+    def propagate_inputs(self, input_bound):
+        return self._lipschitz * input_bound * (1.0 + self._relative_rounding())
+
+    def _relative_rounding(self) -> float:
+        return self.scatterings[0]._relative_rounding()  # pylint: disable=protected-access
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return self._lipschitz * gradient_bound
+
+    def rounding_error(self, input_bound):
+        """``r Lip X`` (class docstring), r the relative bound of each scale's."""
+        return self._relative_rounding() * self._lipschitz * float(input_bound)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(scales=list(self.scales), angles=self.angles,
+                      order_weights=list(self.order_weights),
+                      scale_weights=list(self.scale_weights), padding=self.padding)
         return config
