@@ -5,8 +5,9 @@ step. This script says which layers make the difference, paired in one process (
 rounds, medians of per-round ratios to ``dp``):
 
 * forward+backward of the CNN of ``run.py`` (``dp``, batch ``--batch``, mean cross-entropy of
-  the logits; GroupSort2 and L2-norm pooling run lipdp's fused kernels when they are
-  available, `lipdp.kernels`) and of copies of it with layers swapped **for timing only**
+  the logits; GroupSort2 and the L2-norm pooling after it run as lipdp's one fused kernel
+  when the kernels are available, `lipdp.kernels`) and of copies of it with layers swapped
+  **for timing only**
   (the copies are not DP models): both layers in their TensorFlow-ops reference versions
   (``dp, reference layers``: what lipdp ran before the fused kernels, and still runs without
   a C++ compiler), GroupSort2 -> ReLU (``relu``), scaled L2-norm pooling -> max pooling
