@@ -6,8 +6,9 @@ computation (same order of operations, so the rounding bound of
 lipdp.rounding.block_norm_error keeps holding): bit for bit here too, on window sizes whose
 division is exact and not. GroupSort2 followed by L2-norm pooling runs as one kernel that
 must give the two kernels' values bit for bit. Then: the layers really run the kernels in a
-traced step, fall back under XLA, vectorise under tf.vectorized_map without a while loop, have second-order
-gradients; and the loader falls back, with a warning, when it cannot compile.
+traced step, fall back under XLA, vectorise under tf.vectorized_map without a while loop,
+have second-order gradients; and the loader falls back, with a warning, when it cannot
+compile.
 """
 
 import os
@@ -121,8 +122,9 @@ def test_groupsort2_then_pooling_run_as_one_kernel_with_the_same_values(pairing,
     cotangent = tf.random.stateless_normal(pool.compute_output_shape(x.shape), seed=(4, 6))
     ops = kernels.fused_ops()
     pool.build(x.shape)
-    attrs = dict(pool_h=pool.pool_size[0], pool_w=pool.pool_size[1],
-                 coef=float(pool._get_coef()), eps=float(pool.eps_grad_sqrt))  # pylint: disable=protected-access
+    coef = float(pool._get_coef())  # pylint: disable=protected-access
+    attrs = dict(pool_h=pool.pool_size[0], pool_w=pool.pool_size[1], coef=coef,
+                 eps=float(pool.eps_grad_sqrt))
 
     def one_after_the_other(t):
         return ops.lipdp_l2_norm_pool(ops.lipdp_pair_permute(
@@ -137,7 +139,7 @@ def test_groupsort2_then_pooling_run_as_one_kernel_with_the_same_values(pairing,
         lambda t: theirs(reference_sort_pairs(t, pairing)), x, cotangent))
     assert {"LipdpSortPool", "LipdpSortPoolGrad"} <= _ops_in(fused, x)
     assert not {"LipdpL2NormPool", "LipdpL2NormPoolGrad"} & _ops_in(fused, x)
-    (y, dx), (y_sep, dx_sep), (y_ref, dx_ref) = fused(x), separate(x), reference(x)
+    (y, dx), (y_sep, dx_sep), (y_ref, _) = fused(x), separate(x), reference(x)
     assert _same(y, y_sep) and _same(dx, dx_sep)
     assert _same(y, y_ref)
     if np.prod(pool.pool_size) in (2, 4, 8):  # backward, on inputs without special values

@@ -59,9 +59,9 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True):
     schedule decided in the graph) orthogonalised with deel-lip's Björck
     iteration (computed in Gram space for elongated kernels, `lipdp.layers._bjorck`;
     a tall one orthogonalised at every step runs its power iteration there too, from
-    the same Gram matrix); without it the kernel is only spectrally normalised. Björck only converges when
-    every singular value is below sqrt(3); after a large noisy step the cached
-    vector can under-estimate the spectral norm by more than that, and Björck
+    the same Gram matrix); without it the kernel is only spectrally normalised. Björck
+    only converges when every singular value is below sqrt(3); after a large noisy step
+    the cached vector can under-estimate the spectral norm by more than that, and Björck
     blows up. When its result is not finite, the projection restarts from the
     kernel divided by its Frobenius norm (>= its spectral norm, so Björck
     converges). Privacy never depends on this: bounds use certified norms.

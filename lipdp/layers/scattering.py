@@ -187,8 +187,34 @@ def scattering_lipschitz(scattering, shape, order_weights: Sequence[float]) -> f
     return math.sqrt(squared) * (1.0 + _CONSTANT_SLACK)
 
 
+class _ComputedLipschitzMap(DPLayer):
+    """The bounds of a fixed map without variables whose Lipschitz constant ``self._lipschitz``
+    (set at build) is computed, evaluated in float64 and cast to float32: ``X_out = (1 + r)
+    Lip X_in``, ``G_in = Lip G``, rounding error ``r Lip X`` with ``r = 2^-30 + 2^-24 (1 +
+    2^-30)``: the float64 evaluation (arithmetic model of the module docstring), then the
+    cast to float32 of an output of norm ``<= (1 + 2^-30) Lip X``."""
+
+    _RELATIVE_ROUNDING = (_FLOAT64_EVALUATION_ERROR
+                          + UNIT_ROUNDOFF * (1.0 + _FLOAT64_EVALUATION_ERROR))
+
+    @property
+    def lipschitz_constant(self) -> float:
+        """The computed Lipschitz constant (a python float)."""
+        return self._lipschitz
+
+    def propagate_inputs(self, input_bound):
+        """``Lip X`` plus the rounding bound: the norm of the float32 output."""
+        return self._lipschitz * input_bound * (1.0 + self._RELATIVE_ROUNDING)
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return self._lipschitz * gradient_bound
+
+    def rounding_error(self, input_bound):
+        return self._RELATIVE_ROUNDING * self._lipschitz * float(input_bound)
+
+
 @tf.keras.utils.register_keras_serializable("lipdp")
-class DP_Scattering(tf.keras.layers.Layer, DPLayer):
+class DP_Scattering(tf.keras.layers.Layer, _ComputedLipschitzMap):
     """Fixed ScatterNet features of images (kymatio), order-weighted, Lipschitz constant computed.
 
     Input ``(batch, H, W, C)`` (H and W multiples of ``2^J``); output ``(batch, H / 2^J,
@@ -261,27 +287,6 @@ class DP_Scattering(tf.keras.layers.Layer, DPLayer):
     def compute_output_shape(self, input_shape):
         return tf.TensorShape([input_shape[0]] + list(self._out_shape))
 
-    @property
-    def lipschitz_constant(self) -> float:
-        """The computed Lipschitz constant (a python float; module docstring)."""
-        return self._lipschitz
-
-    def propagate_inputs(self, input_bound):
-        """``Lip X`` plus the rounding bound: the norm of the float32 output."""
-        return self._lipschitz * input_bound * (1.0 + self._relative_rounding())
-
-    def _relative_rounding(self) -> float:
-        return _FLOAT64_EVALUATION_ERROR + UNIT_ROUNDOFF * (1.0 + _FLOAT64_EVALUATION_ERROR)
-
-    def backpropagate_inputs(self, input_bound, gradient_bound):
-        return self._lipschitz * gradient_bound
-
-    def rounding_error(self, input_bound):
-        """``(2^-30 + 2^-24 (1 + 2^-30)) Lip X``: float64 evaluation (arithmetic model of the
-        module docstring), then the cast to float32 of an output of norm
-        ``<= (1 + 2^-30) Lip X``."""
-        return self._relative_rounding() * self._lipschitz * float(input_bound)
-
     def get_config(self):
         config = super().get_config()
         config.update(J=self.J, angles=self.angles, max_order=self.max_order,
@@ -290,7 +295,7 @@ class DP_Scattering(tf.keras.layers.Layer, DPLayer):
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
-class DP_MultiscaleScattering(tf.keras.layers.Layer, DPLayer):
+class DP_MultiscaleScattering(tf.keras.layers.Layer, _ComputedLipschitzMap):
     """`DP_Scattering` of the same images at several scales J, flattened and concatenated.
 
     Output ``(batch, sum_j F_j)``: the features of each scale (``F_j`` of them) one after
@@ -299,7 +304,7 @@ class DP_MultiscaleScattering(tf.keras.layers.Layer, DPLayer):
     Lipschitz constant is ``Lip = sqrt(sum_j L_j^2)`` (each ``L_j`` computed as
     `DP_Scattering`'s, plus a float64 slack), ``X_out = (1 + r) Lip X_in`` and
     ``G_in = Lip G``; the rounding error of each scale is within ``r L_j X`` (its own
-    bound), hence of the whole within ``r Lip X``. No variables, no data.
+    bound), hence of the whole within ``r Lip X`` (the same r). No variables, no data.
 
     Args:
         scales: the J of each scale, distinct positive integers (``(2, 1)``: 81 paths of
@@ -355,24 +360,6 @@ class DP_MultiscaleScattering(tf.keras.layers.Layer, DPLayer):
 
     def compute_output_shape(self, input_shape):
         return tf.TensorShape([input_shape[0], self._features])
-
-    @property
-    def lipschitz_constant(self) -> float:
-        """``sqrt(sum_j L_j^2)``, a python float (class docstring)."""
-        return self._lipschitz
-
-    def propagate_inputs(self, input_bound):
-        return self._lipschitz * input_bound * (1.0 + self._relative_rounding())
-
-    def _relative_rounding(self) -> float:
-        return self.scatterings[0]._relative_rounding()  # pylint: disable=protected-access
-
-    def backpropagate_inputs(self, input_bound, gradient_bound):
-        return self._lipschitz * gradient_bound
-
-    def rounding_error(self, input_bound):
-        """``r Lip X`` (class docstring), r the relative bound of each scale's."""
-        return self._relative_rounding() * self._lipschitz * float(input_bound)
 
     def get_config(self):
         config = super().get_config()
