@@ -209,12 +209,13 @@ SILENT_SHAPE, SILENT_CLASSES, X0_SILENT = (8, 8, 1), 4, 3.0
 
 
 def _real_layer_models():
-    """Three small models that hold every trainable and free layer of `lipdp.layers` (the
+    """Four small models that hold every trainable and free layer of `lipdp.layers` (the
     residual layers are in the zoo's ResNet and MLP-Mixer below)."""
     from lipdp.layers import (DP_AddBias, DP_ClipGradient, DP_Flatten, DP_GlobalL2NormPooling2D,
                               DP_GroupSort, DP_LayerCentering, DP_MaxPool2D, DP_Patches,
                               DP_Permute, DP_QuickFrobeniusDense, DP_QuickSpectralConv2D,
-                              DP_ReLU, DP_Reshape, DP_ScaledL2NormPooling2D, DP_Scattering,
+                              DP_MultiscaleScattering, DP_ReLU, DP_Reshape,
+                              DP_ScaledL2NormPooling2D, DP_Scattering,
                               DP_Sigmoid, DP_Softplus, DP_SpectralConv2D, DP_SpectralDense,
                               DP_Tanh)
     convolutions = [  # 8x8x1 -> ... -> 4 logits
@@ -232,7 +233,10 @@ def _real_layer_models():
         DP_QuickSpectralDense(SILENT_CLASSES)]
     scattering = [DP_Scattering(J=2, order_weights=(0.5, 1.0, 2.0)), DP_Flatten(),
                   DP_QuickSpectralDense(SILENT_CLASSES)]
-    return {"convolutions": convolutions, "tokens": tokens, "scattering": scattering}
+    multiscale = [DP_MultiscaleScattering(scales=(2, 1), order_weights=(0.5, 1.0, 2.0)),
+                  DP_QuickSpectralDense(SILENT_CLASSES)]
+    return {"convolutions": convolutions, "tokens": tokens, "scattering": scattering,
+            "multiscale": multiscale}
 
 
 ZOO_SMALL = {  # every builder of lipdp.zoo, small, across activations, biases and heads
@@ -244,7 +248,8 @@ ZOO_SMALL = {  # every builder of lipdp.zoo, small, across activations, biases a
     "mlp_mixer-global-l2": dict(patch_size=4, hidden_dim=4, head="global-l2",
                                 activation="softplus"),
 }
-SILENT_CASES = ["convolutions", "tokens", "scattering"] + [f"zoo:{k}" for k in ZOO_SMALL]
+SILENT_CASES = (["convolutions", "tokens", "scattering", "multiscale"]
+                + [f"zoo:{k}" for k in ZOO_SMALL])
 
 
 def _silent_case_model(case):

@@ -41,6 +41,8 @@ CASES = {
     "DP_ScaledL2NormPooling2D": ([], lambda: dp.DP_ScaledL2NormPooling2D(2), []),
     "DP_Scattering": ([], lambda: dp.DP_Scattering(J=1, angles=4, order_weights=(1.0, 2.0, 3.0)),
                       []),
+    "DP_MultiscaleScattering": ([], lambda: dp.DP_MultiscaleScattering(  # 6 x 6: J = 1 only
+        scales=(1,), angles=4, order_weights=(1.0, 2.0, 3.0), scale_weights=(0.5,)), []),
     "DP_Sigmoid": ([], lambda: dp.DP_Sigmoid(), []),
     "DP_Softplus": ([], lambda: dp.DP_Softplus(), []),
     "DP_SpectralConv2D": ([], lambda: dp.DP_SpectralConv2D(4, 3, padding="valid"), []),

@@ -159,10 +159,22 @@ REGISTER_OP("LipdpL2NormPoolGrad")
       return OkStatus();
     });
 
+// The NHWC geometry and buffers of one call of a window-pooling kernel.
+struct Windows {
+  int64_t batch, height, width, channels, out_h, out_w;
+  const float* x;
+  const float* dy;  // the pooled cotangent (backward kernels), else nullptr
+  float* out;
+};
+
+// What the pooling kernels share: their attributes, the checks of their inputs, the output,
+// and in the backward pass the pixels no window covers (dropped by 'valid' pooling): a zero
+// cotangent times 2 x, as the reference computes it (signed zeros, NaN for a NaN input); a
+// subclass computes the covered ones (`Pool`).
 template <bool kGrad>
-class L2NormPoolOp : public OpKernel {
+class WindowPoolOp : public OpKernel {
  public:
-  explicit L2NormPoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit WindowPoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_h", &pool_h_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_w", &pool_w_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("coef", &coef_));
@@ -176,37 +188,61 @@ class L2NormPoolOp : public OpKernel {
     OP_REQUIRES(ctx, x.dims() == 4,
                 errors::InvalidArgument("expected NHWC input of rank 4, got shape ",
                                         x.shape().DebugString()));
-    const int64_t batch = x.dim_size(0), height = x.dim_size(1), width = x.dim_size(2),
-                  channels = x.dim_size(3);
-    const int64_t out_h = height / pool_h_, out_w = width / pool_w_;
-    const float* dy = nullptr;
+    OP_REQUIRES_OK(ctx, CheckChannels(x));
+    Windows w;
+    w.batch = x.dim_size(0), w.height = x.dim_size(1), w.width = x.dim_size(2);
+    w.channels = x.dim_size(3);
+    w.out_h = w.height / pool_h_, w.out_w = w.width / pool_w_;
+    w.dy = nullptr;
+    const TensorShape pooled({w.batch, w.out_h, w.out_w, w.channels});
     if (kGrad) {
       const Tensor& grad = ctx->input(1);
-      OP_REQUIRES(ctx, grad.shape() == TensorShape({batch, out_h, out_w, channels}),
+      OP_REQUIRES(ctx, grad.shape() == pooled,
                   errors::InvalidArgument("dy has shape ", grad.shape().DebugString(),
                                           ", expected the pooled shape of ",
                                           x.shape().DebugString()));
-      dy = grad.flat<float>().data();
+      w.dy = grad.flat<float>().data();
     }
     Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, kGrad ? x.shape() : TensorShape({batch, out_h, out_w, channels}),
-                            &output));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kGrad ? x.shape() : pooled, &output));
     if (output->NumElements() == 0) return;
-    float* out = output->flat<float>().data();
-    const float* xs = x.flat<float>().data();
-    if (kGrad && (out_h * pool_h_ != height || out_w * pool_w_ != width)) {
-      // Pixels no window covers: a zero cotangent times 2 x, as the reference computes
-      // it (signed zeros, NaN for a NaN input); covered pixels are overwritten below.
-      const int64_t size = x.NumElements();
-      ParallelFor(ctx, size, 2, [=](int64_t begin, int64_t end) {
+    w.out = output->flat<float>().data();
+    w.x = x.flat<float>().data();
+    if (kGrad && (w.out_h * pool_h_ != w.height || w.out_w * pool_w_ != w.width)) {
+      // Covered pixels are overwritten by `Pool`.
+      float* out = w.out;
+      const float* xs = w.x;
+      ParallelFor(ctx, x.NumElements(), 2, [=](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) out[i] = 0.0f * (2.0f * xs[i]);
       });
     }
-    if (out_h == 0 || out_w == 0 || channels == 0) return;
-    const int64_t ph = pool_h_, pw = pool_w_;
+    if (w.out_h == 0 || w.out_w == 0 || w.channels == 0) return;
+    Pool(ctx, w);
+  }
+
+ protected:
+  virtual Status CheckChannels(const Tensor& x) const { return OkStatus(); }
+  virtual void Pool(OpKernelContext* ctx, const Windows& w) const = 0;
+
+  int pool_h_, pool_w_;
+  float coef_, eps_;
+};
+
+template <bool kGrad>
+class L2NormPoolOp : public WindowPoolOp<kGrad> {
+ public:
+  explicit L2NormPoolOp(OpKernelConstruction* ctx) : WindowPoolOp<kGrad>(ctx) {}
+
+ protected:
+  void Pool(OpKernelContext* ctx, const Windows& w) const override {
+    const int64_t batch = w.batch, height = w.height, width = w.width, channels = w.channels,
+                  out_h = w.out_h, out_w = w.out_w;
+    const float* xs = w.x;
+    const float* dy = w.dy;
+    float* out = w.out;
+    const int64_t ph = this->pool_h_, pw = this->pool_w_;
     const float area = static_cast<float>(ph * pw);
-    const float coef = coef_, eps = eps_;
+    const float coef = this->coef_, eps = this->eps_;
     ParallelFor(ctx, batch * out_h, out_w * channels * ph * pw * (kGrad ? 4 : 2),
                 [=](int64_t begin, int64_t end) {
       std::vector<float> sums(channels);
@@ -243,10 +279,6 @@ class L2NormPoolOp : public OpKernel {
       }
     });
   }
-
- private:
-  int pool_h_, pool_w_;
-  float coef_, eps_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPool").Device(DEVICE_CPU), L2NormPoolOp<false>);
@@ -289,60 +321,32 @@ inline bool SortPair(const float* p, int64_t a, int64_t b, float* low, float* hi
 }
 
 template <bool kGrad>
-class SortPoolOp : public OpKernel {
+class SortPoolOp : public WindowPoolOp<kGrad> {
  public:
-  explicit SortPoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_h", &pool_h_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_w", &pool_w_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("coef", &coef_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
+  explicit SortPoolOp(OpKernelConstruction* ctx) : WindowPoolOp<kGrad>(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("interleaved", &interleaved_));
-    OP_REQUIRES(ctx, pool_h_ >= 1 && pool_w_ >= 1,
-                errors::InvalidArgument("pool sizes must be positive"));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    OP_REQUIRES(ctx, x.dims() == 4,
-                errors::InvalidArgument("expected NHWC input of rank 4, got shape ",
-                                        x.shape().DebugString()));
-    const int64_t batch = x.dim_size(0), height = x.dim_size(1), width = x.dim_size(2),
-                  channels = x.dim_size(3);
-    OP_REQUIRES(ctx, channels % 2 == 0,
-                errors::InvalidArgument("the last axis must have an even size, got shape ",
-                                        x.shape().DebugString()));
-    const int64_t out_h = height / pool_h_, out_w = width / pool_w_;
-    const float* dy = nullptr;
-    if (kGrad) {
-      const Tensor& grad = ctx->input(1);
-      OP_REQUIRES(ctx, grad.shape() == TensorShape({batch, out_h, out_w, channels}),
-                  errors::InvalidArgument("dy has shape ", grad.shape().DebugString(),
-                                          ", expected the pooled shape of ",
-                                          x.shape().DebugString()));
-      dy = grad.flat<float>().data();
-    }
-    Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, kGrad ? x.shape() : TensorShape({batch, out_h, out_w, channels}),
-                            &output));
-    if (output->NumElements() == 0) return;
-    float* out = output->flat<float>().data();
-    const float* xs = x.flat<float>().data();
+ protected:
+  Status CheckChannels(const Tensor& x) const override {
+    if (x.dim_size(3) % 2 == 0) return OkStatus();
+    return errors::InvalidArgument("the last axis must have an even size, got shape ",
+                                   x.shape().DebugString());
+  }
+
+  // Uncovered pixels (the base class): the pooling's zero cotangent times 2 x, x's own
+  // sorted value sent back to x's position, as the composition computes it.
+  void Pool(OpKernelContext* ctx, const Windows& w) const override {
+    const int64_t batch = w.batch, height = w.height, width = w.width, channels = w.channels,
+                  out_h = w.out_h, out_w = w.out_w;
+    const float* xs = w.x;
+    const float* dy = w.dy;
+    float* out = w.out;
     const int64_t half = channels / 2;
     const bool interleaved = interleaved_;
-    if (kGrad && (out_h * pool_h_ != height || out_w * pool_w_ != width)) {
-      // Pixels no window covers: the pooling's zero cotangent times 2 x (its sorted value,
-      // sent back to x's own position), as the composition computes it; covered pixels
-      // are overwritten below.
-      const int64_t size = x.NumElements();
-      ParallelFor(ctx, size, 2, [=](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) out[i] = 0.0f * (2.0f * xs[i]);
-      });
-    }
-    if (out_h == 0 || out_w == 0 || channels == 0) return;
-    const int64_t ph = pool_h_, pw = pool_w_;
+    const int64_t ph = this->pool_h_, pw = this->pool_w_;
     const float area = static_cast<float>(ph * pw);
-    const float coef = coef_, eps = eps_;
+    const float coef = this->coef_, eps = this->eps_;
     ParallelFor(ctx, batch * out_h, out_w * channels * ph * pw * (kGrad ? 6 : 3),
                 [=](int64_t begin, int64_t end) {
       std::vector<float> sums(channels);
@@ -428,8 +432,6 @@ class SortPoolOp : public OpKernel {
   }
 
  private:
-  int pool_h_, pool_w_;
-  float coef_, eps_;
   bool interleaved_;
 };
 
