@@ -27,6 +27,7 @@ from lipdp.clipping.validation import per_example_loss
 from lipdp.clipping.vectorized import VectorizedEngine, per_example_squared_norms
 from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
                           DP_QuickSpectralDense, DP_ScaledL2NormPooling2D)
+from lipdp.layers._pair_sort import sort_pairs
 from lipdp.metadata import DatasetMetadata, DPParameters
 from lipdp.model import DP_Sequential
 from tests._soundness import per_example_gradients
@@ -84,6 +85,35 @@ def test_ghost_norms_equal_exact_norms_on_a_mixed_cnn(method):
     assert ghost_plan(model).fallback == ()
     assert len(ghost_plan(model).ghost) == 5
     _assert_norms(model, CCE, *_data(6), method=method)
+
+
+class _ConvThenGroupSort(L.Layer):
+    """A weighted leaf layer whose output is GroupSort2's (lipdp's kernel): a ghost fallback
+    layer (replayed), whose recorded output the next layer, an L2-norm pooling, would fuse
+    with."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(name="kernel", shape=(3, 3, input_shape[-1], 4))
+
+    def call(self, x):
+        return sort_pairs(tf.nn.conv2d(x, self.kernel, 1, "SAME"))
+
+
+@METHODS
+def test_a_layer_ending_in_groupsort2_before_pooling_gets_its_norm(method):
+    """Fused with the pooling after it, a layer's GroupSort2 output would leave the autodiff
+    graph: the engine traces layers separately, so that output keeps its cotangent and the
+    layer its exact per-example norm (with fusion, its norm was 0 and the rest clipped to
+    C without it: a per-example gradient above C)."""
+    tf.keras.utils.set_random_seed(2)
+    model = tf.keras.Sequential([L.Input((8, 8, 2)), _ConvThenGroupSort(),
+                                 DP_ScaledL2NormPooling2D(2), L.Flatten(), L.Dense(4)])
+    assert [type(layer) for layer in ghost_plan(model).fallback_layers] == [_ConvThenGroupSort]
+    x, y = _data(6)
+    engine, fn = _quiet_engine(model, method), per_example_loss(CCE)
+    traced = tf.function(lambda x, y: engine.per_example_squared_norms(model, fn, x, y))
+    ghost = np.array([n.numpy() for n in traced(x, y)])  # traced, as the train step runs it
+    np.testing.assert_allclose(ghost, exact_squared_norms(model, CCE, x, y), rtol=RTOL)
 
 
 def test_auto_method_picks_the_smaller_intermediate():

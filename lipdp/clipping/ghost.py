@@ -61,6 +61,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from lipdp import kernels
 from lipdp.clipping.engine import ClippedBatch, checked, squared_norms_of, weighted_sum
 from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
 from lipdp.clipping.rules import ClippingRule
@@ -329,7 +330,9 @@ class GhostEngine:
 
     def _norms(self, model, loss_fn: Callable, x, y) -> _NormPass:
         plan = self.plan
-        with _recording(plan.ghost, plan.fallback_layers) as records:
+        # Layers traced separately: a fused pair would leave a recorded output out of the
+        # autodiff graph, and its layer with a zero cotangent (`lipdp.kernels.separate_layers`).
+        with _recording(plan.ghost, plan.fallback_layers) as records, kernels.separate_layers():
             with tf.GradientTape(persistent=True) as tape:
                 y_pred = model(x, training=True)
                 losses = checked(loss_fn(y, y_pred))

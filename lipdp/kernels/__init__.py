@@ -27,6 +27,8 @@ have registered gradients (second order included) and ``tf.vectorized_map`` conv
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import os
 import shutil
@@ -44,6 +46,7 @@ ENV_SWITCH = "LIPDP_FUSED_KERNELS"
 ENV_CACHE = "LIPDP_KERNEL_CACHE"
 
 _lock = threading.Lock()
+_layers_fuse = contextvars.ContextVar("lipdp_layers_fuse", default=True)
 _state = {"loaded": False, "ops": None, "status": "not loaded yet"}
 
 
@@ -152,3 +155,27 @@ def usable_for(tensor) -> bool:
             tf.compat.v1.get_default_graph()):
         return False
     return True
+
+
+def layers_may_fuse() -> bool:
+    """Whether layers traced now may run as one kernel across layer boundaries (GroupSort2
+    then L2-norm pooling: `lipdp.layers.DP_ScaledL2NormPooling2D`); not inside
+    `separate_layers`."""
+    return _layers_fuse.get()
+
+
+@contextlib.contextmanager
+def separate_layers():
+    """Trace every layer as its own kernels: no fusion across layer boundaries.
+
+    A fused pair leaves the first layer's output out of the autodiff graph (the pair
+    differentiates from the first layer's input). Code that differentiates with respect to
+    recorded layer outputs (the ghost-clipping engine's cotangents, `lipdp.clipping.ghost`)
+    traces its forward pass in this context: a layer whose output ends in GroupSort2 before
+    an L2-norm pooling would otherwise get no cotangent, hence a zero per-example norm.
+    """
+    token = _layers_fuse.set(False)
+    try:
+        yield
+    finally:
+        _layers_fuse.reset(token)

@@ -266,8 +266,9 @@ def _fused_group_sort_input(x):
     """``(z, interleaved)`` when the symbolic tensor `x` is GroupSort2 of ``z`` computed by
     the fused kernel (``LipdpPairPermute(z, z)``: keys and values the same tensor, which
     only `lipdp.layers._pair_sort.sort_pairs` writes; its backward pass permutes another
-    tensor), else None (eager tensors included)."""
-    if tf.executing_eagerly() or not hasattr(x, "op") or x.op.type != "LipdpPairPermute":
+    tensor), else None (eager tensors included, and inside `lipdp.kernels.separate_layers`)."""
+    if (tf.executing_eagerly() or not kernels.layers_may_fuse() or not hasattr(x, "op")
+            or x.op.type != "LipdpPairPermute"):
         return None
     keys, values = x.op.inputs
     if keys.name != values.name:
