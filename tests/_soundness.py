@@ -36,29 +36,38 @@ def _loss_fn(loss):
     return loss.call if isinstance(loss, tf.keras.losses.Loss) else tf.keras.losses.get(loss)
 
 
-def per_example_gradients(model, loss, x, y):
-    """``[example][variable]`` numpy gradients of ``loss(f(x_i), y_i)``, one tape per example.
+def per_example_gradients(model, loss, x, y, traced=False):
+    """``[example][variable]`` numpy gradients of ``loss(f(x_i), y_i)``, one tape per example;
+    with `traced`, inside a `tf.function` (as the train step takes them: graph-only paths
+    such as lipdp's fused GroupSort2 + pooling kernel run; eagerly they do not).
 
     A variable the loss does not depend on gets a zero gradient.
     """
     fn = _loss_fn(loss)
+
+    def gradients(x_i, y_i):
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(fn(y_i, model(x_i, training=True)))
+        return tape.gradient(value, model.trainable_variables)
+
+    if traced:
+        gradients = tf.function(gradients)
     out = []
     for i in range(len(x)):
-        with tf.GradientTape() as tape:
-            value = tf.reduce_sum(fn(y[i:i + 1], model(x[i:i + 1], training=True)))
-        grads = tape.gradient(value, model.trainable_variables)
+        grads = gradients(x[i:i + 1], y[i:i + 1])
         out.append([np.zeros(v.shape, np.float32) if g is None else tf.convert_to_tensor(g).numpy()
                     for g, v in zip(grads, model.trainable_variables)])
     return out
 
 
-def per_example_gradient_norms(model, loss, x, y):
+def per_example_gradient_norms(model, loss, x, y, traced=False):
     """``{name: (n,) array}`` of ``||grad_v loss(f(x_i), y_i)||`` for every trainable variable v,
-    with the names of `lipdp.bounds.variable_names` (the keys of `gradient_bounds`)."""
+    with the names of `lipdp.bounds.variable_names` (the keys of `gradient_bounds`);
+    `traced` as in `per_example_gradients`."""
     from lipdp.bounds import variable_names
 
     names = variable_names(model)
-    per_example = per_example_gradients(model, loss, x, y)
+    per_example = per_example_gradients(model, loss, x, y, traced)
     return {names[v.ref()]: np.array([np.linalg.norm(grads[j]) for grads in per_example])
             for j, v in enumerate(model.trainable_variables)}
 

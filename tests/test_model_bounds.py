@@ -72,6 +72,38 @@ def test_bounds_hold_with_chunked_float32_certificates(monkeypatch):
                          "chunked, gradient ascent")
 
 
+def test_bounds_hold_for_gradients_taken_as_the_traced_step_takes_them(monkeypatch):
+    """Traced, GroupSort2 and the L2-norm pooling after it run as one fused kernel (when the
+    kernels are available), its gradient included: exact per-example gradients taken that
+    way, on adversarial and gradient-ascent inputs, stay within the bounds and equal the
+    eager ones (where the layers run apart)."""
+    from lipdp import kernels
+    from lipdp.layers import basic
+
+    fused, find = [], basic._fused_group_sort_input  # pylint: disable=protected-access
+
+    def spy(x):
+        found = find(x)
+        fused.append(found is not None)
+        return found
+
+    monkeypatch.setattr(basic, "_fused_group_sort_input", spy)
+    rng = np.random.default_rng(3)
+    model = cnn()
+    loss = LOSSES["cce"]()
+    x = _inputs(rng, (8, 8, 2))
+    y = one_hot_labels(rng, len(x), 4)
+    bounds = gradient_bounds(model, loss)
+    x_adv = maximize_gradient_norm(model, loss, x[:3], y[:3], model.trainable_variables[0], X0)
+    for inputs, labels, context in [(x, y, "traced"), (x_adv, y[:3], "traced, gradient ascent")]:
+        traced = per_example_gradient_norms(model, loss, inputs, labels, traced=True)
+        assert_within_bounds(traced, bounds, context)
+        eager = per_example_gradient_norms(model, loss, inputs, labels)
+        for name in traced:
+            np.testing.assert_allclose(traced[name], eager[name], rtol=1e-5, atol=1e-7)
+    assert any(fused) == (kernels.fused_ops() is not None)
+
+
 def test_bounds_hold_after_noisy_training_moves_the_weights():
     rng = np.random.default_rng(1)
     model = cnn(sigma=2.0)

@@ -17,13 +17,15 @@ import pytest
 import tensorflow as tf
 from kymatio.tensorflow import Scattering2D
 
-from lipdp.bounds import lipschitz_bound
+from lipdp.bounds import gradient_bounds, lipschitz_bound
 from lipdp.certify import certified_accuracy, float_error_bound
 from lipdp.layers import DP_BoundedInput, DP_Flatten, DP_QuickSpectralDense
+from lipdp.losses import DP_TauCategoricalCrossentropy
 from lipdp.layers.scattering import (DP_MultiscaleScattering, DP_Scattering, _decimated_power,
                                      _padding_multiplicity, _real_input_power,
                                      scattering_lipschitz)
-from tests._soundness import top_singular_directions
+from tests._soundness import (adversarial_inputs, assert_within_bounds, maximize_gradient_norm,
+                              one_hot_labels, per_example_gradient_norms, top_singular_directions)
 
 
 def _images(n, seed, shape=(16, 16, 1)):
@@ -233,6 +235,34 @@ def test_multiscale_constant_is_the_root_of_the_sum_of_squares_and_holds():
     assert layer.propagate_inputs(2.0) == pytest.approx(
         2.0 * layer.lipschitz_constant + layer.rounding_error(2.0), rel=1e-12)
     assert 0 < float_error_bound(model) < 1e-3 * layer.lipschitz_constant
+
+
+@pytest.mark.slow
+def test_head_gradients_on_the_multiscale_front_end_stay_within_their_bounds():
+    """No `DP_BoundedInput` after the front end: the head's bounds use its output bound
+    ``(1 + r) Lip X0``. Exact per-example gradients (traced, as the step takes them) on
+    inputs inside, on and far beyond the input bound, constant images, one hot pixel and
+    inputs optimised to maximise the head kernel's gradient stay within them. They reach
+    more than a quarter of the head kernel's bound: a constant divided by 4 fails this test,
+    by 2.5 it does not (the constant's padding and modulus factors are worst cases no input
+    here reaches; the formula test above holds the constant itself)."""
+    rng = np.random.default_rng(15)
+    model = tf.keras.Sequential([
+        tf.keras.layers.Input((16, 16, 1)), DP_BoundedInput(4.0),
+        DP_MultiscaleScattering(scales=(2, 1), order_weights=(0.3, 2.0, 12.0), padding="zero"),
+        DP_Flatten(), DP_QuickSpectralDense(4, use_bias=True)])
+    loss = DP_TauCategoricalCrossentropy(2.0)
+    x = adversarial_inputs(rng, (16, 16, 1), 4.0)
+    y = one_hot_labels(rng, len(x), 4)
+    bounds = gradient_bounds(model, loss)
+    assert_within_bounds(per_example_gradient_norms(model, loss, x, y, traced=True), bounds,
+                         "multiscale")
+    head = model.layers[-1].kernel
+    x_adv = maximize_gradient_norm(model, loss, x[:2], y[:2], head, 4.0, steps=20)
+    norms = per_example_gradient_norms(model, loss, x_adv, y[:2], traced=True)
+    assert_within_bounds(norms, bounds, "multiscale, gradient ascent")
+    head_name = next(name for name in norms if name.endswith("kernel"))
+    assert np.max(norms[head_name]) > 0.25 * bounds[head_name]  # the search found something
 
 
 def test_multiscale_config_round_trip_and_argument_errors():
