@@ -159,131 +159,6 @@ REGISTER_OP("LipdpL2NormPoolGrad")
       return OkStatus();
     });
 
-// The NHWC geometry and buffers of one call of a window-pooling kernel.
-struct Windows {
-  int64_t batch, height, width, channels, out_h, out_w;
-  const float* x;
-  const float* dy;  // the pooled cotangent (backward kernels), else nullptr
-  float* out;
-};
-
-// What the pooling kernels share: their attributes, the checks of their inputs, the output,
-// and in the backward pass the pixels no window covers (dropped by 'valid' pooling): a zero
-// cotangent times 2 x, as the reference computes it (signed zeros, NaN for a NaN input); a
-// subclass computes the covered ones (`Pool`).
-template <bool kGrad>
-class WindowPoolOp : public OpKernel {
- public:
-  explicit WindowPoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_h", &pool_h_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_w", &pool_w_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("coef", &coef_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
-    OP_REQUIRES(ctx, pool_h_ >= 1 && pool_w_ >= 1,
-                errors::InvalidArgument("pool sizes must be positive"));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    OP_REQUIRES(ctx, x.dims() == 4,
-                errors::InvalidArgument("expected NHWC input of rank 4, got shape ",
-                                        x.shape().DebugString()));
-    OP_REQUIRES_OK(ctx, CheckChannels(x));
-    Windows w;
-    w.batch = x.dim_size(0), w.height = x.dim_size(1), w.width = x.dim_size(2);
-    w.channels = x.dim_size(3);
-    w.out_h = w.height / pool_h_, w.out_w = w.width / pool_w_;
-    w.dy = nullptr;
-    const TensorShape pooled({w.batch, w.out_h, w.out_w, w.channels});
-    if (kGrad) {
-      const Tensor& grad = ctx->input(1);
-      OP_REQUIRES(ctx, grad.shape() == pooled,
-                  errors::InvalidArgument("dy has shape ", grad.shape().DebugString(),
-                                          ", expected the pooled shape of ",
-                                          x.shape().DebugString()));
-      w.dy = grad.flat<float>().data();
-    }
-    Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kGrad ? x.shape() : pooled, &output));
-    if (output->NumElements() == 0) return;
-    w.out = output->flat<float>().data();
-    w.x = x.flat<float>().data();
-    if (kGrad && (w.out_h * pool_h_ != w.height || w.out_w * pool_w_ != w.width)) {
-      // Covered pixels are overwritten by `Pool`.
-      float* out = w.out;
-      const float* xs = w.x;
-      ParallelFor(ctx, x.NumElements(), 2, [=](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) out[i] = 0.0f * (2.0f * xs[i]);
-      });
-    }
-    if (w.out_h == 0 || w.out_w == 0 || w.channels == 0) return;
-    Pool(ctx, w);
-  }
-
- protected:
-  virtual Status CheckChannels(const Tensor& x) const { return OkStatus(); }
-  virtual void Pool(OpKernelContext* ctx, const Windows& w) const = 0;
-
-  int pool_h_, pool_w_;
-  float coef_, eps_;
-};
-
-template <bool kGrad>
-class L2NormPoolOp : public WindowPoolOp<kGrad> {
- public:
-  explicit L2NormPoolOp(OpKernelConstruction* ctx) : WindowPoolOp<kGrad>(ctx) {}
-
- protected:
-  void Pool(OpKernelContext* ctx, const Windows& w) const override {
-    const int64_t batch = w.batch, height = w.height, width = w.width, channels = w.channels,
-                  out_h = w.out_h, out_w = w.out_w;
-    const float* xs = w.x;
-    const float* dy = w.dy;
-    float* out = w.out;
-    const int64_t ph = this->pool_h_, pw = this->pool_w_;
-    const float area = static_cast<float>(ph * pw);
-    const float coef = this->coef_, eps = this->eps_;
-    ParallelFor(ctx, batch * out_h, out_w * channels * ph * pw * (kGrad ? 4 : 2),
-                [=](int64_t begin, int64_t end) {
-      std::vector<float> sums(channels);
-      float* __restrict s = sums.data();
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t b = row / out_h, oi = row % out_h;
-        for (int64_t oj = 0; oj < out_w; ++oj) {
-          const int64_t corner = ((b * height + oi * ph) * width + oj * pw) * channels;
-          for (int64_t c = 0; c < channels; ++c) s[c] = 0.0f;
-          for (int64_t di = 0; di < ph; ++di) {
-            for (int64_t dj = 0; dj < pw; ++dj) {
-              const float* __restrict p = xs + corner + (di * width + dj) * channels;
-              for (int64_t c = 0; c < channels; ++c) s[c] += p[c] * p[c];
-            }
-          }
-          const int64_t o = (row * out_w + oj) * channels;
-          if (!kGrad) {
-            float* __restrict y = out + o;
-            for (int64_t c = 0; c < channels; ++c) y[c] = std::sqrt(s[c] / area) * coef;
-            continue;
-          }
-          for (int64_t c = 0; c < channels; ++c) {
-            s[c] = (dy[o + c] * coef) / (2.0f * (std::sqrt(s[c] / area) + eps)) / area;
-          }
-          for (int64_t di = 0; di < ph; ++di) {
-            for (int64_t dj = 0; dj < pw; ++dj) {
-              const int64_t at = corner + (di * width + dj) * channels;
-              const float* __restrict p = xs + at;
-              float* __restrict d = out + at;
-              for (int64_t c = 0; c < channels; ++c) d[c] = s[c] * (2.0f * p[c]);
-            }
-          }
-        }
-      }
-    });
-  }
-};
-
-REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPool").Device(DEVICE_CPU), L2NormPoolOp<false>);
-REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPoolGrad").Device(DEVICE_CPU), L2NormPoolOp<true>);
-
 REGISTER_OP("LipdpSortPool")
     .Input("x: float")
     .Output("y: float")
@@ -310,45 +185,65 @@ REGISTER_OP("LipdpSortPoolGrad")
       return OkStatus();
     });
 
-// One pair (a, b) at one pixel: the GroupSort2 outputs (min to a, max to b; a tie swaps, as
-// LipdpPairPermute does) and whether the pair was swapped.
-inline bool SortPair(const float* p, int64_t a, int64_t b, float* low, float* high) {
-  const float va = p[a], vb = p[b];
-  const bool swap = va >= vb;
-  *low = swap ? vb : va;
-  *high = swap ? va : vb;
-  return swap;
-}
-
-template <bool kGrad>
-class SortPoolOp : public WindowPoolOp<kGrad> {
+// The window walk of the pooling kernels, written once: the checks of the inputs, the output,
+// the pixels no window covers in the backward pass (dropped by 'valid' pooling: a zero
+// cotangent times 2 x, as the reference computes it: signed zeros, NaN for a NaN input),
+// and for each window deel-lip's order of operations (square, average, square root, scale;
+// backward, ((dy * coef) / (2 (sqrt(s / area) + eps)) / area) times 2 v). `Pixels` says what
+// a window's pixels contribute (CRTP, so that its loops inline and vectorise):
+// `Pixels::CheckChannels(x)`, `Pixels::kCost` (operations per element one way),
+// `pixels.Accumulate(p, s, channels)` adds the squares of the values v pooled at pixel p to
+// the sums s, and `pixels.Scatter(p, s, d, channels)` writes the input cotangent d of pixel
+// p from the scales s (the cotangent of v is s * (2 v)).
+template <typename Pixels, bool kGrad>
+class WindowPoolOp : public OpKernel {
  public:
-  explicit SortPoolOp(OpKernelConstruction* ctx) : WindowPoolOp<kGrad>(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("interleaved", &interleaved_));
+  explicit WindowPoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_h", &pool_h_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool_w", &pool_w_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("coef", &coef_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
+    OP_REQUIRES(ctx, pool_h_ >= 1 && pool_w_ >= 1,
+                errors::InvalidArgument("pool sizes must be positive"));
   }
 
- protected:
-  Status CheckChannels(const Tensor& x) const override {
-    if (x.dim_size(3) % 2 == 0) return OkStatus();
-    return errors::InvalidArgument("the last axis must have an even size, got shape ",
-                                   x.shape().DebugString());
-  }
-
-  // Uncovered pixels (the base class): the pooling's zero cotangent times 2 x, x's own
-  // sorted value sent back to x's position, as the composition computes it.
-  void Pool(OpKernelContext* ctx, const Windows& w) const override {
-    const int64_t batch = w.batch, height = w.height, width = w.width, channels = w.channels,
-                  out_h = w.out_h, out_w = w.out_w;
-    const float* xs = w.x;
-    const float* dy = w.dy;
-    float* out = w.out;
-    const int64_t half = channels / 2;
-    const bool interleaved = interleaved_;
-    const int64_t ph = this->pool_h_, pw = this->pool_w_;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    OP_REQUIRES(ctx, x.dims() == 4,
+                errors::InvalidArgument("expected NHWC input of rank 4, got shape ",
+                                        x.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, Pixels::CheckChannels(x));
+    const int64_t batch = x.dim_size(0), height = x.dim_size(1), width = x.dim_size(2),
+                  channels = x.dim_size(3);
+    const int64_t out_h = height / pool_h_, out_w = width / pool_w_;
+    const TensorShape pooled({batch, out_h, out_w, channels});
+    const float* dy = nullptr;
+    if (kGrad) {
+      const Tensor& grad = ctx->input(1);
+      OP_REQUIRES(ctx, grad.shape() == pooled,
+                  errors::InvalidArgument("dy has shape ", grad.shape().DebugString(),
+                                          ", expected the pooled shape of ",
+                                          x.shape().DebugString()));
+      dy = grad.flat<float>().data();
+    }
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kGrad ? x.shape() : pooled, &output));
+    if (output->NumElements() == 0) return;
+    float* out = output->flat<float>().data();
+    const float* xs = x.flat<float>().data();
+    if (kGrad && (out_h * pool_h_ != height || out_w * pool_w_ != width)) {
+      // Covered pixels are overwritten below.
+      ParallelFor(ctx, x.NumElements(), 2, [=](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) out[i] = 0.0f * (2.0f * xs[i]);
+      });
+    }
+    if (out_h == 0 || out_w == 0 || channels == 0) return;
+    const Pixels& pixels = static_cast<const Pixels&>(*this);
+    const int64_t ph = pool_h_, pw = pool_w_;
     const float area = static_cast<float>(ph * pw);
-    const float coef = this->coef_, eps = this->eps_;
-    ParallelFor(ctx, batch * out_h, out_w * channels * ph * pw * (kGrad ? 6 : 3),
-                [=](int64_t begin, int64_t end) {
+    const float coef = coef_, eps = eps_;
+    ParallelFor(ctx, batch * out_h, out_w * channels * ph * pw * Pixels::kCost * (kGrad ? 2 : 1),
+                [=, &pixels](int64_t begin, int64_t end) {
       std::vector<float> sums(channels);
       float* __restrict s = sums.data();
       for (int64_t row = begin; row < end; ++row) {
@@ -358,28 +253,7 @@ class SortPoolOp : public WindowPoolOp<kGrad> {
           for (int64_t c = 0; c < channels; ++c) s[c] = 0.0f;
           for (int64_t di = 0; di < ph; ++di) {
             for (int64_t dj = 0; dj < pw; ++dj) {
-              const float* __restrict p = xs + corner + (di * width + dj) * channels;
-              if (interleaved) {
-                for (int64_t i = 0; i < half; ++i) {
-                  float low, high;
-                  SortPair(p, 2 * i, 2 * i + 1, &low, &high);
-                  s[2 * i] += low * low;
-                  s[2 * i + 1] += high * high;
-                }
-                continue;
-              }
-              // Halves: unit strides, so the loop vectorises.
-              const float* __restrict pa = p;
-              const float* __restrict pb = p + half;
-              float* __restrict sa = s;
-              float* __restrict sb = s + half;
-              for (int64_t i = 0; i < half; ++i) {
-                const float va = pa[i], vb = pb[i];
-                const bool swap = va >= vb;
-                const float low = swap ? vb : va, high = swap ? va : vb;
-                sa[i] += low * low;
-                sb[i] += high * high;
-              }
+              pixels.Accumulate(xs + corner + (di * width + dj) * channels, s, channels);
             }
           }
           const int64_t o = (row * out_w + oj) * channels;
@@ -394,36 +268,7 @@ class SortPoolOp : public WindowPoolOp<kGrad> {
           for (int64_t di = 0; di < ph; ++di) {
             for (int64_t dj = 0; dj < pw; ++dj) {
               const int64_t at = corner + (di * width + dj) * channels;
-              const float* __restrict p = xs + at;
-              float* __restrict d = out + at;
-              // The pooling's cotangents of the sorted pair, sent back through the pair's
-              // permutation.
-              if (interleaved) {
-                for (int64_t i = 0; i < half; ++i) {
-                  const int64_t a = 2 * i, c = a + 1;
-                  float low, high;
-                  const bool swap = SortPair(p, a, c, &low, &high);
-                  const float d_low = s[a] * (2.0f * low), d_high = s[c] * (2.0f * high);
-                  d[a] = swap ? d_high : d_low;
-                  d[c] = swap ? d_low : d_high;
-                }
-                continue;
-              }
-              const float* __restrict pa = p;
-              const float* __restrict pb = p + half;
-              const float* __restrict sa = s;
-              const float* __restrict sb = s + half;
-              float* __restrict da = d;
-              float* __restrict db = d + half;
-              // Swapped, a's cotangent is the maximum's, sb * (2 high) with high = va, else the
-              // minimum's, sa * (2 low) with low = va: (swap ? sb : sa) * (2 va), the same
-              // operations on the same values.
-              for (int64_t i = 0; i < half; ++i) {
-                const float va = pa[i], vb = pb[i], ga = sa[i], gb = sb[i];
-                const bool swap = va >= vb;
-                da[i] = (swap ? gb : ga) * (2.0f * va);
-                db[i] = (swap ? ga : gb) * (2.0f * vb);
-              }
+              pixels.Scatter(xs + at, s, out + at, channels);
             }
           }
         }
@@ -432,9 +277,120 @@ class SortPoolOp : public WindowPoolOp<kGrad> {
   }
 
  private:
+  int pool_h_, pool_w_;
+  float coef_, eps_;
+};
+
+// L2-norm pooling: a pixel's values are its own.
+template <bool kGrad>
+class L2NormPoolOp : public WindowPoolOp<L2NormPoolOp<kGrad>, kGrad> {
+ public:
+  static constexpr int kCost = 2;
+  explicit L2NormPoolOp(OpKernelConstruction* ctx)
+      : WindowPoolOp<L2NormPoolOp<kGrad>, kGrad>(ctx) {}
+
+  static Status CheckChannels(const Tensor&) { return OkStatus(); }
+
+  void Accumulate(const float* __restrict p, float* __restrict s, int64_t channels) const {
+    for (int64_t c = 0; c < channels; ++c) s[c] += p[c] * p[c];
+  }
+
+  void Scatter(const float* __restrict p, const float* __restrict s, float* __restrict d,
+               int64_t channels) const {
+    for (int64_t c = 0; c < channels; ++c) d[c] = s[c] * (2.0f * p[c]);
+  }
+};
+
+// One pair (a, b) at one pixel: the GroupSort2 outputs (min to a, max to b; a tie swaps, as
+// LipdpPairPermute does) and whether the pair was swapped.
+inline bool SortPair(const float* p, int64_t a, int64_t b, float* low, float* high) {
+  const float va = p[a], vb = p[b];
+  const bool swap = va >= vb;
+  *low = swap ? vb : va;
+  *high = swap ? va : vb;
+  return swap;
+}
+
+// GroupSort2 then L2-norm pooling: a pixel's values are its sorted pairs, formed on the fly,
+// and a sorted value's cotangent goes back through the pair's permutation. Uncovered pixels
+// (the walk's zero cotangent times 2 x) are what the composition computes too: x's own
+// sorted value is sent back to x's position.
+template <bool kGrad>
+class SortPoolOp : public WindowPoolOp<SortPoolOp<kGrad>, kGrad> {
+ public:
+  static constexpr int kCost = 3;
+  explicit SortPoolOp(OpKernelConstruction* ctx) : WindowPoolOp<SortPoolOp<kGrad>, kGrad>(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("interleaved", &interleaved_));
+  }
+
+  static Status CheckChannels(const Tensor& x) {
+    if (x.dim_size(3) % 2 == 0) return OkStatus();
+    return errors::InvalidArgument("the last axis must have an even size, got shape ",
+                                   x.shape().DebugString());
+  }
+
+  void Accumulate(const float* __restrict p, float* __restrict s, int64_t channels) const {
+    const int64_t half = channels / 2;
+    if (interleaved_) {
+      for (int64_t i = 0; i < half; ++i) {
+        float low, high;
+        SortPair(p, 2 * i, 2 * i + 1, &low, &high);
+        s[2 * i] += low * low;
+        s[2 * i + 1] += high * high;
+      }
+      return;
+    }
+    // Halves: unit strides, so the loop vectorises.
+    const float* __restrict pa = p;
+    const float* __restrict pb = p + half;
+    float* __restrict sa = s;
+    float* __restrict sb = s + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float va = pa[i], vb = pb[i];
+      const bool swap = va >= vb;
+      const float low = swap ? vb : va, high = swap ? va : vb;
+      sa[i] += low * low;
+      sb[i] += high * high;
+    }
+  }
+
+  void Scatter(const float* __restrict p, const float* __restrict s, float* __restrict d,
+               int64_t channels) const {
+    const int64_t half = channels / 2;
+    if (interleaved_) {
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t a = 2 * i, c = a + 1;
+        float low, high;
+        const bool swap = SortPair(p, a, c, &low, &high);
+        const float d_low = s[a] * (2.0f * low), d_high = s[c] * (2.0f * high);
+        d[a] = swap ? d_high : d_low;
+        d[c] = swap ? d_low : d_high;
+      }
+      return;
+    }
+    const float* __restrict pa = p;
+    const float* __restrict pb = p + half;
+    const float* __restrict sa = s;
+    const float* __restrict sb = s + half;
+    float* __restrict da = d;
+    float* __restrict db = d + half;
+    // Swapped, a's cotangent is the maximum's, sb * (2 high) with high = va, else the
+    // minimum's, sa * (2 low) with low = va: (swap ? sb : sa) * (2 va), the same operations
+    // on the same values.
+    for (int64_t i = 0; i < half; ++i) {
+      const float va = pa[i], vb = pb[i], ga = sa[i], gb = sb[i];
+      const bool swap = va >= vb;
+      da[i] = (swap ? gb : ga) * (2.0f * va);
+      db[i] = (swap ? ga : gb) * (2.0f * vb);
+    }
+  }
+
+ private:
   bool interleaved_;
 };
 
+REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPool").Device(DEVICE_CPU), L2NormPoolOp<false>);
+REGISTER_KERNEL_BUILDER(Name("LipdpL2NormPoolGrad").Device(DEVICE_CPU), L2NormPoolOp<true>);
 REGISTER_KERNEL_BUILDER(Name("LipdpSortPool").Device(DEVICE_CPU), SortPoolOp<false>);
 REGISTER_KERNEL_BUILDER(Name("LipdpSortPoolGrad").Device(DEVICE_CPU), SortPoolOp<true>);
 
