@@ -59,22 +59,6 @@ def register(ops):
         return None, ops.lipdp_pair_permute(keys, grad,
                                             interleaved=op.get_attr("interleaved"))
 
-    @tf.RegisterGradient("LipdpL2NormPool")
-    def _pool_grad(op, grad):
-        return ops.lipdp_l2_norm_pool_grad(op.inputs[0], grad, **_pool_attrs(op))
-
-    @tf.RegisterGradient("LipdpL2NormPoolGrad")
-    def _pool_grad_grad(op, grad):
-        return _second_order(reference_l2_norm_pool, *op.inputs, _pool_attrs(op), grad)
-
-    @tf.RegisterGradient("LipdpSortPool")
-    def _sort_pool_grad(op, grad):
-        return ops.lipdp_sort_pool_grad(op.inputs[0], grad, **_sort_pool_attrs(op))
-
-    @tf.RegisterGradient("LipdpSortPoolGrad")
-    def _sort_pool_grad_grad(op, grad):
-        return _second_order(reference_sort_pool, *op.inputs, _sort_pool_attrs(op), grad)
-
     @RegisterPFor("LipdpPairPermute")
     def _pair_permute_pfor(pfor_input):
         # Pairs lie along the last axis: a leading loop axis changes nothing.
@@ -90,30 +74,34 @@ def register(ops):
     def _split_loop_axis(tensor, loop_shape):
         return tf.reshape(tensor, tf.concat([loop_shape, tf.shape(tensor)[1:]], 0))
 
-    @RegisterPFor("LipdpL2NormPool")
-    def _pool_pfor(pfor_input):
-        x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
-        y = ops.lipdp_l2_norm_pool(x, **_pool_attrs(pfor_input))
-        return wrap(_split_loop_axis(y, loop_shape), True)
+    def register_pooling(name, forward, backward, reference, attrs_of):
+        """Gradients (second order: `reference` differentiated) and vectorisation rules of
+        the window-pooling op `name` and its gradient op ``name + "Grad"``: NHWC, the
+        loop axis merged into the batch axis."""
 
-    @RegisterPFor("LipdpL2NormPoolGrad")
-    def _pool_grad_pfor(pfor_input):
-        pfor_input.stack_inputs()
-        x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
-        dy, _ = _merge_loop_axis(pfor_input.stacked_input(1))
-        dx = ops.lipdp_l2_norm_pool_grad(x, dy, **_pool_attrs(pfor_input))
-        return wrap(_split_loop_axis(dx, loop_shape), True)
+        @tf.RegisterGradient(name)
+        def _grad(op, grad):
+            return backward(op.inputs[0], grad, **attrs_of(op))
 
-    @RegisterPFor("LipdpSortPool")
-    def _sort_pool_pfor(pfor_input):
-        x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
-        y = ops.lipdp_sort_pool(x, **_sort_pool_attrs(pfor_input))
-        return wrap(_split_loop_axis(y, loop_shape), True)
+        @tf.RegisterGradient(name + "Grad")
+        def _grad_grad(op, grad):
+            return _second_order(reference, *op.inputs, attrs_of(op), grad)
 
-    @RegisterPFor("LipdpSortPoolGrad")
-    def _sort_pool_grad_pfor(pfor_input):
-        pfor_input.stack_inputs()
-        x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
-        dy, _ = _merge_loop_axis(pfor_input.stacked_input(1))
-        dx = ops.lipdp_sort_pool_grad(x, dy, **_sort_pool_attrs(pfor_input))
-        return wrap(_split_loop_axis(dx, loop_shape), True)
+        @RegisterPFor(name)
+        def _pfor(pfor_input):
+            x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
+            y = forward(x, **attrs_of(pfor_input))
+            return wrap(_split_loop_axis(y, loop_shape), True)
+
+        @RegisterPFor(name + "Grad")
+        def _grad_pfor(pfor_input):
+            pfor_input.stack_inputs()
+            x, loop_shape = _merge_loop_axis(pfor_input.stacked_input(0))
+            dy, _ = _merge_loop_axis(pfor_input.stacked_input(1))
+            dx = backward(x, dy, **attrs_of(pfor_input))
+            return wrap(_split_loop_axis(dx, loop_shape), True)
+
+    register_pooling("LipdpL2NormPool", ops.lipdp_l2_norm_pool, ops.lipdp_l2_norm_pool_grad,
+                     reference_l2_norm_pool, _pool_attrs)
+    register_pooling("LipdpSortPool", ops.lipdp_sort_pool, ops.lipdp_sort_pool_grad,
+                     reference_sort_pool, _sort_pool_attrs)
