@@ -134,6 +134,14 @@ Status PooledShape(shape_inference::InferenceContext* c) {
   return OkStatus();
 }
 
+// A pooling gradient: the shape of the rank-4 input.
+Status InputShape(shape_inference::InferenceContext* c) {
+  shape_inference::ShapeHandle input;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &input));
+  c->set_output(0, input);
+  return OkStatus();
+}
+
 // `eps` is not used forward: it is the gradient's (and keeps the two ops' attributes alike).
 REGISTER_OP("LipdpL2NormPool")
     .Input("x: float")
@@ -152,12 +160,7 @@ REGISTER_OP("LipdpL2NormPoolGrad")
     .Attr("pool_w: int")
     .Attr("coef: float")
     .Attr("eps: float")
-    .SetShapeFn([](shape_inference::InferenceContext* c) {
-      shape_inference::ShapeHandle input;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &input));
-      c->set_output(0, input);
-      return OkStatus();
-    });
+    .SetShapeFn(InputShape);
 
 REGISTER_OP("LipdpSortPool")
     .Input("x: float")
@@ -178,12 +181,7 @@ REGISTER_OP("LipdpSortPoolGrad")
     .Attr("coef: float")
     .Attr("eps: float")
     .Attr("interleaved: bool = false")
-    .SetShapeFn([](shape_inference::InferenceContext* c) {
-      shape_inference::ShapeHandle input;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &input));
-      c->set_output(0, input);
-      return OkStatus();
-    });
+    .SetShapeFn(InputShape);
 
 // The window walk of the pooling kernels, written once: the checks of the inputs, the output,
 // the pixels no window covers in the backward pass (dropped by 'valid' pooling: a zero
