@@ -31,6 +31,10 @@ def parse_args(description, **defaults):
     parser.add_argument("--lr", type=float, default=defaults.get("lr", 1e-3))
     parser.add_argument("--tau", type=float, default=defaults.get("tau", 10.0),
                         help="temperature of the cross-entropy")
+    parser.add_argument("--bound-fraction", type=float, default=None,
+                        help="classic DP-SGD instead: clip each variable's per-example gradient "
+                             "at this fraction of its analytic bound at initialisation "
+                             "(lipdp.bounds.bound_fraction_thresholds; mixed ghost norms)")
     parser.add_argument("--train-examples", type=int, default=None,
                         help="train on the first n examples only (quick runs)")
     parser.add_argument("--data-dir", default=None)
@@ -44,12 +48,20 @@ def run(args, build, name):
         data_dir=args.data_dir, nb_samples_train=args.train_examples, seed=0)
     dp_parameters = lipdp.DPParameters(noise_multiplier=args.noise, delta=1e-5)
     model = build(dp_parameters, metadata)
-    model.compile(loss=lipdp.losses.DP_TauCategoricalCrossentropy(args.tau),
-                  optimizer=tf.keras.optimizers.Adam(args.lr), metrics=["accuracy"],
+    loss = lipdp.losses.DP_TauCategoricalCrossentropy(args.tau)
+    algorithm = "Clipless DP-SGD"
+    if args.bound_fraction is not None:
+        thresholds = lipdp.bounds.bound_fraction_thresholds(model, args.bound_fraction, loss)
+        model.dp_parameters = lipdp.DPParameters(
+            noise_multiplier=args.noise, delta=1e-5, mode="clipped", clipping="per-layer",
+            l2_norm_clip=thresholds, engine="mixed-ghost")
+        algorithm = (f"classic DP-SGD clipped per layer at {args.bound_fraction:g} x the "
+                     "analytic bounds")
+    model.compile(loss=loss, optimizer=tf.keras.optimizers.Adam(args.lr), metrics=["accuracy"],
                   private_logs_only=True)
     model.summary()
     epochs = min(args.epochs, lipdp.get_max_epochs(args.epsilon, model))
-    print(f"\n{name}: {epochs} epochs of Clipless DP-SGD, sigma={args.noise}, "
+    print(f"\n{name}: {epochs} epochs of {algorithm}, sigma={args.noise}, "
           f"q={metadata.sampling_rate:.4f}, budget epsilon={args.epsilon}")
     start = time.time()
     model.fit(ds_train, epochs=epochs, validation_data=ds_test, verbose=2,

@@ -25,6 +25,7 @@ from lipdp.layers.base import (DPLayer, as_bound, cached_operator_norm, chain_ba
                                chain_lipschitz, operator_norm_cache, with_pass_slack)
 from lipdp.layers.basic import DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
+from lipdp.metadata import DPMode
 from lipdp.operator_norms import certified_norms
 
 # Non-DP layers users commonly reach for, and what to use instead.
@@ -221,10 +222,14 @@ def lipschitz_bound(model) -> tf.Tensor:
 
 
 def _is_step_loss(model, loss) -> bool:
-    """`loss` is None or the model's compiled DP loss, and the model states what its step
-    differentiates (`per_example_step_loss`, `top_gradient_bound`: AdaptiveClipping)."""
+    """`loss` is None or the model's compiled DP loss, and the model is compiled for
+    Clipless DP-SGD, whose step states what it differentiates (`per_example_step_loss`,
+    `top_gradient_bound`: AdaptiveClipping). A model compiled for classic DP-SGD still has
+    the analytic bounds of its loss (its step clips instead of using them)."""
     compiled = getattr(model, "dp_loss", None)
+    mechanism = getattr(model, "step_mechanism", None)
     return (compiled is not None and (loss is None or loss is compiled)
+            and getattr(mechanism, "mode", None) is DPMode.CLIPLESS
             and callable(getattr(model, "top_gradient_bound", None)))
 
 
@@ -284,6 +289,35 @@ def gradient_bounds(model, loss=None) -> Dict[str, float]:
               backpropagate_bounds(dp_layers(model), _loss_lipschitz(model, loss))}
     names = variable_names(model)
     return {names[v.ref()]: bounds[v.ref()] for v in model.trainable_variables}
+
+
+def bound_fraction_thresholds(model, fraction: float, loss=None) -> Tuple[float, ...]:
+    """Per-variable clipping thresholds ``C_v = fraction * bound(v)``, the analytic bounds
+    of `gradient_bounds` at the current weights, for classic DP-SGD with per-layer
+    clipping: ``DPParameters(mode="clipped", clipping="per-layer", l2_norm_clip=...)``.
+
+    Where the analytic bounds are loose (the gradients of a Lipschitz network's deeper
+    variables reach a few percent of them: `tightness`), Clipless DP-SGD spends its noise
+    on norms no example reaches. Clipping each variable's per-example gradient at a
+    fraction of its bound divides the sensitivity, and the noise, by ``1 / fraction``;
+    examples whose gradient of a variable exceeds its threshold are clipped there (the
+    bias of classic DP-SGD). The thresholds are computed once, from the weights alone
+    (before training they depend on no data), so they cost no privacy; privacy then rests
+    on the clipping (`lipdp.clipping.rules.PerLayerClipping`), not on the bounds.
+
+    Args:
+        model: a built DP model (as `gradient_bounds`).
+        fraction: the fraction f > 0 of each bound.
+        loss: a DP loss; defaults to the compiled one.
+
+    Returns:
+        ``C_v`` aligned with ``model.trainable_variables``.
+    """
+    if not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+            and np.isfinite(fraction) and fraction > 0):
+        raise ValueError("Received an invalid value for `fraction`, expected a finite positive "
+                         f"number. Received: fraction={fraction!r}")
+    return tuple(fraction * b for b in gradient_bounds(model, loss).values())
 
 
 def tightness(model, dataset, loss=None, max_batches=None, chunk_size: int = 64,

@@ -192,12 +192,27 @@ def _print_bounds(cfg, model, metadata):
     print(f"  global per-example bound sqrt(sum b^2) = {total:.6g}; {noise}")
 
 
-def _print_clipping(cfg, metadata):
-    """Classic DP-SGD: the clipping threshold and the noise it calibrates."""
+def _print_clipping(cfg, model, metadata):
+    """Classic DP-SGD: the clipping threshold(s) and the noise they calibrate."""
+    from lipdp.bounds import variable_names
+
     p, d = cfg["privacy"], metadata.batch_size
+    clip = p["l2_norm_clip"]
+    if p["bound_fraction"] is not None:
+        thresholds = model.dp_parameters.l2_norm_clip  # aligned with trainable_variables
+        names = variable_names(model)
+        print(f"classic DP-SGD, per-layer clipping: each variable's per-example gradient "
+              f"clipped to {p['bound_fraction']:g} x its analytic bound at initialisation")
+        _print_table([[names[v.ref()], f"{c:.6g}"]
+                      for v, c in zip(model.trainable_variables, thresholds)],
+                     ["variable", "threshold C_v"])
+        total = sum(c * c for c in thresholds) ** 0.5
+        print(f"noise std sigma sqrt(sum C_v^2) / D = {p['noise_multiplier']:g} x {total:.6g} / "
+              f"{d} = {p['noise_multiplier'] * total / d:.6g} on every coordinate")
+        return
     print(f"classic DP-SGD: every per-example gradient clipped to L2 norm C = "
-          f"{p['l2_norm_clip']:g}; noise std sigma C / D = {p['noise_multiplier']:g} x "
-          f"{p['l2_norm_clip']:g} / {d} = {p['noise_multiplier'] * p['l2_norm_clip'] / d:.6g} on "
+          f"{clip:g}; noise std sigma C / D = {p['noise_multiplier']:g} x "
+          f"{clip:g} / {d} = {p['noise_multiplier'] * clip / d:.6g} on "
           "every coordinate")
 
 
@@ -297,7 +312,7 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
     _section("Model")
     model.summary(print_fn=print)
     if cfg["privacy"]["mode"] == "clipped":
-        _print_clipping(cfg, metadata)
+        _print_clipping(cfg, model, metadata)
     else:
         _print_bounds(cfg, model, metadata)
 

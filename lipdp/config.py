@@ -66,7 +66,12 @@ Schema (defaults shown)::
       epsilon_budget: 3.0      # null: no budget (then training.epochs is required)
       mode: clipless           # clipless (Clipless DP-SGD) | clipped (classic DP-SGD:
                                #   per-example gradients clipped to l2_norm_clip)
-      l2_norm_clip: null       # clipped: the clipping threshold C (required there)
+      l2_norm_clip: null       # clipped: the clipping threshold C (required there, or:)
+      bound_fraction: null     # clipped, instead of l2_norm_clip: per-layer thresholds at
+                               #   this fraction of the analytic gradient bounds at the
+                               #   initial weights (lipdp.bounds.bound_fraction_thresholds)
+      engine: ghost            # clipped: ghost | mixed-ghost (cheaper on early convolutions)
+                               #   | vectorized: how per-example norms are computed
       adaptive_clip_quantile: null  # clipless: clip the loss-logits gradient at this privately
                                #   estimated quantile (appendix B.5; lipdp.AdaptiveClipping)
       adaptive_clip_noise: null     # its count's noise std (null: batch_size / 20), accounted
@@ -134,6 +139,7 @@ training before a step would exceed ``epsilon_budget``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -198,6 +204,8 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "epsilon_budget": 3.0,
         "mode": "clipless",
         "l2_norm_clip": None,
+        "bound_fraction": None,
+        "engine": "ghost",
         "adaptive_clip_quantile": None,
         "adaptive_clip_noise": None,
         "adaptive_clip_initial": None,
@@ -391,6 +399,8 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "epsilon_budget": lambda k, v: None if v is None else _POSITIVE(k, v),
         "mode": _choice("clipless", "clipped"),
         "l2_norm_clip": lambda k, v: None if v is None else _POSITIVE(k, v),
+        "bound_fraction": lambda k, v: None if v is None else _POSITIVE(k, v),
+        "engine": _choice("ghost", "mixed-ghost", "vectorized"),
         "adaptive_clip_quantile": lambda k, v: None if v is None else _number(
             low=0, high=1, low_open=True, high_open=True, expected="a number in (0, 1)")(k, v),
         "adaptive_clip_noise": lambda k, v: None if v is None else _POSITIVE(k, v),
@@ -478,11 +488,26 @@ def apply_overrides(cfg: Dict[str, Dict[str, Any]], overrides: Sequence[str]):
 
 def _check_mode(model, privacy):
     """The cross-field rules of ``privacy.mode``."""
-    mode, clip = privacy["mode"], privacy["l2_norm_clip"]
-    if mode == "clipped" and clip is None:
+    mode, clip, fraction = privacy["mode"], privacy["l2_norm_clip"], privacy["bound_fraction"]
+    if mode == "clipped" and (clip is None) == (fraction is None):
         raise ConfigError("privacy.mode='clipped' (classic DP-SGD) clips every per-example "
-                          "gradient to a threshold: set privacy.l2_norm_clip. Received: "
-                          "privacy.l2_norm_clip=None")
+                          "gradient to a threshold: set either privacy.l2_norm_clip or "
+                          "privacy.bound_fraction. Received: "
+                          f"privacy.l2_norm_clip={clip!r}, privacy.bound_fraction={fraction!r}")
+    if mode == "clipless" and privacy["engine"] != "ghost":
+        raise ConfigError("privacy.engine computes the per-example norms classic DP-SGD clips: "
+                          "it needs privacy.mode='clipped'. Received: privacy.mode='clipless', "
+                          f"privacy.engine={privacy['engine']!r}")
+    if mode == "clipless" and fraction is not None:
+        raise ConfigError("privacy.bound_fraction sets the thresholds of classic DP-SGD's "
+                          "per-layer clipping: it needs privacy.mode='clipped'. Received: "
+                          f"privacy.mode='clipless', privacy.bound_fraction={fraction!r}")
+    if fraction is not None and (model["head"] == "plain"
+                                 or model["architecture"] == "tanh_cnn"):
+        raise ConfigError("privacy.bound_fraction places thresholds at fractions of the "
+                          "analytic gradient bounds, which a model of plain Keras layers does "
+                          "not have (model.head='plain', model.architecture='tanh_cnn'): set "
+                          "privacy.l2_norm_clip instead.")
     if mode == "clipless" and clip is not None:
         raise ConfigError("privacy.l2_norm_clip only applies to privacy.mode='clipped': Clipless "
                           "DP-SGD bounds gradients without clipping. Received: "
@@ -867,6 +892,7 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
         FileNotFoundError, lipdp.data.DatasetFormatError: the data is missing
             or corrupt.
     """
+    from lipdp.bounds import bound_fraction_thresholds
     from lipdp.callbacks import DP_Accountant
     from lipdp.data import DatasetFormatError, load_dataset
     from lipdp.metadata import AdaptiveClipping, DPParameters
@@ -897,19 +923,28 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     p = cfg["privacy"]
     try:
         clipped = {} if p["mode"] == "clipless" else {"mode": "clipped",
-                                                      "l2_norm_clip": p["l2_norm_clip"]}
+                                                      "l2_norm_clip": p["l2_norm_clip"],
+                                                      "engine": p["engine"]}
         if p["adaptive_clip_quantile"] is not None:
             clipped["loss_gradient_clipping"] = AdaptiveClipping(
                 target_quantile=p["adaptive_clip_quantile"],
                 noise_multiplier=p["adaptive_clip_noise"],
                 initial_clip=p["adaptive_clip_initial"],
                 learning_rate=p["adaptive_clip_learning_rate"])
+        fraction = p["bound_fraction"]
+        if fraction is not None:  # thresholds placed on the model's bounds, once it is built
+            clipped = {**clipped, "l2_norm_clip": 1.0}
         dp_parameters = DPParameters(noise_multiplier=p["noise_multiplier"], delta=p["delta"],
                                      noisify_strategy=p["noisify_strategy"], **clipped)
         model = build_model(cfg["model"], metadata, dp_parameters)
+        loss = build_loss(cfg["loss"])
+        if fraction is not None:
+            model.dp_parameters = dataclasses.replace(
+                dp_parameters, clipping="per-layer",
+                l2_norm_clip=bound_fraction_thresholds(model, fraction, loss))
         epochs = planned_epochs(cfg, model)
         optimizer = build_optimizer(cfg["optimizer"], epochs * metadata.steps_per_epoch)
-        model.compile(loss=build_loss(cfg["loss"]), optimizer=optimizer, metrics=["accuracy"],
+        model.compile(loss=loss, optimizer=optimizer, metrics=["accuracy"],
                       private_logs_only=cfg["training"]["private_logs_only"],
                       bjorck_every=cfg["training"]["bjorck_every"])
     except ConfigError:

@@ -74,6 +74,7 @@ def test_shipped_main_config_has_the_measured_settings():
     assert cfg["privacy"] == {"noise_multiplier": 3.0, "delta": 1e-5,
                               "noisify_strategy": "global", "epsilon_budget": 3.0,
                               "mode": "clipless", "l2_norm_clip": None,
+                              "bound_fraction": None, "engine": "ghost",
                               "adaptive_clip_quantile": None, "adaptive_clip_noise": None,
                               "adaptive_clip_initial": None,
                               "adaptive_clip_learning_rate": 0.2}
@@ -134,7 +135,13 @@ def test_bad_values_are_echoed(override, fragments):
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["privacy.mode=clipped"], "set privacy.l2_norm_clip"),
+    (["privacy.mode=clipped"], "set either privacy.l2_norm_clip or privacy.bound_fraction"),
+    (["privacy.mode=clipped", "privacy.l2_norm_clip=1.0", "privacy.bound_fraction=0.5"],
+     "set either privacy.l2_norm_clip or privacy.bound_fraction"),
+    (["privacy.bound_fraction=0.5"], "it needs privacy.mode='clipped'"),
+    (["privacy.engine=mixed-ghost"], "it needs privacy.mode='clipped'"),
+    (["model.head=plain", "privacy.mode=clipped", "privacy.bound_fraction=0.5"],
+     "set privacy.l2_norm_clip instead"),
     (["privacy.l2_norm_clip=1.0"], "only applies to privacy.mode='clipped'"),
     (["privacy.mode=clipped", "privacy.l2_norm_clip=1.0", "privacy.noisify_strategy=per-layer"],
      "needs privacy.noisify_strategy='global'"),
@@ -246,6 +253,35 @@ def _plain_sgd_config(*overrides):
                               "privacy.epsilon_budget=null", "training.epochs=2",
                               "optimizer.name=sgd", "optimizer.learning_rate=0.5",
                               *overrides])
+
+
+def test_bound_fraction_clips_each_variable_at_that_fraction_of_its_bound(fake_fashion, tmp_path,
+                                                                          capsys):
+    """privacy.bound_fraction: classic DP-SGD with per-layer thresholds f bound(v), the analytic
+    bounds of the model as built (before any training), printed and used by the step."""
+    from lipdp.bounds import gradient_bounds
+
+    cfg = load_config(None, ["model.widths=[16]", "privacy.mode=clipped",
+                             "privacy.bound_fraction=0.25", "privacy.engine=mixed-ghost",
+                             "dataset.batch_size=20",
+                             "privacy.epsilon_budget=null", "training.epochs=1"])
+    model, _, _, _, _ = config.build_from_config(cfg)
+    params = model.dp_parameters
+    assert params.mode.value == "clipped" and params.clipping.value == "per-layer"
+    assert params.engine.value == "mixed-ghost" and model._clipped_dpsgd.engine.name == "mixed-ghost"
+    bounds = gradient_bounds(model)
+    assert params.l2_norm_clip == pytest.approx([0.25 * b for b in bounds.values()], rel=1e-6)
+    np.testing.assert_allclose([float(s) * 20 for s in model.sensitivities()],
+                               params.l2_norm_clip, rtol=1e-6)
+
+    assert cli.main(["train", write_yaml(tmp_path / "fraction.yaml", cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "clipped to 0.25 x its analytic bound at initialisation" in out
+    for bound in bounds.values():  # (the CLI's model has its own layer names)
+        assert f"{0.25 * bound:.6g}" in out
+    total = sum((0.25 * b) ** 2 for b in bounds.values()) ** 0.5
+    assert f"noise std sigma sqrt(sum C_v^2) / D = 3 x {total:.6g} / 20" in out
+    assert "clipped (per-layer), sigma=3" in out.split("=== Summary ===")[1]
 
 
 def test_ema_momentum_releases_the_average_of_the_iterates(fake_fashion):

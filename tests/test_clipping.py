@@ -15,6 +15,7 @@ import tensorflow as tf
 import tensorflow_privacy  # the independent implementation compared against
 
 from lipdp.accounting import compute_epsilon, get_eps_delta, model_step_noise_multiplier
+from lipdp.bounds import bound_fraction_thresholds, gradient_bounds
 from lipdp.clipping import (BatchCouplingError, GhostFallbackWarning, PreclipFallbackWarning,
                             ghost_plan, make_rule)
 from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
@@ -230,6 +231,44 @@ def test_noise_std_is_sigma_times_sensitivity_over_denominator(clipping, clip, e
     np.testing.assert_allclose([float(s) for s in model.sensitivities()],
                                np.array(per_variable) / D, rtol=1e-6)
     assert model._clipped_dpsgd.noise_stddev == pytest.approx(std)
+
+
+def _clipless_dp_model(loss):
+    tf.keras.utils.set_random_seed(7)
+    model = DP_Sequential(_dp_layers(), dp_parameters=DPParameters(0.0, 1e-5),
+                          dataset_metadata=_metadata((8, 8, 2), 4))
+    model.compile(loss=loss, optimizer=tf.keras.optimizers.SGD(0.1))
+    return model
+
+
+@pytest.mark.parametrize("engine", ["ghost", "mixed-ghost"])
+def test_bound_fraction_thresholds_clip_at_that_fraction_of_the_analytic_bounds(engine):
+    """C_v = f bound(v): at f = 1 no example reaches a threshold (the clipped update is the
+    clipless one), at f = 0.05 the update is the example-by-example per-layer reference
+    with those thresholds, some (example, variable) pairs clipped."""
+    loss = DP_TauCategoricalCrossentropy(5.0)
+    x, y = _data(6, seed=2)
+    clipless = _clipless_dp_model(loss)
+    bounds = list(gradient_bounds(clipless).values())
+    assert bound_fraction_thresholds(clipless, 1.0) == pytest.approx(bounds, rel=1e-12)
+    exact, _, _, _, _ = clipless.private_gradients(x, y)
+    for fraction in (1.0, 0.05):
+        thresholds = bound_fraction_thresholds(clipless, fraction, loss)
+        assert thresholds == pytest.approx([fraction * b for b in bounds], rel=1e-12)
+        model = _compiled(_dp_layers, "per-layer", engine, loss, clip=thresholds)
+        per_example = per_example_gradients(model, loss, x, y)
+        expected, clipped = reference_update(per_example, "per-layer", thresholds, D)
+        assert any(clipped) == (fraction < 1) and not all(clipped), clipped
+        clean, _, sens, _, _ = model.private_gradients(x, y)
+        for c, e, g, v in zip(clean, expected, exact, model.trainable_variables):
+            np.testing.assert_allclose(c.numpy(), e, rtol=1e-5, atol=1e-7, err_msg=v.name)
+            if fraction == 1.0:
+                np.testing.assert_allclose(c.numpy(), g.numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose([float(s) for s in sens], np.array(thresholds) / D,
+                                   rtol=1e-6)
+    for bad in (0.0, -1.0, float("inf"), True, "0.5"):
+        with pytest.raises(ValueError, match="fraction"):
+            bound_fraction_thresholds(clipless, bad)
 
 
 def test_single_per_layer_threshold_is_split_evenly():
