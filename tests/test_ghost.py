@@ -146,13 +146,17 @@ def _matmul_spy(monkeypatch):
 def test_ghost_engine_never_forms_a_per_example_layer_gradient(monkeypatch, method,
                                                                forms_gradients):
     """Engine "ghost" (method "gram") computes no ``(examples, m, n)`` tensor with a ghost
-    layer's kernel shape ``m x n`` (``kh kw C_in x C_out`` for Conv2D); the whole clipped step
+    layer's kernel shape ``m x n`` (``kh kw C_in x C_out`` for Conv2D, or the ``C_in x C_out``
+    block of one kernel offset, how the direct form builds it); the whole clipped step
     runs eagerly so every product of the rules is seen. Engine "mixed-ghost" ("auto") forms
     them for mixed_cnn's first convolution, which shows the spy can see them."""
     model = mixed_cnn()
     engine = _quiet_engine(model, method)
     kernels = {(int(np.prod(layer.kernel.shape[:-1])), int(layer.kernel.shape[-1]))
                for layer in ghost_plan(model).ghost}
+    # A convolution's direct form builds its gradient one kernel offset at a time: C_in x C_out.
+    kernels |= {tuple(int(d) for d in layer.kernel.shape[-2:]) for layer in ghost_plan(model).ghost
+                if layer.kernel.shape.rank == 4}
     shapes = _matmul_spy(monkeypatch)
     x, y = _data(6)
     engine.clipped_sum(model, per_example_loss(CCE), x, y, make_rule(
