@@ -142,14 +142,18 @@ def _matmul_spy(monkeypatch):
     return shapes
 
 
+@pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("method,forms_gradients", [("gram", False), ("auto", True)])
 def test_ghost_engine_never_forms_a_per_example_layer_gradient(monkeypatch, method,
-                                                               forms_gradients):
+                                                               forms_gradients, traced):
     """Engine "ghost" (method "gram") computes no ``(examples, m, n)`` tensor with a ghost
     layer's kernel shape ``m x n`` (``kh kw C_in x C_out`` for Conv2D, or the ``C_in x C_out``
     block of one kernel offset, how the direct form builds it); the whole clipped step
-    runs eagerly so every product of the rules is seen. Engine "mixed-ghost" ("auto") forms
-    them for mixed_cnn's first convolution, which shows the spy can see them."""
+    runs eagerly so every product of the rules is seen, or is traced with an unknown batch
+    dimension as in `fit` (then the spy sees the products' static shapes). Engine
+    "mixed-ghost" ("auto") forms them for mixed_cnn's first convolution, which shows the spy
+    can see them; traced, it did not before 2026-11-26 (an unknown batch dimension made the
+    number of positions unknown, and the rules fell back to Gram matrices)."""
     model = mixed_cnn()
     engine = _quiet_engine(model, method)
     kernels = {(int(np.prod(layer.kernel.shape[:-1])), int(layer.kernel.shape[-1]))
@@ -159,8 +163,19 @@ def test_ghost_engine_never_forms_a_per_example_layer_gradient(monkeypatch, meth
                 if layer.kernel.shape.rank == 4}
     shapes = _matmul_spy(monkeypatch)
     x, y = _data(6)
-    engine.clipped_sum(model, per_example_loss(CCE), x, y, make_rule(
-        DPParameters(0.0, mode="clipped", l2_norm_clip=1.0), model.trainable_variables))
+    rule = make_rule(DPParameters(0.0, mode="clipped", l2_norm_clip=1.0),
+                     model.trainable_variables)
+
+    def step(x, y):
+        return engine.clipped_sum(model, per_example_loss(CCE), x, y, rule).gradient_sums
+
+    sums = step(x, y)
+    if traced:  # the same clipped sums as eagerly (where the shapes are known)
+        step = tf.function(step, input_signature=[tf.TensorSpec((None, 8, 8, 2)),
+                                                  tf.TensorSpec((None, 4))])
+        shapes.clear()
+        for got, want in zip(step(x, y), sums):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=RTOL, atol=1e-7)
     per_example_gradients = [s for s in shapes if len(s) == 3 and s[1:] in kernels]
     assert shapes  # the Conv2D rules ran through the spy
     assert bool(per_example_gradients) == forms_gradients, (per_example_gradients, kernels)

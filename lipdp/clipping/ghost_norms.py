@@ -171,8 +171,12 @@ def _squared(t) -> tf.Tensor:
 
 
 def _positions(t, channels) -> tf.Tensor:
-    """``(B, T..., c) -> (B, T, c)``."""
-    return tf.reshape(t, (tf.shape(t)[0], -1, channels))
+    """``(B, T..., c) -> (B, T, c)``, with T static whenever the positions' shape is: in a
+    `fit` the batch dimension is unknown, and ``-1`` would leave T unknown too (then
+    `uses_gram` could not choose the cheaper form)."""
+    static = t.shape[1:-1].is_fully_defined() and t.shape[-1] == channels
+    positions = t.shape[1:-1].num_elements() if static else -1
+    return tf.reshape(t, (tf.shape(t)[0], positions, channels))
 
 
 # --------------------------------------------------------------------------- Dense
