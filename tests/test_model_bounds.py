@@ -30,21 +30,27 @@ def _inputs(rng, shape, n=12):
     return adversarial_inputs(rng, shape, X0, n=n)
 
 
-@pytest.mark.parametrize("loss_name", sorted(LOSSES))
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_cnn_bounds_hold(loss_name, bias):
-    rng = np.random.default_rng(0)
+def _cnn_cases(seed, loss, context, bias=True):
+    """The test CNN, its bounds for `loss`, and the inputs to hold them on: ``(inputs,
+    labels, context)`` for the adversarial inputs of `_inputs`, then for three of them
+    optimised to maximise the first kernel's gradient."""
+    rng = np.random.default_rng(seed)
     model = cnn(bias=bias)
-    loss = LOSSES[loss_name]()
     x = _inputs(rng, (8, 8, 2))
     y = one_hot_labels(rng, len(x), 4)
     bounds = gradient_bounds(model, loss)
-    assert_within_bounds(per_example_gradient_norms(model, loss, x, y), bounds, loss_name)
-    # Adversarial: inputs optimised to maximise the first kernel's gradient.
-    first_kernel = model.trainable_variables[0]
-    x_adv = maximize_gradient_norm(model, loss, x[:3], y[:3], first_kernel, X0)
-    assert_within_bounds(per_example_gradient_norms(model, loss, x_adv, y[:3]), bounds,
-                         f"{loss_name} gradient ascent")
+    x_adv = maximize_gradient_norm(model, loss, x[:3], y[:3], model.trainable_variables[0], X0)
+    return model, bounds, [(x, y, context), (x_adv, y[:3], f"{context}, gradient ascent")]
+
+
+@pytest.mark.parametrize("loss_name", sorted(LOSSES))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_cnn_bounds_hold(loss_name, bias):
+    loss = LOSSES[loss_name]()
+    model, bounds, cases = _cnn_cases(0, loss, loss_name, bias)
+    for inputs, labels, context in cases:
+        assert_within_bounds(per_example_gradient_norms(model, loss, inputs, labels), bounds,
+                             context)
 
 
 def test_bounds_hold_with_chunked_float32_certificates(monkeypatch):
@@ -59,17 +65,12 @@ def test_bounds_hold_with_chunked_float32_certificates(monkeypatch):
     chunked, certify = [], gram_certificates.chunked_dense_norm_upper
     monkeypatch.setattr(operator_norms, "chunked_dense_norm_upper",
                         lambda *a, **k: chunked.append(1) or certify(*a, **k))
-    rng = np.random.default_rng(2)
-    model = cnn()
     loss = LOSSES["cce"]()
-    x = _inputs(rng, (8, 8, 2))
-    y = one_hot_labels(rng, len(x), 4)
-    bounds = gradient_bounds(model, loss)
+    model, bounds, cases = _cnn_cases(2, loss, "chunked")
     assert len(chunked) == 2  # both dense kernels
-    assert_within_bounds(per_example_gradient_norms(model, loss, x, y), bounds, "chunked")
-    x_adv = maximize_gradient_norm(model, loss, x[:3], y[:3], model.trainable_variables[0], X0)
-    assert_within_bounds(per_example_gradient_norms(model, loss, x_adv, y[:3]), bounds,
-                         "chunked, gradient ascent")
+    for inputs, labels, context in cases:
+        assert_within_bounds(per_example_gradient_norms(model, loss, inputs, labels), bounds,
+                             context)
 
 
 def test_bounds_hold_for_gradients_taken_as_the_traced_step_takes_them(monkeypatch):
@@ -88,14 +89,9 @@ def test_bounds_hold_for_gradients_taken_as_the_traced_step_takes_them(monkeypat
         return found
 
     monkeypatch.setattr(basic, "_fused_group_sort_input", spy)
-    rng = np.random.default_rng(3)
-    model = cnn()
     loss = LOSSES["cce"]()
-    x = _inputs(rng, (8, 8, 2))
-    y = one_hot_labels(rng, len(x), 4)
-    bounds = gradient_bounds(model, loss)
-    x_adv = maximize_gradient_norm(model, loss, x[:3], y[:3], model.trainable_variables[0], X0)
-    for inputs, labels, context in [(x, y, "traced"), (x_adv, y[:3], "traced, gradient ascent")]:
+    model, bounds, cases = _cnn_cases(3, loss, "traced")
+    for inputs, labels, context in cases:
         traced = per_example_gradient_norms(model, loss, inputs, labels, traced=True)
         assert_within_bounds(traced, bounds, context)
         eager = per_example_gradient_norms(model, loss, inputs, labels)
