@@ -22,7 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.layers.base import (DPLayer, as_bound, cached_operator_norm, chain_backward,
-                               chain_lipschitz, operator_norm_cache, with_pass_slack)
+                               chain_lipschitz, check_positive, operator_norm_cache,
+                               with_pass_slack)
 from lipdp.layers.basic import DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
 from lipdp.metadata import DPMode
@@ -313,10 +314,7 @@ def bound_fraction_thresholds(model, fraction: float, loss=None) -> Tuple[float,
     Returns:
         ``C_v`` aligned with ``model.trainable_variables``.
     """
-    if not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-            and np.isfinite(fraction) and fraction > 0):
-        raise ValueError("Received an invalid value for `fraction`, expected a finite positive "
-                         f"number. Received: fraction={fraction!r}")
+    fraction = check_positive(fraction, "fraction")
     return tuple(fraction * b for b in gradient_bounds(model, loss).values())
 
 

@@ -139,7 +139,6 @@ training before a step would exceed ``epsilon_budget``.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -931,17 +930,18 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
                 noise_multiplier=p["adaptive_clip_noise"],
                 initial_clip=p["adaptive_clip_initial"],
                 learning_rate=p["adaptive_clip_learning_rate"])
+        common = {"noise_multiplier": p["noise_multiplier"], "delta": p["delta"],
+                  "noisify_strategy": p["noisify_strategy"]}
         fraction = p["bound_fraction"]
-        if fraction is not None:  # thresholds placed on the model's bounds, once it is built
-            clipped = {**clipped, "l2_norm_clip": 1.0}
-        dp_parameters = DPParameters(noise_multiplier=p["noise_multiplier"], delta=p["delta"],
-                                     noisify_strategy=p["noisify_strategy"], **clipped)
-        model = build_model(cfg["model"], metadata, dp_parameters)
+        # With bound_fraction, the thresholds are placed on the built model's bounds: it is
+        # built under the default (clipless) parameters, then given the clipped ones.
+        model = build_model(cfg["model"], metadata,
+                            DPParameters(**common, **({} if fraction is not None else clipped)))
         loss = build_loss(cfg["loss"])
         if fraction is not None:
-            model.dp_parameters = dataclasses.replace(
-                dp_parameters, clipping="per-layer",
-                l2_norm_clip=bound_fraction_thresholds(model, fraction, loss))
+            model.dp_parameters = DPParameters(**common, **{
+                **clipped, "clipping": "per-layer",
+                "l2_norm_clip": bound_fraction_thresholds(model, fraction, loss)})
         epochs = planned_epochs(cfg, model)
         optimizer = build_optimizer(cfg["optimizer"], epochs * metadata.steps_per_epoch)
         model.compile(loss=loss, optimizer=optimizer, metrics=["accuracy"],
