@@ -49,7 +49,14 @@ LAPACK; ``gamma_n = n u / (1 - n u)``; complex arithmetic is covered by taking
    kernel ``rho(|W|^T |W|)`` is about ``(2 / pi) k``, so with b = 392 the bound is 0.8% of
    ``||W||^2`` (0.4% of the norm) on the paper's CNN's 3136 x 512 kernel, in 0.6x the time
    of the float64 Gram matrix.
-5. **Fallback** (no shift succeeded; never seen): the largest eigenvalue from
+5. **The last Björck iteration** (`bjorck_step_norm_upper`; no Gram matrix of the result):
+   ``W^ = fl32(V P^)`` with ``P^ = fl32(a I - fl32(b G^))`` and ``G^`` V's chunked Gram
+   matrix (step 4). In exact arithmetic ``||V p(G)||^2 = max_i f(lambda_i(G))``,
+   ``f(x) = x (a - b x)^2``, at most 1 for deel-lip's a = 1.5, b = 0.5 whenever
+   ``lambda_max(G) <= 4``; the function bounds lambda_max by the row sums of ``|G^|`` and
+   adds the roundings of G^, P^ and the product: 0.3% above the norm on the main job's
+   784 x 1024 kernel (the worst-case float32 error of its Gram matrix and product).
+6. **Fallback** (no shift succeeded; never seen): the largest eigenvalue from
    ``numpy.linalg.eigvalsh`` plus ``1e-9 k max|G^|`` (the eigen-solver's backward
    error, ~k u ||G^||, with a wide margin) and e_G.
 
@@ -150,7 +157,7 @@ def _power_estimate(grams) -> float:
 
 def max_eigenvalue_upper(grams, gram_error, complex_arithmetic=False, start=None) -> float:
     """Upper bound of ``max_b lambda_max(G_b)`` for every Hermitian ``G_b`` with
-    ``||G_b - grams[b]||_2 <= gram_error`` (steps 2, 3 and 5 of the module docstring; a
+    ``||G_b - grams[b]||_2 <= gram_error`` (steps 2, 3 and 6 of the module docstring; a
     1 x 1 matrix is its own eigenvalue: the largest real part plus the error).
 
     Args:
@@ -218,13 +225,85 @@ def chunked_gram_error(rows, cols, chunk_rows, chunks, abs_gram_row_sum, abs_row
     formula (non-negative terms, a few operations) is covered by a final ``1 + 16 u64``.
     """
     p, k, b, c = int(rows), int(cols), int(chunk_rows), int(chunks)
-    s_hat, r_hat, max_abs = float(abs_gram_row_sum), float(abs_row_sum), float(max_abs)
-    rho = ((s_hat + p * MU32 * (max_abs + r_hat + 3.0)) / (1.0 - gamma32(p + 1))
-           + 2.0 * k * MU32 * p * max_abs) / (1.0 - gamma32(k))
+    rho = abs_gram_radius_upper(p, k, abs_gram_row_sum, abs_row_sum, max_abs)
     eps = gamma32(b) + gamma32(c - 1) * (1.0 + gamma32(b))
-    underflow = (1.0 + gamma32(c - 1)) * c * (2.0 * b * MU32 * (2.0 * max_abs + 3.0)
+    underflow = (1.0 + gamma32(c - 1)) * c * (2.0 * b * MU32 * (2.0 * float(max_abs) + 3.0)
                                                + 2.0 * MU32)
     return (eps * rho + k * underflow) * (1.0 + 16.0 * U64)
+
+
+def abs_gram_radius_upper(rows, cols, abs_gram_row_sum, abs_row_sum, max_abs) -> float:
+    """Upper bound of ``rho(|W|^T |W|) = || |W| ||_2^2`` for a p x k float32 matrix W, from
+    the float32 statistics of `chunked_gram_error` (its proof)."""
+    p, k = int(rows), int(cols)
+    s_hat, r_hat, max_abs = float(abs_gram_row_sum), float(abs_row_sum), float(max_abs)
+    return ((s_hat + p * MU32 * (max_abs + r_hat + 3.0)) / (1.0 - gamma32(p + 1))
+            + 2.0 * k * MU32 * p * max_abs) / (1.0 - gamma32(k))
+
+
+def bjorck_step_norm_upper(rows, cols, chunk_rows, chunks, alpha, beta, abs_gram_row_sum,
+                           abs_row_sum, max_abs, gram_abs_sum, step_abs_sum,
+                           step_max_diagonal) -> np.float32:
+    """Certified upper bound of ``||W^||_2`` for the last Björck iteration
+    ``W^ = fl32(V P^)``, ``P^ = fl32(a I - fl32(b G^))``, ``G^ = fl32(sum_c fl32(V_c^T V_c))``
+    (`lipdp.layers._bjorck.certifying_bjorck`), from statistics only: no Gram matrix of W^.
+    Float32, rounded up; inf when the statistics are not finite or ``max |V|`` lies outside
+    ``[2^-40, 2^40]`` (as `chunked_dense_norm_upper`).
+
+    Args:
+        rows, cols, chunk_rows, chunks: p, k, b, c of V (p x k, p >= k) and its blocks.
+        alpha, beta: the float32 a and b > 0 of the iteration.
+        abs_gram_row_sum, abs_row_sum, max_abs: V's statistics of `chunked_gram_error`.
+        gram_abs_sum: the float32 largest row or column sum of ``|G^|``.
+        step_abs_sum: the float32 largest row or column sum of ``|P^|``.
+        step_max_diagonal: ``max_i |P^_ii|``.
+
+    Proof (G = V^T V exact; ``mu`` the smallest normal float32; sums of k non-negative
+    float32 terms are at most ``(computed + k mu) / (1 - gamma32_k)``, which bounds the exact
+    ``g >= max(||G^||_1, ||G^||_inf)`` and ``s >= max(||P^||_1, ||P^||_inf)``):
+
+    1. ``||G^ - G||_2 <= e_G`` (`chunked_gram_error`), so ``lambda_max(G) <= max_x x^T G^ x
+       + e_G <= ||G^||_2 + e_G <= g + e_G =: l`` (``||A||_2 <= sqrt(||A||_1 ||A||_inf)``).
+    2. With ``p(x) = a - b x`` (exact), ``||V p(G)||^2 = lambda_max(p(G) G p(G)) =
+       max_i f(lambda_i)``, ``f(x) = x (a - b x)^2``, over the eigenvalues of the PSD G, all in
+       ``[0, l]``. f increases up to ``x* = a / (3 b)``, decreases to 0 at ``a / b`` and
+       increases after: ``max_[0, l] f = max(f(min(l, x*)), f(l))`` (1 for a = 1.5, b = 0.5
+       whenever ``1 <= l <= 4``).
+    3. ``P^ = p(G) - b (G^ - G) + R``: R is the rounding of forming P^ from G^; off the
+       diagonal ``|R_ij| <= u b |G^_ij| + mu`` (the product; the negation is exact), on it
+       ``|R_ii| <= u |P^_ii| / (1 - u) + u b |G^_ii| + 2 mu`` (one FMA or two roundings), so
+       ``||R||_2 <= 2 u max|P^_ii| + u b g + 2 k mu =: e_R``.
+    4. ``W^ = V P^ + E`` with ``|E| <= gamma32_k |V| |P^| + 4 k mu`` entry-wise (Higham eq.
+       3.13, any summation order; each of the k products and sums loses at most mu to
+       underflow, carried by ``(1 + u)^k <= 2``): ``||E||_2 <= gamma32_k || |V| ||_2
+       || |P^| ||_2 + 4 k mu sqrt(p k)`` with ``|| |V| ||_2^2 <= rho`` of
+       `abs_gram_radius_upper` and ``|| |P^| ||_2 <= s``.
+    5. So ``||W^||_2 <= sqrt(max f) + sqrt(l) (b e_G + e_R) + ||E||_2``; the float64
+       evaluation (non-negative terms, a few dozen operations) is covered by ``1 + 64 u64``.
+    """
+    p, k, b, c = int(rows), int(cols), int(chunk_rows), int(chunks)
+    a, beta = float(np.float32(alpha)), float(np.float32(beta))
+    values = np.asarray([abs_gram_row_sum, abs_row_sum, max_abs, gram_abs_sum, step_abs_sum,
+                         step_max_diagonal], np.float32).astype(np.float64)
+    if not (np.all(np.isfinite(values)) and 2.0 ** -40 <= values[2] <= 2.0 ** 40
+            and beta > 0.0 and a > 0.0):
+        return np.float32(np.inf)
+    u32 = 2.0 ** -24
+    gram_error = chunked_gram_error(p, k, b, c, *values[:3])
+    g = (values[3] + k * MU32) / (1.0 - gamma32(k))
+    s = (values[4] + k * MU32) / (1.0 - gamma32(k))
+    top = g + gram_error
+
+    def f(x):
+        return x * (a - beta * x) ** 2
+
+    largest_f = max(f(min(top, a / (3.0 * beta))), f(top))
+    step_error = 2.0 * u32 * values[5] + u32 * beta * g + 2.0 * k * MU32
+    rho = abs_gram_radius_upper(p, k, *values[:3])
+    product_error = gamma32(k) * np.sqrt(rho) * s + 4.0 * k * MU32 * np.sqrt(float(p) * k)
+    bound = (np.sqrt(largest_f) + np.sqrt(top) * (beta * gram_error + step_error)
+             + product_error)
+    return round_up_float32(bound * (1.0 + 64.0 * U64))
 
 
 def chunked_dense_norm_upper(kernel, gram, stats, chunk_rows, chunks, start=None) -> np.float32:
@@ -261,7 +340,7 @@ def dense_norm_upper(kernel, hint=None) -> np.float32:
     tensor is reshaped to ``(-1, out)``); float32, rounded up.
 
     W is converted to float64 exactly; the Gram matrix of its smaller side gives
-    the bound (module docstring, steps 1-3 and 5). Zero for a zero kernel, inf for a
+    the bound (module docstring, steps 1-3 and 6). Zero for a zero kernel, inf for a
     non-finite one. `hint`, a guess of the top right singular vector (``out``
     values: a layer's power-iteration vector), only starts the Lanczos estimate.
     """

@@ -34,6 +34,7 @@ covered by epsilon. ``compile(..., private_logs_only=True)`` omits them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -42,6 +43,7 @@ import tensorflow as tf
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
+from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
                                with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
@@ -557,16 +559,20 @@ class _DPModelMixin:
                 schedule of `compile`. Privacy never depends on it: bounds use the norms
                 certified on whatever kernel the forward pass uses.
         """
-        if self.dp_parameters.mode is DPMode.CLIPPED:
+        clipped = self.dp_parameters.mode is DPMode.CLIPPED
+        if clipped:
             layers = [layer for layer in leaf_layers(self)
                       if callable(getattr(layer, "project", None))]
         else:
             layers = dp_layers(self)
-        for layer in layers:
-            if isinstance(layer, DPLayer):
-                layer.project(orthogonalise)
-            else:
-                layer.project()
+        # Classic DP-SGD needs no certified norms (and may be compiled with XLA, which has no
+        # host calls): its projections leave the certificates to the bound pass.
+        with uncertified() if clipped else contextlib.nullcontext():
+            for layer in layers:
+                if isinstance(layer, DPLayer):
+                    layer.project(orthogonalise)
+                else:
+                    layer.project()
 
     def _bjorck_due(self):
         """Whether this step's projection runs Björck: every step (``bjorck_every=1``),

@@ -30,6 +30,12 @@ float32 precision for speed (``ONEDNN_DEFAULT_FPMATH_MODE`` set to anything but
 ``strict``): then the float64 one. On a squarer kernel the float64 Gram matrix costs little
 more than the chunked one and its certificate stays within 1e-5 of the norm.
 
+A dense kernel exactly as its last projection left it (Björck every step, sides within a
+factor 3) comes with that projection's certificate (`lipdp.layers._bjorck.certifying_bjorck`):
+the gradient bound pass uses it instead of a Gram matrix (``"cached-dense"`` requests); what
+is reported for a trained model (Lipschitz constant, certified radii) is certified from the
+weights alone (`without_projection_certificate`).
+
 The power iteration on the convolution *operator* (`conv_operator_norm_power`)
 is a lower estimate used by tests to show the bound is tight.
 """
@@ -64,7 +70,11 @@ def certified_norms(requests):
             A dense request may carry a fourth element, a guess of the kernel's top right
             singular vector (the layer's power-iteration vector): it starts the estimate
             that picks the certificate's shift, and never enters the bound
-            (`lipdp.gram_certificates.dense_norm_upper`).
+            (`lipdp.gram_certificates.dense_norm_upper`). Kind ``"cached-dense"``,
+            ``(kind, kernel, None, fresh, norm[, hint])``, is a dense request with the
+            certificate its layer's projection left (`ProjectedKernelMixin.certificate_cache`):
+            `norm` is returned as it is when `fresh` (a boolean scalar) holds and it is
+            finite, else the kernel is certified here.
 
     Returns:
         a list of float32 scalar tensors, each an upper bound of its kernel's norm
@@ -78,23 +88,32 @@ def certified_norms(requests):
     for request in requests:
         kind, kernel, grid = request[:3]
         tensors = [tf.convert_to_tensor(t) for t in (kernel,) + tuple(request[3:])]
+        cached = kind == "cached-dense"
+        if cached:
+            kind = "dense"
+            if _chunked(tensors[0].shape):  # its projection never certifies: no cache
+                cached, tensors = False, [tensors[0]] + tensors[3:]
         if kind == "dense" and _chunked(tensors[0].shape):
             tensors = [tensors[0]] + _chunked_gram(*tensors)
-            specs.append(("chunked", _chunking(tensors[0].shape), len(tensors) > 3))
+            specs.append(("chunked", _chunking(tensors[0].shape), len(tensors) > 3, False))
         else:
-            specs.append((kind, grid, len(tensors) > 1))
+            specs.append((kind, grid, len(tensors) > (3 if cached else 1), cached))
         inputs.extend(tensors)
 
     def compute(*tensors):
         tensors, norms = iter(tensors), []
-        for kind, grid, hinted in specs:
+        for kind, grid, hinted, cached in specs:
             kernel = next(tensors)
             if kind == "chunked":
                 gram, stats = next(tensors), next(tensors)
                 start = next(tensors) if hinted else None
                 norms.append(chunked_dense_norm_upper(kernel, gram, stats, *grid, start=start))
                 continue
+            fresh, norm = (next(tensors), next(tensors)) if cached else (False, None)
             hint = next(tensors) if hinted else None
+            if fresh and np.isfinite(norm):  # the projection certified this very kernel
+                norms.append(np.float32(norm))
+                continue
             norms.append(dense_norm_upper(kernel, hint) if kind == "dense"
                          else conv_norm_upper(kernel, grid))
         return np.array(norms, np.float32)
@@ -102,6 +121,14 @@ def certified_norms(requests):
     norms = tf.numpy_function(compute, inputs, tf.float32, stateful=False,
                               name="certified_norms")
     return tf.unstack(tf.ensure_shape(norms, [len(requests)]))
+
+
+def without_projection_certificate(request):
+    """`request` (of `certified_norms`) certified from the kernel alone: a ``"cached-dense"``
+    request becomes the plain dense one, any other is returned as it is."""
+    if request[0] != "cached-dense":
+        return request
+    return ("dense",) + tuple(request[1:3]) + tuple(request[5:])
 
 
 def _oriented_shape(shape):
@@ -118,9 +145,20 @@ def _chunked(shape) -> bool:
     if not shape.is_fully_defined() or len(shape) < 2:
         return False
     p, k, _ = _oriented_shape(shape)
-    fpmath = os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "strict").strip().lower()
     return (p * k * k >= CHUNKED_GRAM_MIN_WORK and p >= CHUNKED_GRAM_MIN_ASPECT * k
-            and fpmath in ("", "strict"))
+            and float32_products_rounded_to_nearest())
+
+
+def float32_products_rounded_to_nearest(device_products=False) -> bool:
+    """Whether TensorFlow's float32 matrix products round every operation to nearest float32,
+    as the float32 certificates assume: on the CPU, oneDNN's default ``strict`` floating-point
+    mode (`ONEDNN_DEFAULT_FPMATH_MODE`: no bfloat16 shortcut); with `device_products` (products
+    placed wherever TensorFlow puts them), also no GPU running them in TensorFloat-32."""
+    fpmath = os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "strict").strip().lower()
+    if fpmath not in ("", "strict"):
+        return False
+    return not (device_products and tf.config.list_physical_devices("GPU")
+                and tf.config.experimental.tensor_float_32_execution_enabled())
 
 
 def _chunking(shape):

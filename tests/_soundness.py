@@ -6,7 +6,8 @@ vectorisation trick or bound formula is shared with the library under test:
 
 * `per_example_gradients` / `per_example_gradient_norms`: exact per-example
   gradients (one tape per example) and `assert_within_bounds` against
-  `lipdp.bounds.gradient_bounds`;
+  `lipdp.bounds.gradient_bounds`; `assert_same_gradient_bounds` for two models with the
+  same weights;
 * `adversarial_inputs`: random inputs inside, on and far beyond the input bound,
   +-constant images on the bound, one hot pixel on the bound;
 * `perturb_weights`: move every trainable variable off its constraint set, as a
@@ -26,6 +27,21 @@ import tensorflow as tf
 # relative; 1e-4 leaves room for accumulation over a few thousand terms while
 # staying far below any real violation (a wrong constant is off by >= 1%).
 REL_TOL = 1e-4
+
+
+#: How far apart the gradient bounds of two models with the same weights may be: a kernel as
+#: its last projection left it is certified by that projection (up to 0.35% looser than from
+#: its weights alone, `lipdp.layers._bjorck.certifying_bjorck`), one loaded from disk is not.
+PROJECTION_CERTIFICATE_SLACK = 3.5e-3
+
+
+def assert_same_gradient_bounds(bounds, expected):
+    """`lipdp.bounds.gradient_bounds` of two models with the same weights: the same
+    variables, each bound within `PROJECTION_CERTIFICATE_SLACK` of the other's."""
+    assert list(bounds) == list(expected)
+    for name, bound in bounds.items():
+        assert abs(bound / expected[name] - 1) <= PROJECTION_CERTIFICATE_SLACK, (
+            name, bound, expected[name])
 
 
 # --------------------------------------------------------------------------- #

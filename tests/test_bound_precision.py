@@ -21,6 +21,7 @@ from lipdp.layers.base import BOUND_PASS_SLACK, round_up_to_float32
 from lipdp.losses import DP_TauCategoricalCrossentropy
 from lipdp.metadata import DPParameters
 from lipdp.model import DP_Sequential
+from lipdp.operator_norms import certified_norms
 from tests._models import metadata
 
 X0 = 3.0
@@ -55,9 +56,13 @@ def _in_slack(computed, exact):
 
 
 def test_bound_pass_is_float64_and_its_slack_sits_above_the_exact_formula():
+    """The norms are those each pass uses: the gradient bounds take the certificates the
+    projections left (`certified_norm_request`), the Lipschitz bound certifies the kernels
+    from their weights alone (`_spectral_bound` outside a pass)."""
     model = _model()
     first, second = model.layers[1], model.layers[3]
-    s1, s2 = (Fraction(float(layer._spectral_bound())) for layer in (first, second))
+    s1, s2 = (Fraction(float(certified_norms([layer.certified_norm_request()])[0]))
+              for layer in (first, second))
     g = Fraction(LOSS_LIPSCHITZ)
     x1 = Fraction(X0)
     x2 = s1 * x1 + _norm(first.bias.numpy())  # one position: sqrt(1) = 1
@@ -69,6 +74,7 @@ def test_bound_pass_is_float64_and_its_slack_sits_above_the_exact_formula():
         assert bound.dtype == tf.float64
         assert _in_slack(bound, exact[variable.ref()]), variable.name
     lip = lipschitz_bound(model)
+    s1, s2 = (Fraction(float(layer._spectral_bound())) for layer in (first, second))
     assert lip.dtype == tf.float64 and _in_slack(lip, s1 * s2)
 
 

@@ -135,7 +135,7 @@ def test_normalisation_from_the_gram_matrix_matches_deel_lips(shape, bjorck_iter
         np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=5e-6)
         config = ProjectionConfig(eps_spectral=eps_spectral, eps_bjorck=bjorck_eps,
                                   maxiter_bjorck=bjorck_iterations)
-        projected, u_projected = project_kernel(w, u, config, 10)
+        projected, u_projected, _ = project_kernel(w, u, config, 10)
         np.testing.assert_array_equal(projected.numpy(), got.numpy())
         np.testing.assert_array_equal(u_projected.numpy(), u_got.numpy())
 
@@ -155,7 +155,7 @@ def test_divergence_is_reported_as_deel_lips_and_the_projection_recovers():
     _, _, vt = np.linalg.svd(w.astype(np.float64), full_matrices=False)
     u = tf.constant(vt[-1][None, :].astype(np.float32))
     config = ProjectionConfig(maxiter_spectral=1)
-    projected, _ = project_kernel(tf.constant(w), u, config, maxiter_spectral=1)
+    projected, _, _ = project_kernel(tf.constant(w), u, config, maxiter_spectral=1)
     projected = projected.numpy()
     assert np.all(np.isfinite(projected))
     assert np.linalg.svd(projected.astype(np.float64), compute_uv=False)[0] <= 1 + 1e-4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from deel.lip.normalizers import (
     DEFAULT_BETA_BJORCK,
     DEFAULT_EPS_BJORCK,
@@ -9,6 +11,22 @@ from deel.lip.normalizers import (
     DEFAULT_MAXITER_BJORCK,
     _check_RKO_params,
 )
+
+# Whether projections traced now certify their kernels for the bound pass (`uncertified`).
+_CERTIFYING = [True]
+
+
+@contextlib.contextmanager
+def uncertified():
+    """Within this context, projections do not certify their kernels (no host call: what
+    classic DP-SGD's step, whose privacy rests on clipping and which may be compiled with
+    XLA, traces); the bound pass then certifies those kernels from their weights."""
+    _CERTIFYING.append(False)
+    try:
+        yield
+    finally:
+        _CERTIFYING.pop()
+
 
 # Power iteration runs from the vector cached at the previous step, so a few
 # iterations per step keep it converged; more at build, from a random start.
@@ -50,7 +68,7 @@ class ProjectionConfig:
         return {key: getattr(self, key) for key in self.KEYS}
 
 
-def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True):
+def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, certify=False):
     """Project a kernel onto (approximately) the orthonormal matrices, robustly.
 
     The kernel is reshaped to ``(-1, out)`` (RKO for convolutions), divided by
@@ -66,46 +84,70 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True):
     kernel divided by its Frobenius norm (>= its spectral norm, so Björck
     converges). Privacy never depends on this: bounds use certified norms.
 
+    With `certify`, a kernel orthogonalised at every step whose sides differ by less than
+    `GRAM_SPACE_MIN_ASPECT` runs `lipdp.layers._bjorck.certifying_bjorck` (deel-lip's
+    iterates, to float32 rounding) and its result comes with a certified spectral norm.
+
     Returns:
-        ``(projected kernel with the input's shape, new power-iteration vector)``.
+        ``(projected kernel with the input's shape, new power-iteration vector,
+        certificate)``: the certificate is a float32 scalar tensor ``>= ||projected||_2``
+        (of the kernel reshaped to ``(-1, out)``; inf when it could not be certified), or
+        None when this projection does not certify.
     """
     import tensorflow as tf
     from deel.lip.normalizers import spectral_normalization
 
-    from lipdp.layers._bjorck import GRAM_SPACE_MIN_ASPECT, normalised_gram_space_bjorck
+    from lipdp.layers._bjorck import (GRAM_SPACE_MIN_ASPECT, certifying_bjorck,
+                                      normalised_gram_space_bjorck)
     from lipdp.layers._bjorck import orthogonalise as orthogonalise_bjorck
+    from lipdp.operator_norms import float32_products_rounded_to_nearest
 
     matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
+    rows, cols = matrix.shape
+    every_step = config.eps_bjorck is not None and orthogonalise is True
+    certified = (certify and every_step
+                 and max(rows, cols) < GRAM_SPACE_MIN_ASPECT * min(rows, cols)
+                 and float32_products_rounded_to_nearest(device_products=True))
 
     def bjorck(w):
+        if certified:
+            return certifying_bjorck(w, eps=config.eps_bjorck, beta=config.beta_bjorck,
+                                     maxiter=config.maxiter_bjorck)
         return orthogonalise_bjorck(w, eps=config.eps_bjorck, beta=config.beta_bjorck,
-                                    maxiter=config.maxiter_bjorck)
+                                    maxiter=config.maxiter_bjorck), None
 
-    def recovered(candidate):
-        return tf.cond(
-            tf.reduce_all(tf.math.is_finite(candidate)),
-            lambda: candidate,
-            lambda: bjorck(matrix / (tf.norm(matrix) + config.eps_spectral)),
-        )
+    def recovered(candidate, certificate):
+        """``(candidate, certificate)``, or Björck's restart from the Frobenius scaling when
+        the candidate is not finite."""
+        finite = tf.reduce_all(tf.math.is_finite(candidate))
 
-    rows, cols = matrix.shape
-    if (config.eps_bjorck is not None and orthogonalise is True
-            and rows >= GRAM_SPACE_MIN_ASPECT * cols):
+        def restart():
+            return bjorck(matrix / (tf.norm(matrix) + config.eps_spectral))
+
+        if certificate is None:
+            return tf.cond(finite, lambda: candidate, lambda: restart()[0]), None
+        return tf.cond(finite, lambda: (candidate, certificate), restart)
+
+    if every_step and rows >= GRAM_SPACE_MIN_ASPECT * cols:
         # Every step orthogonalises a tall kernel: the power iteration and Björck share
         # one Gram matrix (`normalised_gram_space_bjorck`).
         candidate, u = normalised_gram_space_bjorck(
             matrix, u, config.eps_spectral, maxiter_spectral, config.eps_bjorck,
             config.beta_bjorck, config.maxiter_bjorck)
-        return tf.reshape(recovered(candidate), kernel.shape), u
+        projected, certificate = recovered(candidate, None)
+        return tf.reshape(projected, kernel.shape), u, certificate
     normalised, u, _ = spectral_normalization(matrix, u, eps=config.eps_spectral,
                                               maxiter=maxiter_spectral)
+    certificate = None
     if config.eps_bjorck is not None and orthogonalise is not False:
         def orthogonalised():
-            return recovered(bjorck(normalised))
+            return recovered(*bjorck(normalised))[0]
 
-        normalised = (orthogonalised() if orthogonalise is True
-                      else tf.cond(orthogonalise, orthogonalised, lambda: normalised))
-    return tf.reshape(normalised, kernel.shape), u
+        if every_step:
+            normalised, certificate = recovered(*bjorck(normalised))
+        else:
+            normalised = tf.cond(orthogonalise, orthogonalised, lambda: normalised)
+    return tf.reshape(normalised, kernel.shape), u, certificate
 
 
 def projection_config(eps_spectral=None, maxiter_spectral=None, eps_bjorck="default",
@@ -138,22 +180,67 @@ class ProjectedKernelMixin:
             if kwargs.pop(key, None) is not None:
                 raise ValueError(f"{layer_name} does not accept `{key}`.")
 
+    #: Whether the projection's certificate (`project_kernel`'s, when it gives one) serves the
+    #: bound pass: for layers whose certified norm is the spectral norm of the kernel the
+    #: projection returns (dense layers; a convolution's is its operator norm).
+    _keeps_projection_certificate = False
+
     def _build_projection(self, nb_outputs):
-        """Create ``u`` and project once, so constraints hold from the first step on."""
+        """Create ``u`` (and the certificate cache), and project once, so constraints hold
+        from the first step on."""
         import tensorflow as tf
 
         self.u = self.add_weight(
             name="power_iteration_u", shape=(1, nb_outputs), trainable=False,
             initializer=tf.keras.initializers.RandomNormal(seed=None),
         )
+        if self._keeps_projection_certificate:
+            self._build_certificate_cache()
         with tf.init_scope():
             self._project(BUILD_MAXITER_SPECTRAL)
 
+    def _build_certificate_cache(self):
+        """``(certified kernel, its certified spectral norm)``: what the last certifying
+        projection wrote (`certificate_cache`). Plain variables kept out of the layer's
+        weights: saved models, checkpoints and ``get_weights`` stay as they were; a model
+        restored without them certifies its kernels from scratch."""
+        import tensorflow as tf
+
+        kernel = self.bounded_kernel()
+        with tf.init_scope():
+            cache = (tf.Variable(tf.zeros(kernel.shape, kernel.dtype), trainable=False,
+                                 name="certified_kernel",
+                                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA),
+                     tf.Variable(float("inf"), dtype=tf.float32, trainable=False,
+                                 name="certified_kernel_norm",
+                                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
+        object.__setattr__(self, "_certificate_cache", cache)  # not tracked by Keras
+
+    def certificate_cache(self):
+        """``(fresh, norm)`` for the bound pass: ``fresh`` (a boolean tensor) holds when the
+        kernel the forward pass uses is, entry for entry, the one the last certifying
+        projection returned, and ``norm`` is then a certified upper bound of its spectral
+        norm (`lipdp.layers._bjorck.certifying_bjorck`); None for a layer without a cache.
+        Any other write to the kernel (an optimizer step, ``set_weights``, a restored
+        checkpoint, a projection without Björck) makes it stale."""
+        import tensorflow as tf
+
+        cache = getattr(self, "_certificate_cache", None)
+        if cache is None:
+            return None
+        certified_kernel, norm = cache
+        return tf.reduce_all(tf.equal(self.bounded_kernel(), certified_kernel)), norm
+
     def _project(self, maxiter_spectral, orthogonalise=True):
-        kernel, u = project_kernel(self.kernel, self.u, self.projection, maxiter_spectral,
-                                   orthogonalise)
+        kernel, u, certificate = project_kernel(
+            self.kernel, self.u, self.projection, maxiter_spectral, orthogonalise,
+            certify=self._keeps_projection_certificate and _CERTIFYING[-1])
         self._store_projection(kernel)
         self.u.assign(u)
+        if certificate is not None:
+            certified_kernel, norm = self._certificate_cache
+            certified_kernel.assign(kernel)
+            norm.assign(certificate)
 
     def _store_projection(self, projected):
         """Where the projected kernel goes: into the trained variable itself by default."""

@@ -50,7 +50,7 @@ import math
 
 import tensorflow as tf
 
-from lipdp.operator_norms import certified_norms
+from lipdp.operator_norms import certified_norms, without_projection_certificate
 from lipdp.rounding import ACTIVATION_RANGE
 
 #: Precision of the bound pass (module docstring, "Precision").
@@ -91,9 +91,10 @@ def cached_operator_norm(layer, compute):
 def certified_operator_norm(layer):
     """The certified norm that ``layer.certified_norm_request()`` describes
     (`lipdp.operator_norms.certified_norms`), through `cached_operator_norm`; a float64
-    scalar (the float32 bound, converted exactly)."""
-    return as_bound(cached_operator_norm(
-        layer, lambda: certified_norms([layer.certified_norm_request()])[0]))
+    scalar (the float32 bound, converted exactly). Outside a bound pass, certified from the
+    kernel alone (`lipdp.operator_norms.without_projection_certificate`)."""
+    return as_bound(cached_operator_norm(layer, lambda: certified_norms(
+        [without_projection_certificate(layer.certified_norm_request())])[0]))
 
 
 def as_bound(value):

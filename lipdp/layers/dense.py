@@ -65,11 +65,14 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
 
     def certified_norm_request(self):
         """What `lipdp.operator_norms.certified_norms` needs to certify S (with the
-        power-iteration vector of a projected layer as a hint for its estimate)."""
+        power-iteration vector of a projected layer as a hint for its estimate, and the
+        certificate its last projection left, valid while the kernel is unchanged)."""
         hint = getattr(self, "u", None)
-        if hint is None:
-            return ("dense", self.bounded_kernel(), None)
-        return ("dense", self.bounded_kernel(), None, hint)
+        cache = self.certificate_cache() if hasattr(self, "certificate_cache") else None
+        request = ("dense", self.bounded_kernel(), None)
+        if cache is not None:
+            request = ("cached-dense", self.bounded_kernel(), None) + tuple(cache)
+        return request if hint is None else request + (hint,)
 
     def _spectral_bound(self):
         return certified_operator_norm(self)
@@ -122,6 +125,8 @@ class DP_QuickSpectralDense(ProjectedKernelMixin, _BoundedDense):
         eps_spectral, maxiter_spectral, eps_bjorck, beta_bjorck, maxiter_bjorck:
             see `ProjectionConfig`. ``eps_bjorck=None`` disables Björck.
     """
+
+    _keeps_projection_certificate = True
 
     def __init__(self, units, use_bias=True, kernel_initializer="orthogonal", activation=None,
                  eps_spectral=None, maxiter_spectral=None, eps_bjorck="default",

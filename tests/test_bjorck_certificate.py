@@ -1,0 +1,247 @@
+"""The certificate of the last Björck iteration (`lipdp.layers._bjorck.certifying_bjorck`,
+`lipdp.gram_certificates.bjorck_step_norm_upper`) and the cache that hands it to the bound pass.
+
+The certificate must bound the exact spectral norm (float64 SVD) of the float32 kernel the
+iteration returns, whatever its input: near-orthogonal kernels after a step, spread spectra,
+spectra past the range where Björck contracts (``lambda > 4``), other step sizes. Its rounding
+terms are what lift it above the exact norm: without them it is sqrt(max f) = 1 exactly, below
+the 1 + 2e-7 to 1 + 5e-7 that rounding leaves on every kernel here (checked by removing them).
+The cache must serve only the kernel the projection certified: any other write makes the
+bound pass certify the kernel from scratch.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from deel.lip.normalizers import bjorck_normalization
+
+import lipdp.operator_norms as operator_norms
+from lipdp.gram_certificates import bjorck_step_norm_upper
+from lipdp.layers import (DP_BoundedInput, DP_GroupSort, DP_QuickSpectralConv2D,
+                          DP_QuickSpectralDense, DP_SpectralDense)
+from lipdp.layers._bjorck import certifying_bjorck
+from lipdp.layers._projection import ProjectionConfig, project_kernel
+from lipdp.losses import DP_TauCategoricalCrossentropy
+from lipdp.metadata import DatasetMetadata, DPParameters
+from lipdp.model import DP_Sequential
+from lipdp.operator_norms import certified_norms, dense_spectral_norm_upper
+
+SHAPES = [(784, 1024), (1024, 784), (300, 200), (64, 64), (9, 16)]
+
+
+def _near_orthogonal(shape, seed, step):
+    rng = np.random.default_rng(seed)
+    q, _ = np.linalg.qr(rng.standard_normal((max(shape), min(shape))))
+    w = (q if shape[0] >= shape[1] else q.T) + step * rng.choice([-1.0, 1.0], size=shape)
+    return (w / np.linalg.norm(w, 2)).astype(np.float32)
+
+
+def _with_spectrum(shape, singular_values, seed):
+    rng = np.random.default_rng(seed)
+    left, _ = np.linalg.qr(rng.standard_normal((shape[0], min(shape))))
+    right, _ = np.linalg.qr(rng.standard_normal((shape[1], min(shape))))
+    return ((left * singular_values) @ right.T).astype(np.float32)
+
+
+def _norm(w):
+    return np.linalg.svd(np.asarray(w, np.float64), compute_uv=False)[0]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("start", ["step 1e-3", "step 5e-2", "spread"])
+def test_certificate_bounds_the_result_and_is_tight(shape, start):
+    """From a kernel after an Adam-like step (deel-lip's default tolerance: 2 to 4 iterations)
+    or a spread Gaussian one (many iterations): the certificate bounds the returned kernel's
+    norm, within 0.35% on the main job's 784 x 1024 kernel (the worst-case float32 error of its
+    Gram matrix in blocks of 128 rows and of the product) and closer on smaller ones."""
+    if start == "spread":
+        w = np.random.default_rng(3).standard_normal(shape)
+        w = (w / np.linalg.norm(w, 2)).astype(np.float32)
+    else:
+        w = _near_orthogonal(shape, seed=1, step=float(start.split()[1]))
+    result, certificate = certifying_bjorck(tf.constant(w), eps=1e-3, beta=0.5, maxiter=15)
+    norm, certificate = _norm(result), float(certificate)
+    assert norm <= certificate <= norm * (1 + 3.5e-3), (norm, certificate)
+    if min(shape) <= 200:
+        assert certificate <= norm * (1 + 6e-4)
+
+
+@pytest.mark.parametrize("shape", [(784, 1024), (300, 200), (200, 300)])
+@pytest.mark.parametrize("iterations", [1, 2, 3])
+def test_iterates_are_deel_lips(shape, iterations):
+    """Same recursion (deel-lip's ``(1 + b) W - b W W^T W``, here ``W P^``) to float32
+    rounding, with a fixed number of iterations and with deel-lip's stopping rule."""
+    w = tf.constant(_near_orthogonal(shape, seed=iterations, step=3e-3))
+    expected = bjorck_normalization(w, eps=1e-30, beta=0.5, maxiter=iterations).numpy()
+    got = certifying_bjorck(w, eps=1e-30, beta=0.5, maxiter=iterations)[0].numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
+    expected = bjorck_normalization(w, eps=1e-3, beta=0.5, maxiter=15).numpy()
+    got = certifying_bjorck(w, eps=1e-3, beta=0.5, maxiter=15)[0].numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.3, 0.25, 0.1])
+@pytest.mark.parametrize("top", [1.0, 1.6, 2.5])
+def test_one_iteration_from_any_spectrum(beta, top):
+    """One iteration from singular values spread up to `top`: lambda_max up to 6.25, past
+    ``a / b`` for every step size here, where ``f(l) = l (a - b l)^2`` grows again. The
+    certificate bounds the result, which is the exact-arithmetic ``sqrt(max_i f(lambda_i))``
+    to 1e-4; and it is ``sqrt(max_[0, l] f)`` (l: the largest row sum of ``|V^T V|``, not
+    lambda_max: a looser, still valid bound on a spread spectrum) plus rounding terms that
+    stay below 0.1%."""
+    shape = (300, 120)
+    singular = np.linspace(0.05, top, min(shape))
+    w = _with_spectrum(shape, singular, seed=int(10 * top))
+    result, certificate = certifying_bjorck(tf.constant(w), eps=1e-30, beta=beta, maxiter=1)
+    norm, certificate = _norm(result), float(certificate)
+    a, b = float(np.float32(1 + beta)), float(np.float32(beta))
+
+    def f(x):
+        return x * (a - b * x) ** 2
+
+    lam = singular.astype(np.float64) ** 2
+    assert norm <= certificate, (norm, certificate)
+    assert abs(norm / np.sqrt(np.max(f(lam))) - 1) < 1e-4
+    w64 = w.astype(np.float64)
+    row_sums = np.max(np.sum(np.abs(w64.T @ w64), 0))
+    assert certificate <= np.sqrt(max(f(min(row_sums, a / (3 * b))), f(row_sums))) * 1.001
+
+
+def test_uncertifiable_kernels_get_no_certificate():
+    """Entries below 2^-40 (float32 products underflow), non-finite entries and a diverged
+    iteration give inf: the bound pass then certifies the kernel itself."""
+    w = _near_orthogonal((64, 48), seed=0, step=1e-3)
+    for bad in (w * 1e-13, np.where(np.arange(w.size).reshape(w.shape) == 5, np.nan, w)):
+        assert np.isinf(float(certifying_bjorck(tf.constant(bad.astype(np.float32)), 1e-3,
+                                                0.5, 15)[1]))
+    diverging = (w * 40.0).astype(np.float32)
+    result, certificate = certifying_bjorck(tf.constant(diverging), 1e-3, 0.5, 15)
+    assert not np.all(np.isfinite(result.numpy())) and np.isinf(float(certificate))
+    assert np.isinf(bjorck_step_norm_upper(64, 48, 64, 1, 1.5, 0.5, np.inf, 1.0, 1.0, 1.0,
+                                           1.0, 1.0))
+
+
+def test_the_projection_certifies_squarish_kernels_orthogonalised_every_step():
+    """`project_kernel(..., certify=True)` certifies deel-lip-loop kernels projected with
+    Björck, and only them: not elongated kernels (Gram-space Björck), not a schedule decided
+    in the graph, not a projection without Björck, not without `certify`."""
+    config = ProjectionConfig()
+    u = tf.ones((1, 48))
+    square = tf.constant(_near_orthogonal((64, 48), seed=0, step=1e-3))
+    projected, _, certificate = project_kernel(square, u, config, 10, certify=True)
+    assert _norm(projected) <= float(certificate) <= _norm(projected) * 1.001
+    tall = tf.constant(_near_orthogonal((400, 48), seed=0, step=1e-3))
+    assert project_kernel(tall, u, config, 10, certify=True)[2] is None
+    assert project_kernel(square, u, config, 10, tf.constant(True), certify=True)[2] is None
+    assert project_kernel(square, u, config, 10, False, certify=True)[2] is None
+    assert project_kernel(square, u, config, 10)[2] is None
+    no_bjorck = ProjectionConfig(eps_bjorck=None)
+    assert project_kernel(square, u, no_bjorck, 10, certify=True)[2] is None
+
+
+def _fresh(layer):
+    return bool(layer.certificate_cache()[0])
+
+
+def _bound(layer):
+    return float(certified_norms([layer.certified_norm_request()])[0])
+
+
+@pytest.mark.parametrize("layer_class", [DP_QuickSpectralDense, DP_SpectralDense])
+def test_the_bound_pass_serves_the_certificate_only_for_the_kernel_it_certifies(
+        layer_class, monkeypatch):
+    """After a projection the bound pass returns the projection's certificate without
+    certifying anything on the host; after any other write to the kernel the forward pass
+    uses (assign, ``set_weights``) it certifies that kernel from scratch, and a projection
+    makes the cache fresh again. Writing the free variable of a reparametrised layer leaves
+    the forward kernel, and so the cache, as they were."""
+    tf.keras.utils.set_random_seed(0)
+    layer = layer_class(48, use_bias=False)
+    layer.build((None, 64))
+    kernel = layer.bounded_kernel()
+    assert _fresh(layer)
+    cached = float(layer.certificate_cache()[1])
+    assert _norm(kernel.numpy()) <= cached <= _norm(kernel.numpy()) * 1.001
+    monkeypatch.setattr(operator_norms, "dense_norm_upper", lambda *a: 1 / 0)
+    assert _bound(layer) == cached  # no host certificate was computed
+    monkeypatch.undo()
+    if layer_class is DP_SpectralDense:
+        layer.kernel.assign(layer.kernel * 3.0)
+        assert _fresh(layer) and _bound(layer) == cached
+    kernel.assign(kernel * 2.0)
+    assert not _fresh(layer)
+    assert _bound(layer) == float(dense_spectral_norm_upper(tf.reshape(kernel, [64, 48])))
+    assert 2 * _norm(kernel.numpy() / 2) <= _bound(layer) <= 2.0001 * _norm(kernel.numpy() / 2)
+    layer.project()
+    assert _fresh(layer)
+    weights = layer.get_weights()
+    index = [w.name for w in layer.weights].index(kernel.name)
+    weights[index] = weights[index] * 0.5
+    layer.set_weights(weights)
+    assert not _fresh(layer)
+    assert _bound(layer) <= 0.5001 * _norm(kernel.numpy() * 2)
+
+
+def test_the_cache_is_no_weight_and_convolutions_have_none():
+    """Saved weights, checkpoints and configs are those of before; a convolution's certified
+    norm (its operator norm) is not its reshaped kernel's: no cache."""
+    layer = DP_QuickSpectralDense(48)
+    layer.build((None, 64))
+    assert [w.name.split("/")[-1] for w in layer.weights] == [
+        "kernel:0", "bias:0", "power_iteration_u:0"]
+    conv = DP_QuickSpectralConv2D(8, 3)
+    conv.build((None, 8, 8, 4))
+    assert conv.certificate_cache() is None
+    assert conv.certified_norm_request()[0] == "conv"
+
+
+def test_a_trained_and_reloaded_model_bounds_its_gradients_with_fresh_certificates(tmp_path):
+    """Training steps certify the projected kernels (the cache is fresh after each step and
+    the bounds match the from-scratch ones within the certificate's 0.1% here); a model
+    reloaded from disk starts with stale caches (its build certified the initial kernels)
+    and bounds with from-scratch certificates."""
+    tf.keras.utils.set_random_seed(0)
+    model = DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(64,)), DP_QuickSpectralDense(48, use_bias=False),
+         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False)],
+        dp_parameters=DPParameters(1.0, 1e-5),
+        dataset_metadata=DatasetMetadata((64,), 10, 64, 16, 32, 1.0, "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(10.0),
+                  optimizer=tf.keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(64, 64)).astype(np.float32) / 8.0
+    y = tf.one_hot(rng.integers(0, 10, 64), 10)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    hidden = model.layers[1]
+    assert _fresh(hidden)
+    cached = _bound(hidden)
+    scratch = float(dense_spectral_norm_upper(hidden.kernel))
+    assert scratch <= cached <= scratch * 1.001
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+    hidden = loaded.layers[1]
+    assert not _fresh(hidden)
+    assert _bound(hidden) == scratch
+
+
+def test_classic_dp_sgd_projects_without_certifying_and_compiles_with_xla():
+    """Classic DP-SGD's privacy rests on clipping, and its step may be compiled with XLA,
+    which has no host calls: its projections do not certify (the caches go stale at the
+    first step), and the step compiles."""
+    tf.keras.utils.set_random_seed(0)
+    model = DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(64,)), DP_QuickSpectralDense(48, use_bias=False),
+         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False)],
+        dp_parameters=DPParameters(1.0, 1e-5, mode="clipped", clipping="flat",
+                                   l2_norm_clip=1.0),
+        dataset_metadata=DatasetMetadata((64,), 10, 64, 16, 32, 1.0, "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(10.0),
+                  optimizer=tf.keras.optimizers.SGD(0.1), jit_compile=True)
+    assert _fresh(model.layers[1])  # built eagerly: certified
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(64, 64)).astype(np.float32) / 8.0
+    y = tf.one_hot(rng.integers(0, 10, 64), 10)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 2
+    assert not _fresh(model.layers[1])
