@@ -182,9 +182,10 @@ def test_the_bound_pass_serves_the_certificate_only_for_the_kernel_it_certifies(
     assert _bound(layer) <= 0.5001 * _norm(kernel.numpy() * 2)
 
 
-def test_the_cache_is_no_weight_and_convolutions_have_none():
+def test_the_cache_is_no_weight_and_convolutions_and_elongated_kernels_have_none():
     """Saved weights, checkpoints and configs are those of before; a convolution's certified
-    norm (its operator norm) is not its reshaped kernel's: no cache."""
+    norm (its operator norm) is not its reshaped kernel's, and an elongated kernel's
+    projection never certifies: no cache."""
     layer = DP_QuickSpectralDense(48)
     layer.build((None, 64))
     assert [w.name.split("/")[-1] for w in layer.weights] == [
@@ -193,6 +194,10 @@ def test_the_cache_is_no_weight_and_convolutions_have_none():
     conv.build((None, 8, 8, 4))
     assert conv.certificate_cache() is None
     assert conv.certified_norm_request()[0] == "conv"
+    head = DP_QuickSpectralDense(10)  # 1024 x 10: Björck in Gram space, nothing to cache
+    head.build((None, 1024))
+    assert head.certificate_cache() is None
+    assert head.certified_norm_request()[0] == "dense"
 
 
 def test_a_trained_and_reloaded_model_bounds_its_gradients_with_fresh_certificates(tmp_path):

@@ -63,6 +63,12 @@ def orthogonalise(w, eps, beta, maxiter):
     return bjorck_normalization(w, eps=eps, beta=beta, maxiter=maxiter)
 
 
+def runs_certifying_bjorck(rows, cols) -> bool:
+    """Whether a rows x cols kernel orthogonalised every step runs `certifying_bjorck`: its
+    sides differ by less than `GRAM_SPACE_MIN_ASPECT` (longer ones run in Gram space)."""
+    return max(rows, cols) < GRAM_SPACE_MIN_ASPECT * min(rows, cols)
+
+
 def certifying_bjorck(w, eps, beta, maxiter):
     """deel-lip's `bjorck_normalization(w, eps, beta, maxiter)` (same iterates to float32
     rounding, same stopping rule), with a certified upper bound of the result's spectral norm.

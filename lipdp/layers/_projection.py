@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 from deel.lip.normalizers import (
     DEFAULT_BETA_BJORCK,
@@ -98,15 +99,14 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, cert
     from deel.lip.normalizers import spectral_normalization
 
     from lipdp.layers._bjorck import (GRAM_SPACE_MIN_ASPECT, certifying_bjorck,
-                                      normalised_gram_space_bjorck)
+                                      normalised_gram_space_bjorck, runs_certifying_bjorck)
     from lipdp.layers._bjorck import orthogonalise as orthogonalise_bjorck
     from lipdp.operator_norms import float32_products_rounded_to_nearest
 
     matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
     rows, cols = matrix.shape
     every_step = config.eps_bjorck is not None and orthogonalise is True
-    certified = (certify and every_step
-                 and max(rows, cols) < GRAM_SPACE_MIN_ASPECT * min(rows, cols)
+    certified = (certify and every_step and runs_certifying_bjorck(rows, cols)
                  and float32_products_rounded_to_nearest(device_products=True))
 
     def bjorck(w):
@@ -182,7 +182,8 @@ class ProjectedKernelMixin:
 
     #: Whether the projection's certificate (`project_kernel`'s, when it gives one) serves the
     #: bound pass: for layers whose certified norm is the spectral norm of the kernel the
-    #: projection returns (dense layers; a convolution's is its operator norm).
+    #: projection returns (dense layers; a convolution's is its operator norm), when that
+    #: kernel's sides differ by less than a factor 3 (`runs_certifying_bjorck`).
     _keeps_projection_certificate = False
 
     def _build_projection(self, nb_outputs):
@@ -190,11 +191,14 @@ class ProjectedKernelMixin:
         from the first step on."""
         import tensorflow as tf
 
+        from lipdp.layers._bjorck import runs_certifying_bjorck
+
         self.u = self.add_weight(
             name="power_iteration_u", shape=(1, nb_outputs), trainable=False,
             initializer=tf.keras.initializers.RandomNormal(seed=None),
         )
-        if self._keeps_projection_certificate:
+        if self._keeps_projection_certificate and runs_certifying_bjorck(
+                math.prod(self.kernel.shape[:-1]), self.kernel.shape[-1]):
             self._build_certificate_cache()
         with tf.init_scope():
             self._project(BUILD_MAXITER_SPECTRAL)
