@@ -69,6 +69,7 @@ from __future__ import annotations
 import numpy as np
 
 from lipdp.rounding import SMALLEST_NORMAL as MU32  # float32: what an underflow moves a value
+from lipdp.rounding import UNIT_ROUNDOFF as U32  # float32's unit roundoff
 from lipdp.rounding import gamma as gamma32  # float32's gamma_n
 
 U64 = 2.0 ** -53
@@ -241,6 +242,13 @@ def abs_gram_radius_upper(rows, cols, abs_gram_row_sum, abs_row_sum, max_abs) ->
             + 2.0 * k * MU32 * p * max_abs) / (1.0 - gamma32(k))
 
 
+def _chunk_stats_usable(stats) -> bool:
+    """Whether float32 statistics ``(abs_gram_row_sum, abs_row_sum, max_abs, ...)`` of a
+    matrix serve a float32 certificate: all finite, and ``max |W|`` in ``[2^-40, 2^40]``
+    (below, float32 products underflow and the bound is useless; above, they may overflow)."""
+    return bool(np.all(np.isfinite(stats)) and 2.0 ** -40 <= stats[2] <= 2.0 ** 40)
+
+
 def bjorck_step_norm_upper(rows, cols, chunk_rows, chunks, alpha, beta, abs_gram_row_sum,
                            abs_row_sum, max_abs, gram_abs_sum, step_abs_sum,
                            step_max_diagonal) -> np.float32:
@@ -285,10 +293,8 @@ def bjorck_step_norm_upper(rows, cols, chunk_rows, chunks, alpha, beta, abs_gram
     a, beta = float(np.float32(alpha)), float(np.float32(beta))
     values = np.asarray([abs_gram_row_sum, abs_row_sum, max_abs, gram_abs_sum, step_abs_sum,
                          step_max_diagonal], np.float32).astype(np.float64)
-    if not (np.all(np.isfinite(values)) and 2.0 ** -40 <= values[2] <= 2.0 ** 40
-            and beta > 0.0 and a > 0.0):
+    if not (_chunk_stats_usable(values) and beta > 0.0 and a > 0.0):
         return np.float32(np.inf)
-    u32 = 2.0 ** -24
     gram_error = chunked_gram_error(p, k, b, c, *values[:3])
     g = (values[3] + k * MU32) / (1.0 - gamma32(k))
     s = (values[4] + k * MU32) / (1.0 - gamma32(k))
@@ -298,7 +304,7 @@ def bjorck_step_norm_upper(rows, cols, chunk_rows, chunks, alpha, beta, abs_gram
         return x * (a - beta * x) ** 2
 
     largest_f = max(f(min(top, a / (3.0 * beta))), f(top))
-    step_error = 2.0 * u32 * values[5] + u32 * beta * g + 2.0 * k * MU32
+    step_error = 2.0 * U32 * values[5] + U32 * beta * g + 2.0 * k * MU32
     rho = abs_gram_radius_upper(p, k, *values[:3])
     product_error = gamma32(k) * np.sqrt(rho) * s + 4.0 * k * MU32 * np.sqrt(float(p) * k)
     bound = (np.sqrt(largest_f) + np.sqrt(top) * (beta * gram_error + step_error)
@@ -323,8 +329,7 @@ def chunked_dense_norm_upper(kernel, gram, stats, chunk_rows, chunks, start=None
     """
     gram = np.asarray(gram, np.float64)
     stats = np.asarray(stats, np.float32).astype(np.float64)
-    if not (np.all(np.isfinite(stats)) and 2.0 ** -40 <= stats[2] <= 2.0 ** 40
-            and np.all(np.isfinite(gram))):
+    if not (_chunk_stats_usable(stats) and np.all(np.isfinite(gram))):
         return dense_norm_upper(kernel)
     k = gram.shape[0]  # the short side; the long one holds the rest of the entries
     error = chunked_gram_error(np.size(kernel) // k, k, chunk_rows, chunks, *stats)

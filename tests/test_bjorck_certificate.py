@@ -16,6 +16,7 @@ import tensorflow as tf
 from deel.lip.normalizers import bjorck_normalization
 
 import lipdp.operator_norms as operator_norms
+from lipdp.bounds import gradient_bounds
 from lipdp.gram_certificates import bjorck_step_norm_upper
 from lipdp.layers import (DP_BoundedInput, DP_GroupSort, DP_QuickSpectralConv2D,
                           DP_QuickSpectralDense, DP_SpectralDense)
@@ -25,6 +26,8 @@ from lipdp.losses import DP_TauCategoricalCrossentropy
 from lipdp.metadata import DatasetMetadata, DPParameters
 from lipdp.model import DP_Sequential
 from lipdp.operator_norms import certified_norms, dense_spectral_norm_upper
+from tests._soundness import (adversarial_inputs, assert_within_bounds, maximize_gradient_norm,
+                              one_hot_labels, per_example_gradient_norms)
 
 SHAPES = [(784, 1024), (1024, 784), (300, 200), (64, 64), (9, 16)]
 
@@ -202,7 +205,8 @@ def test_the_cache_is_no_weight_and_convolutions_and_elongated_kernels_have_none
 
 def test_a_trained_and_reloaded_model_bounds_its_gradients_with_fresh_certificates(tmp_path):
     """Training steps certify the projected kernels (the cache is fresh after each step and
-    the bounds match the from-scratch ones within the certificate's 0.1% here); a model
+    the bounds match the from-scratch ones within the certificate's 0.1% here), and the
+    step's bounds hold for exact per-example gradients on adversarial inputs; a model
     reloaded from disk starts with stale caches (its build certified the initial kernels)
     and bounds with from-scratch certificates."""
     tf.keras.utils.set_random_seed(0)
@@ -222,6 +226,25 @@ def test_a_trained_and_reloaded_model_bounds_its_gradients_with_fresh_certificat
     cached = _bound(hidden)
     scratch = float(dense_spectral_norm_upper(hidden.kernel))
     assert scratch <= cached <= scratch * 1.001
+    # The step's bounds, cached certificate and all, hold for exact per-example gradients on
+    # adversarial inputs (random inside, on and beyond the input bound, constant images, a hot
+    # pixel) and on inputs optimised for the certified layer's successor's gradient, whose
+    # bound is the one the certificate scales.
+    bounds = gradient_bounds(model)
+    loss = model.dp_loss
+    x_adv = adversarial_inputs(rng, (64,), 1.0)
+    y_adv = one_hot_labels(rng, len(x_adv), 10)
+    assert_within_bounds(per_example_gradient_norms(model, loss, x_adv, y_adv), bounds,
+                         "trained, certified by the projection")
+    successor = model.layers[3].kernel
+    x_max = maximize_gradient_norm(model, loss, x_adv[:2], y_adv[:2], successor, 1.0, steps=30)
+    norms = per_example_gradient_norms(model, loss, x_max, y_adv[:2])
+    assert_within_bounds(norms, bounds, "gradient ascent")
+    # A certificate at 1/1.4 of the cached one (a wrong proof) makes that bound fail.
+    hidden._certificate_cache[1].assign(cached / 1.4)
+    with pytest.raises(AssertionError):
+        assert_within_bounds(norms, gradient_bounds(model), "certificate / 1.4")
+    hidden._certificate_cache[1].assign(cached)
     path = str(tmp_path / "model.keras")
     model.save(path)
     loaded = tf.keras.models.load_model(path)

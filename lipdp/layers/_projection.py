@@ -180,10 +180,11 @@ class ProjectedKernelMixin:
             if kwargs.pop(key, None) is not None:
                 raise ValueError(f"{layer_name} does not accept `{key}`.")
 
-    #: Whether the projection's certificate (`project_kernel`'s, when it gives one) serves the
-    #: bound pass: for layers whose certified norm is the spectral norm of the kernel the
-    #: projection returns (dense layers; a convolution's is its operator norm), when that
-    #: kernel's sides differ by less than a factor 3 (`runs_certifying_bjorck`).
+    #: Whether the layer gets a certificate cache (`_build_certificate_cache`), through which
+    #: its projection's certificate serves the bound pass: for layers whose certified norm is
+    #: the spectral norm of the kernel the projection returns (dense layers; a convolution's
+    #: is its operator norm), when that kernel's sides differ by less than a factor 3
+    #: (`runs_certifying_bjorck`). The projections of a layer with a cache certify.
     _keeps_projection_certificate = False
 
     def _build_projection(self, nb_outputs):
@@ -236,13 +237,14 @@ class ProjectedKernelMixin:
         return tf.reduce_all(tf.equal(self.bounded_kernel(), certified_kernel)), norm
 
     def _project(self, maxiter_spectral, orthogonalise=True):
+        cache = getattr(self, "_certificate_cache", None)
         kernel, u, certificate = project_kernel(
             self.kernel, self.u, self.projection, maxiter_spectral, orthogonalise,
-            certify=self._keeps_projection_certificate and _CERTIFYING[-1])
+            certify=cache is not None and _CERTIFYING[-1])
         self._store_projection(kernel)
         self.u.assign(u)
         if certificate is not None:
-            certified_kernel, norm = self._certificate_cache
+            certified_kernel, norm = cache
             certified_kernel.assign(kernel)
             norm.assign(certificate)
 
