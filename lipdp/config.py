@@ -43,6 +43,9 @@ Schema (defaults shown)::
       feature_groups: 27       # scatternet, group: number of channel groups (a list: one per J)
       head: lipschitz          # mlp / scatternet: lipschitz (DP layers) | plain (Keras Dense
                                #   + tanh, zero-initialised output; clipped mode only)
+      maxiter_bjorck: null     # Björck iterations per projection of the dense and conv
+                               #   layers (null: deel-lip's 15, stopping at its tolerance; 1:
+                               #   one warm-started iteration a step, faster; README, Speed)
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce
@@ -192,6 +195,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "feature_normalization": "none",
         "feature_groups": 27,
         "head": "lipschitz",
+        "maxiter_bjorck": None,
     },
     "loss": {"name": "tau_cce", "tau": 10.0, "margin": 0.0, "min_margin": 1.0, "alpha": 10.0},
     "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9, "ema_momentum": None,
@@ -375,6 +379,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "feature_normalization": _choice("none", "group"),
         "feature_groups": _scales,
         "head": _choice("lipschitz", "plain"),
+        "maxiter_bjorck": lambda k, v: None if v is None else _positive_int(k, v),
     },
     "loss": {
         "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
@@ -624,25 +629,30 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
         return DP_Sequential(layers=_plain_head(model_cfg, metadata),
                              dp_parameters=dp_parameters, dataset_metadata=metadata)
     use_bias = model_cfg["use_bias"]
+    # None keeps each layer's default (deel-lip's).
+    projection = {"maxiter_bjorck": model_cfg["maxiter_bjorck"]}
     stack: List[Any] = [layers.DP_BoundedInput(input_shape=metadata.input_shape,
                                                upper_bound=metadata.max_norm)]
     if model_cfg["architecture"] in ("mlp", "scatternet"):  # scatternet: the head
         stack.append(layers.DP_Flatten())
         for width in model_cfg["widths"]:
-            stack += [layers.DP_QuickSpectralDense(width, use_bias=use_bias),
+            stack += [layers.DP_QuickSpectralDense(width, use_bias=use_bias, **projection),
                       layers.DP_GroupSort(2)]
     else:
         if len(metadata.input_shape) != 3:
             raise ConfigError("model.architecture='cnn' needs image inputs (H, W, C); dataset "
                               f"inputs have shape {metadata.input_shape}. Use 'mlp'.")
         for filters in model_cfg["conv_filters"]:
-            stack += [layers.DP_QuickSpectralConv2D(filters, 3, use_bias=use_bias),
+            stack += [layers.DP_QuickSpectralConv2D(filters, 3, use_bias=use_bias,
+                                                    **projection),
                       layers.DP_GroupSort(2),
                       layers.DP_ScaledL2NormPooling2D(pool_size=2, strides=2)]
         stack += [layers.DP_Flatten(),
-                  layers.DP_QuickSpectralDense(model_cfg["dense_width"], use_bias=use_bias),
+                  layers.DP_QuickSpectralDense(model_cfg["dense_width"], use_bias=use_bias,
+                                               **projection),
                   layers.DP_GroupSort(2)]
-    stack.append(layers.DP_QuickSpectralDense(metadata.nb_classes, use_bias=use_bias))
+    stack.append(layers.DP_QuickSpectralDense(metadata.nb_classes, use_bias=use_bias,
+                                              **projection))
     return DP_Sequential(layers=stack, dp_parameters=dp_parameters, dataset_metadata=metadata)
 
 

@@ -68,7 +68,7 @@ def test_shipped_main_config_has_the_measured_settings():
                               "nb_samples_train": None, "data_dir": None,
                               "augmentation": None, "augmentation_multiplicity": 1}
     assert cfg["model"]["architecture"] == "mlp" and cfg["model"]["widths"] == [1024]
-    assert cfg["model"]["use_bias"] is False
+    assert cfg["model"]["use_bias"] is False and cfg["model"]["maxiter_bjorck"] == 1
     assert (cfg["loss"]["name"], cfg["loss"]["tau"]) == ("tau_cce", 5.0)
     assert (cfg["optimizer"]["name"], cfg["optimizer"]["learning_rate"]) == ("adam", 0.001)
     assert cfg["privacy"] == {"noise_multiplier": 3.0, "delta": 1e-5,
@@ -112,6 +112,7 @@ def test_defaults_partial_file_and_overrides(tmp_path):
     ("model.architecture=resnet", ["model.architecture='resnet'"]),
     ("model.widths=[64, -1]", ["list of positive integers", "model.widths=[64, -1]"]),
     ("model.use_bias=yes please", ["true or false", "model.use_bias='yes please'"]),
+    ("model.maxiter_bjorck=0", ["positive integer", "model.maxiter_bjorck=0"]),
     ("loss.name=mse", ["'tau_cce'", "loss.name='mse'"]),
     ("loss.tau=-1", ["loss.tau=-1"]),
     ("loss.margin=-0.1", ["non-negative", "loss.margin=-0.1"]),
@@ -223,6 +224,20 @@ def test_build_cnn_is_the_papers_network(fake_fashion):
     assert type(model.dp_loss).__name__ == "DP_MulticlassHKR"
     assert isinstance(model.optimizer, tf.keras.optimizers.SGD)
     assert fit_kwargs["epochs"] == 1
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+def test_maxiter_bjorck_reaches_every_projected_layer(fake_fashion, architecture):
+    from deel.lip.normalizers import DEFAULT_MAXITER_BJORCK
+
+    for value, expected in ((None, DEFAULT_MAXITER_BJORCK), (1, 1)):
+        cfg = load_config(None, [f"model.architecture={architecture}", "dataset.batch_size=20",
+                                 "privacy.epsilon_budget=null", "training.epochs=1",
+                                 f"model.maxiter_bjorck={'null' if value is None else value}"])
+        model = config.build_from_config(cfg)[0]
+        projected = [layer for layer in model.layers if hasattr(layer, "projection")]
+        assert len(projected) == (2 if architecture == "mlp" else 4)
+        assert {layer.projection.maxiter_bjorck for layer in projected} == {expected}
 
 
 def test_config_compiles_with_its_bjorck_schedule(fake_fashion):

@@ -92,24 +92,28 @@ def certifying_bjorck(w, eps, beta, maxiter):
     chunks = -(-p // CERTIFYING_CHUNK_ROWS)
     rows = -(-p // chunks)
     alpha, beta32 = np.float32(1.0 + beta), np.float32(beta)
-    eye = tf.eye(k, dtype=v.dtype)
 
     def gram_of(v):
         blocks = tf.reshape(tf.pad(v, [[0, rows * chunks - p], [0, 0]]), [chunks, rows, k])
         return tf.reduce_sum(tf.matmul(blocks, blocks, transpose_a=True), 0)
 
     def keep_going(iteration, current, previous, gram, step):
-        return tf.logical_or(tf.equal(iteration, 0), tf.norm(current - previous) >= eps)
+        # The first iteration always runs; the kernels' distance is computed only after it.
+        return tf.cond(tf.equal(iteration, 0), lambda: True,
+                       lambda: tf.norm(current - previous) >= eps)
 
     def iterate(iteration, current, previous, gram, step):
         gram = gram_of(current)
-        step = alpha * eye - beta32 * gram
+        # fl32(a I - fl32(b G^)) entry for entry: off the diagonal 0 - fl32(b g) is exact.
+        step = tf.linalg.set_diag(-(beta32 * gram), alpha - beta32 * tf.linalg.diag_part(gram))
         return iteration + 1, tf.matmul(current, step), current, gram, step
 
-    iterations, result, last_input, gram, step = tf.while_loop(
-        keep_going, iterate, (tf.constant(0), v, v, tf.zeros([k, k], v.dtype),
-                              tf.zeros([k, k], v.dtype)),
-        maximum_iterations=maxiter)
+    start = (tf.constant(0), v, v, tf.zeros([k, k], v.dtype), tf.zeros([k, k], v.dtype))
+    if maxiter == 1:  # no loop: one iteration, no stopping test to evaluate
+        iterations, result, last_input, gram, step = iterate(*start)
+    else:
+        iterations, result, last_input, gram, step = tf.while_loop(
+            keep_going, iterate, start, maximum_iterations=maxiter)
     magnitudes = tf.abs(last_input)
     row_sums = tf.reduce_sum(magnitudes, 1)
     abs_gram, abs_step = tf.abs(gram), tf.abs(step)
