@@ -155,6 +155,8 @@ MODELS = ("cnn", "mlp")
 # The main job's configuration: the mlp is its model.
 MAIN_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "fashion_mnist.yaml")
+# Changes to its model section (--mlp-maxiter-bjorck), set by `main`.
+MLP_OVERRIDES = {}
 BJORCK_EVERY = 4  # the Björck schedule of the "-bjorck4" configurations
 SCHEDULED = f"-bjorck{BJORCK_EVERY}"
 CONFIGS = ("floor", "twin", "clipless", "clipless-per-layer", "ghost", "tf-privacy-model",
@@ -263,6 +265,7 @@ def _dp_model(model_name, batch, config):
                          use_bias=False)
     else:
         model_cfg = load_config(MAIN_CONFIG)["model"]
+        model_cfg.update(MLP_OVERRIDES)
     metadata = DatasetMetadata(input_shape=INPUT_SHAPE, nb_classes=NB_CLASSES,
                                nb_samples_train=NB_SAMPLES_TRAIN,
                                nb_samples_test=NB_SAMPLES_TEST, batch_size=batch,
@@ -588,6 +591,8 @@ def isolated_worker(model_name, config, batch, steps, budget) -> dict:
 def _run_worker(worker_args, args, timeout) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--worker", *worker_args,
                "--rounds", str(args.rounds), "--budget", str(args.budget)]
+    if args.mlp_maxiter_bjorck is not None:
+        command += ["--mlp-maxiter-bjorck", str(args.mlp_maxiter_bjorck)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
@@ -884,6 +889,10 @@ def _parse_args(argv):
                         help="seconds of steps after tracing before a configuration stops early")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed to a subprocess per configuration it runs")
+    parser.add_argument("--mlp-maxiter-bjorck", type=int, default=None,
+                        help="the mlp's Björck iterations per projection instead of the main "
+                             "job's 1 (15: deel-lip's loop to its tolerance, as before "
+                             "2026-11-27)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rounds = args.rounds if args.rounds is not None else (4 if args.quick else 8)
@@ -892,6 +901,8 @@ def _parse_args(argv):
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    if args.mlp_maxiter_bjorck is not None:
+        MLP_OVERRIDES["maxiter_bjorck"] = args.mlp_maxiter_bjorck
     if args.worker:
         kind, model_name, batch, *configs = args.worker
         if kind in ("paired", "paired-no-pieces"):
