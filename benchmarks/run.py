@@ -2,16 +2,19 @@
 
 Models (inputs 28x28x1, 10 classes, no biases anywhere):
 
-* ``cnn``: the paper's CNN, built as lipdp's CLI builds it (``lipdp.config.build_model`` with
-  ``architecture="cnn", conv_filters=[32, 64], dense_width=512``): DP_BoundedInput(10) ->
+* ``cnn``: the paper's CNN, built as lipdp's CLI builds it from the model section of
+  ``configs/fashion_mnist_cnn.yaml`` (``lipdp.config.build_model``): DP_BoundedInput(10) ->
   [DP_QuickSpectralConv2D(f, 3x3), DP_GroupSort(2), DP_ScaledL2NormPooling2D(2)] for f in
   32, 64 -> DP_Flatten -> DP_QuickSpectralDense(512) -> DP_GroupSort(2) ->
   DP_QuickSpectralDense(10) (1.63M parameters);
 * ``mlp``: the main job's MLP, built from the model section of ``configs/fashion_mnist.yaml``
   by the same builder: DP_BoundedInput(10) -> DP_Flatten -> DP_QuickSpectralDense(1024) ->
-  DP_GroupSort(2) -> DP_QuickSpectralDense(10) (813k parameters), with the main job's
-  ``maxiter_bjorck: 1`` (one warm-started Björck iteration per projection; the CNN keeps
-  deel-lip's 15 with its tolerance, as the paper's library).
+  DP_GroupSort(2) -> DP_QuickSpectralDense(10) (813k parameters).
+
+The main job's config sets ``maxiter_bjorck: 1`` (one Björck iteration per projection, from the
+kernel the last one left, which certifies it); the CNN's keeps deel-lip's loop to its
+tolerance (up to 15 iterations). ``--maxiter-bjorck N`` sets both models' count: 15 measures
+the mlp as it was before 2026-11-27.
 
 DP models are described by ``DatasetMetadata(input_shape=(28, 28, 1), nb_classes=10,
 nb_samples_train=60000, nb_samples_test=10000, batch_size=B, max_norm=10, sampling="shuffle")``
@@ -137,7 +140,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import importlib.metadata
 import json
@@ -152,11 +154,12 @@ import sys
 import time
 
 MODELS = ("cnn", "mlp")
-# The main job's configuration: the mlp is its model.
-MAIN_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "configs", "fashion_mnist.yaml")
-# Changes to its model section (--mlp-maxiter-bjorck), set by `main`.
-MLP_OVERRIDES = {}
+# The configurations whose model sections the models are: the paper's CNN and the main job.
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+MODEL_CONFIGS = {"cnn": os.path.join(_CONFIG_DIR, "fashion_mnist_cnn.yaml"),
+                 "mlp": os.path.join(_CONFIG_DIR, "fashion_mnist.yaml")}
+# Changes to those model sections (--maxiter-bjorck), set by `main`.
+MODEL_OVERRIDES = {}
 BJORCK_EVERY = 4  # the Björck schedule of the "-bjorck4" configurations
 SCHEDULED = f"-bjorck{BJORCK_EVERY}"
 CONFIGS = ("floor", "twin", "clipless", "clipless-per-layer", "ghost", "tf-privacy-model",
@@ -256,16 +259,11 @@ def _probe(tensors):
 
 
 def _dp_model(model_name, batch, config):
-    from lipdp.config import DEFAULT_CONFIG, build_model, load_config
+    from lipdp.config import build_model, load_config
     from lipdp.metadata import DatasetMetadata, DPParameters
 
-    if model_name == "cnn":
-        model_cfg = copy.deepcopy(DEFAULT_CONFIG["model"])
-        model_cfg.update(architecture="cnn", conv_filters=[32, 64], dense_width=512,
-                         use_bias=False)
-    else:
-        model_cfg = load_config(MAIN_CONFIG)["model"]
-        model_cfg.update(MLP_OVERRIDES)
+    model_cfg = load_config(MODEL_CONFIGS[model_name])["model"]
+    model_cfg.update(MODEL_OVERRIDES)
     metadata = DatasetMetadata(input_shape=INPUT_SHAPE, nb_classes=NB_CLASSES,
                                nb_samples_train=NB_SAMPLES_TRAIN,
                                nb_samples_test=NB_SAMPLES_TEST, batch_size=batch,
@@ -591,8 +589,8 @@ def isolated_worker(model_name, config, batch, steps, budget) -> dict:
 def _run_worker(worker_args, args, timeout) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--worker", *worker_args,
                "--rounds", str(args.rounds), "--budget", str(args.budget)]
-    if args.mlp_maxiter_bjorck is not None:
-        command += ["--mlp-maxiter-bjorck", str(args.mlp_maxiter_bjorck)]
+    if args.maxiter_bjorck is not None:
+        command += ["--maxiter-bjorck", str(args.maxiter_bjorck)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
@@ -889,10 +887,9 @@ def _parse_args(argv):
                         help="seconds of steps after tracing before a configuration stops early")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed to a subprocess per configuration it runs")
-    parser.add_argument("--mlp-maxiter-bjorck", type=int, default=None,
-                        help="the mlp's Björck iterations per projection instead of the main "
-                             "job's 1 (15: deel-lip's loop to its tolerance, as before "
-                             "2026-11-27)")
+    parser.add_argument("--maxiter-bjorck", type=int, default=None,
+                        help="Björck iterations per projection of both models, instead of "
+                             "their configs' (mlp: 1; cnn: deel-lip's loop, up to 15)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rounds = args.rounds if args.rounds is not None else (4 if args.quick else 8)
@@ -901,8 +898,8 @@ def _parse_args(argv):
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    if args.mlp_maxiter_bjorck is not None:
-        MLP_OVERRIDES["maxiter_bjorck"] = args.mlp_maxiter_bjorck
+    if args.maxiter_bjorck is not None:
+        MODEL_OVERRIDES["maxiter_bjorck"] = args.maxiter_bjorck
     if args.worker:
         kind, model_name, batch, *configs = args.worker
         if kind in ("paired", "paired-no-pieces"):

@@ -45,7 +45,9 @@ Schema (defaults shown)::
                                #   + tanh, zero-initialised output; clipped mode only)
       maxiter_bjorck: null     # Björck iterations per projection of the dense and conv
                                #   layers (null: deel-lip's 15, stopping at its tolerance; 1:
-                               #   one warm-started iteration a step, faster; README, Speed)
+                               #   one iteration a step from the last projection's kernel,
+                               #   which also certifies every dense kernel: faster; README,
+                               #   Speed); the build projects with deel-lip's loop either way
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce

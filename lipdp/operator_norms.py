@@ -31,8 +31,9 @@ float32 precision for speed (``ONEDNN_DEFAULT_FPMATH_MODE`` set to anything but
 more than the chunked one and its certificate stays within 1e-5 of the norm.
 
 A dense kernel exactly as its last projection left it (Björck every step, sides within a
-factor 3) comes with that projection's certificate (`lipdp.layers._bjorck.certifying_bjorck`):
-the gradient bound pass uses it instead of a Gram matrix (``"cached-dense"`` requests); what
+factor 3 or a single Björck iteration) comes with that projection's certificate
+(`lipdp.layers._bjorck.certifying_bjorck`): the gradient bound pass uses it instead of a Gram
+matrix, chunked or not (``"cached-dense"`` requests); what
 is reported for a trained model (Lipschitz constant, certified radii) is certified from the
 weights alone (`without_projection_certificate`).
 
@@ -91,12 +92,17 @@ def certified_norms(requests):
         cached = kind == "cached-dense"
         if cached:
             kind = "dense"
-            if _chunked(tensors[0].shape):  # elongated at the default thresholds, whose
-                # projection never certifies; at lowered ones, certified from scratch
-                cached, tensors = False, [tensors[0]] + tensors[3:]
         if kind == "dense" and _chunked(tensors[0].shape):
-            tensors = [tensors[0]] + _chunked_gram(*tensors)
-            specs.append(("chunked", _chunking(tensors[0].shape), len(tensors) > 3, False))
+            if cached:  # projected with one Björck iteration (`runs_certifying_bjorck`)
+                kernel, fresh, norm = tensors[:3]
+                tensors = ([kernel] + _chunked_gram_unless_cached(kernel, fresh, norm,
+                                                                  *tensors[3:])
+                           + [fresh, norm])
+                hinted = len(tensors) > 5
+            else:
+                tensors = [tensors[0]] + _chunked_gram(*tensors)
+                hinted = len(tensors) > 3
+            specs.append(("chunked", _chunking(tensors[0].shape), hinted, cached))
         else:
             specs.append((kind, grid, len(tensors) > (3 if cached else 1), cached))
         inputs.extend(tensors)
@@ -108,6 +114,10 @@ def certified_norms(requests):
             if kind == "chunked":
                 gram, stats = next(tensors), next(tensors)
                 start = next(tensors) if hinted else None
+                fresh, norm = (next(tensors), next(tensors)) if cached else (False, None)
+                if fresh and np.isfinite(norm):  # the projection certified this very kernel
+                    norms.append(np.float32(norm))  # (and no Gram matrix was computed)
+                    continue
                 norms.append(chunked_dense_norm_upper(kernel, gram, stats, *grid, start=start))
                 continue
             fresh, norm = (next(tensors), next(tensors)) if cached else (False, None)
@@ -194,6 +204,20 @@ def _chunked_gram(kernel, hint=None):
         stats = tf.stack([tf.reduce_max(tf.linalg.matvec(magnitudes, row_sums, transpose_a=True)),
                           tf.reduce_max(row_sums), tf.reduce_max(magnitudes)])
     return [gram, stats] + extra
+
+
+def _chunked_gram_unless_cached(kernel, fresh, norm, hint=None):
+    """`_chunked_gram`'s tensors when the projection's certificate cannot serve (stale or
+    not finite), zeros of their shapes, never read, when it can: the Gram matrix is then not
+    computed at all (`certified_norms` decides on the same `fresh` and `norm`)."""
+    p, k, wide = _oriented_shape(kernel.shape)
+    hinted = hint is not None and hint.shape.num_elements() == (p if wide else k)
+
+    def unused():
+        return [tf.zeros([k, k]), tf.zeros([3])] + ([tf.zeros([k])] if hinted else [])
+
+    return tf.cond(tf.logical_and(fresh, tf.math.is_finite(norm)), unused,
+                   lambda: _chunked_gram(kernel, hint if hinted else None))
 
 
 def dense_spectral_norm_upper(kernel):

@@ -16,9 +16,31 @@ kernels used without oneDNN are correct. The variable must be set before
 TensorFlow is first imported, which is why it lives here.
 """
 
+import json
 import os
+import tempfile
 
 os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+
+
+def _write_art_config():
+    """adversarial-robustness-toolbox writes ``~/.art/config.json`` at its first import, with
+    no lock: on a fresh machine, pytest-xdist workers importing it at once race, and one that
+    sees the file appear between ART's two checks fails its collection with ``NameError:
+    name '_config' is not defined``. The session writes ART's default file first (this
+    conftest is loaded before the workers start), atomically."""
+    home = os.path.expanduser("~")
+    folder = os.path.join(home if os.access(home, os.W_OK) else "/tmp", ".art")
+    path = os.path.join(folder, "config.json")
+    if os.path.exists(path):
+        return
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as out:
+        json.dump({"ART_DATA_PATH": os.path.join(folder, "data")}, out, indent=4)
+    os.replace(out.name, path)
+
+
+_write_art_config()
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402

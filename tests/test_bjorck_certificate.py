@@ -25,7 +25,8 @@ from lipdp.layers._projection import ProjectionConfig, project_kernel
 from lipdp.losses import DP_TauCategoricalCrossentropy
 from lipdp.metadata import DatasetMetadata, DPParameters
 from lipdp.model import DP_Sequential
-from lipdp.operator_norms import certified_norms, dense_spectral_norm_upper
+from lipdp.operator_norms import (certified_norms, dense_spectral_norm_upper,
+                                  without_projection_certificate)
 from tests._soundness import (adversarial_inputs, assert_within_bounds, maximize_gradient_norm,
                               one_hot_labels, per_example_gradient_norms)
 
@@ -140,6 +141,13 @@ def test_the_projection_certifies_squarish_kernels_orthogonalised_every_step():
     assert project_kernel(square, u, config, 10)[2] is None
     no_bjorck = ProjectionConfig(eps_bjorck=None)
     assert project_kernel(square, u, no_bjorck, 10, certify=True)[2] is None
+    # One iteration a projection: any kernel, elongated ones too, runs the certifying loop.
+    for shape in ((400, 48), (48, 400)):
+        kernel = tf.constant(_near_orthogonal(shape, seed=0, step=1e-3))
+        projected, _, certificate = project_kernel(
+            kernel, tf.ones((1, shape[1])), ProjectionConfig(maxiter_bjorck=1), 10,
+            certify=True)
+        assert _norm(projected) <= float(certificate) <= _norm(projected) * 1.001
 
 
 def _fresh(layer):
@@ -311,3 +319,80 @@ def test_one_warm_started_bjorck_iteration_a_step_keeps_kernels_orthogonal_and_c
         assert singular_values[0] <= _bound(layer) <= singular_values[0] * 1.001
     assert spread["one"] < 1e-4
     assert spread["one"] > 10 * spread["converged"]
+
+
+def test_one_iteration_a_step_certifies_elongated_kernels_and_spares_their_gram_matrix(
+        monkeypatch):
+    """``maxiter_bjorck=1`` on the paper's CNN's 3136 x 512 dense kernel (elongated and large:
+    the bound pass would compute its chunked Gram matrix): the layer builds with deel-lip's
+    full loop (a cold start: no certificate, the bound pass certifies from scratch), then each
+    projection runs one certifying iteration, and while the kernel is the one certified the
+    bound pass neither forms the chunked Gram matrix nor certifies on the host; any other write
+    brings both back. The projection's certificate is tighter than the chunked one here."""
+    tf.keras.utils.set_random_seed(0)
+    layer = DP_QuickSpectralDense(512, use_bias=False, maxiter_bjorck=1)
+    layer.build((None, 3136))
+    assert not _fresh(layer)
+    scratch = _bound(layer)
+    assert _norm(layer.kernel.numpy()) <= scratch
+    layer.project()
+    assert _fresh(layer)
+    cached = float(layer.certificate_cache()[1])
+    norm = _norm(layer.kernel.numpy())
+    assert norm <= cached <= norm * 1.0025
+    assert cached < float(certified_norms([without_projection_certificate(
+        layer.certified_norm_request())])[0])
+    monkeypatch.setattr(operator_norms, "_chunked_gram", lambda *a: 1 / 0)
+    monkeypatch.setattr(operator_norms, "chunked_dense_norm_upper", lambda *a, **k: 1 / 0)
+    assert _bound(layer) == cached
+    monkeypatch.undo()
+    layer.kernel.assign(layer.kernel * 1.5)
+    assert not _fresh(layer)
+    assert 1.5 * norm <= _bound(layer) <= 1.5 * norm * 1.005
+    assert layer.certified_norm_request()[0] == "cached-dense"
+    default = DP_QuickSpectralDense(512, use_bias=False)
+    default.build((None, 3136))
+    assert default.certificate_cache() is None
+
+
+def test_a_model_projected_with_one_iteration_bounds_exact_gradients_with_its_certificates(
+        monkeypatch):
+    """Training with one Björck iteration a step, on an elongated hidden kernel whose
+    from-scratch certificate is the chunked one (its thresholds lowered to this small
+    kernel): the step's bounds, the projection's certificate inside, hold for exact
+    per-example gradients on adversarial and gradient-ascent inputs, and fail with that
+    certificate at 1/1.4."""
+    monkeypatch.setattr(operator_norms, "CHUNKED_GRAM_MIN_WORK", 2 ** 12)
+    tf.keras.utils.set_random_seed(0)
+    model = DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(192,)),
+         DP_QuickSpectralDense(48, use_bias=False, maxiter_bjorck=1),
+         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False, maxiter_bjorck=1)],
+        dp_parameters=DPParameters(1.0, 1e-5),
+        dataset_metadata=DatasetMetadata((192,), 10, 64, 16, 32, 1.0, "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(10.0),
+                  optimizer=tf.keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(64, 192)).astype(np.float32) / 14.0
+    y = tf.one_hot(rng.integers(0, 10, 64), 10)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    hidden = model.layers[1]
+    assert hidden.certified_norm_request()[0] == "cached-dense"
+    assert operator_norms._chunked(hidden.kernel.shape)
+    assert _fresh(hidden) and _fresh(model.layers[3])
+    cached = _bound(hidden)
+    norm = _norm(hidden.kernel.numpy())
+    assert norm <= cached <= norm * 1.001
+    bounds = gradient_bounds(model)
+    loss = model.dp_loss
+    x_adv = adversarial_inputs(rng, (192,), 1.0)
+    y_adv = one_hot_labels(rng, len(x_adv), 10)
+    assert_within_bounds(per_example_gradient_norms(model, loss, x_adv, y_adv), bounds,
+                         "one iteration a step, certified by the projection")
+    successor = model.layers[3].kernel
+    x_max = maximize_gradient_norm(model, loss, x_adv[:2], y_adv[:2], successor, 1.0, steps=30)
+    norms = per_example_gradient_norms(model, loss, x_max, y_adv[:2])
+    assert_within_bounds(norms, bounds, "gradient ascent")
+    hidden._certificate_cache[1].assign(cached / 1.4)
+    with pytest.raises(AssertionError):
+        assert_within_bounds(norms, gradient_bounds(model), "certificate / 1.4")

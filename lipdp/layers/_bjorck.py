@@ -23,8 +23,9 @@ and ``P`` avoids the cancellations of ``I - W^T W`` and ``W_0 P`` near orthogona
 result agrees with deel-lip's to float32 rounding and is as orthogonal
 (`tests/test_gram_bjorck.py`). A wide kernel (m < n) is handled the same way on ``W W^T``.
 
-A squarer kernel keeps deel-lip's iterates in its own space, written so that the last
-iteration certifies its result (`certifying_bjorck`): ``W_K = fl(V P^)`` with V the last input,
+A squarer kernel, or any kernel projected with a single iteration (Gram space saves nothing
+then), keeps deel-lip's iterates in its own space, written so that the last iteration
+certifies its result (`certifying_bjorck`): ``W_K = fl(V P^)`` with V the last input,
 ``P^ = fl(a I - b G^)`` and ``G^`` V's Gram matrix computed in float32 blocks; in exact
 arithmetic ``||V p(G)||^2 = max_i f(lambda_i(G))`` with ``f(l) = l (a - b l)^2``, at most 1
 when ``lambda_max(G) <= 4`` (a = 1.5, b = 0.5), and the rounding of each step is bounded from
@@ -63,10 +64,12 @@ def orthogonalise(w, eps, beta, maxiter):
     return bjorck_normalization(w, eps=eps, beta=beta, maxiter=maxiter)
 
 
-def runs_certifying_bjorck(rows, cols) -> bool:
-    """Whether a rows x cols kernel orthogonalised every step runs `certifying_bjorck`: its
-    sides differ by less than `GRAM_SPACE_MIN_ASPECT` (longer ones run in Gram space)."""
-    return max(rows, cols) < GRAM_SPACE_MIN_ASPECT * min(rows, cols)
+def runs_certifying_bjorck(rows, cols, maxiter=None) -> bool:
+    """Whether a rows x cols kernel orthogonalised every step, at most `maxiter` iterations
+    a projection, runs `certifying_bjorck`: its sides differ by less than
+    `GRAM_SPACE_MIN_ASPECT` (longer ones run in Gram space), or it runs one iteration, which
+    costs one Gram matrix and one product in either space."""
+    return maxiter == 1 or max(rows, cols) < GRAM_SPACE_MIN_ASPECT * min(rows, cols)
 
 
 def certifying_bjorck(w, eps, beta, maxiter):

@@ -68,6 +68,13 @@ class ProjectionConfig:
     def get_config(self):
         return {key: getattr(self, key) for key in self.KEYS}
 
+    def from_cold_start(self):
+        """This configuration for a kernel far from orthogonal (at build): at least
+        deel-lip's iteration count, so that fewer iterations a step (``maxiter_bjorck=1``)
+        start from a converged kernel and each later projection from the last one."""
+        return ProjectionConfig(**{**self.get_config(), "maxiter_bjorck": max(
+            self.maxiter_bjorck, DEFAULT_MAXITER_BJORCK)})
+
 
 def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, certify=False):
     """Project a kernel onto (approximately) the orthonormal matrices, robustly.
@@ -86,8 +93,10 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, cert
     converges). Privacy never depends on this: bounds use certified norms.
 
     With `certify`, a kernel orthogonalised at every step whose sides differ by less than
-    `GRAM_SPACE_MIN_ASPECT` runs `lipdp.layers._bjorck.certifying_bjorck` (deel-lip's
-    iterates, to float32 rounding) and its result comes with a certified spectral norm.
+    `GRAM_SPACE_MIN_ASPECT`, or any kernel orthogonalised at every step with one Björck
+    iteration (``maxiter_bjorck=1``), runs `lipdp.layers._bjorck.certifying_bjorck`
+    (deel-lip's iterates, to float32 rounding) and its result comes with a certified
+    spectral norm.
 
     Returns:
         ``(projected kernel with the input's shape, new power-iteration vector,
@@ -106,7 +115,8 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, cert
     matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
     rows, cols = matrix.shape
     every_step = config.eps_bjorck is not None and orthogonalise is True
-    certified = (certify and every_step and runs_certifying_bjorck(rows, cols)
+    certified = (certify and every_step
+                 and runs_certifying_bjorck(rows, cols, config.maxiter_bjorck)
                  and float32_products_rounded_to_nearest(device_products=True))
 
     def bjorck(w):
@@ -128,7 +138,7 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, cert
             return tf.cond(finite, lambda: candidate, lambda: restart()[0]), None
         return tf.cond(finite, lambda: (candidate, certificate), restart)
 
-    if every_step and rows >= GRAM_SPACE_MIN_ASPECT * cols:
+    if every_step and not certified and rows >= GRAM_SPACE_MIN_ASPECT * cols:
         # Every step orthogonalises a tall kernel: the power iteration and Björck share
         # one Gram matrix (`normalised_gram_space_bjorck`).
         candidate, u = normalised_gram_space_bjorck(
@@ -183,8 +193,9 @@ class ProjectedKernelMixin:
     #: Whether the layer gets a certificate cache (`_build_certificate_cache`), through which
     #: its projection's certificate serves the bound pass: for layers whose certified norm is
     #: the spectral norm of the kernel the projection returns (dense layers; a convolution's
-    #: is its operator norm), when that kernel's sides differ by less than a factor 3
-    #: (`runs_certifying_bjorck`). The projections of a layer with a cache certify.
+    #: is its operator norm), when that kernel's sides differ by less than a factor 3 or its
+    #: projection runs one Björck iteration (`runs_certifying_bjorck`). The projections of a
+    #: layer with a cache certify.
     _keeps_projection_certificate = False
 
     def _build_projection(self, nb_outputs):
@@ -199,10 +210,11 @@ class ProjectedKernelMixin:
             initializer=tf.keras.initializers.RandomNormal(seed=None),
         )
         if self._keeps_projection_certificate and runs_certifying_bjorck(
-                math.prod(self.kernel.shape[:-1]), self.kernel.shape[-1]):
+                math.prod(self.kernel.shape[:-1]), self.kernel.shape[-1],
+                self.projection.maxiter_bjorck):
             self._build_certificate_cache()
         with tf.init_scope():
-            self._project(BUILD_MAXITER_SPECTRAL)
+            self._project(BUILD_MAXITER_SPECTRAL, cold_start=True)
 
     def _build_certificate_cache(self):
         """``(certified kernel, its certified spectral norm)``: what the last certifying
@@ -236,10 +248,11 @@ class ProjectedKernelMixin:
         certified_kernel, norm = cache
         return tf.reduce_all(tf.equal(self.bounded_kernel(), certified_kernel)), norm
 
-    def _project(self, maxiter_spectral, orthogonalise=True):
+    def _project(self, maxiter_spectral, orthogonalise=True, cold_start=False):
         cache = getattr(self, "_certificate_cache", None)
+        config = self.projection.from_cold_start() if cold_start else self.projection
         kernel, u, certificate = project_kernel(
-            self.kernel, self.u, self.projection, maxiter_spectral, orthogonalise,
+            self.kernel, self.u, config, maxiter_spectral, orthogonalise,
             certify=cache is not None and _CERTIFYING[-1])
         self._store_projection(kernel)
         self.u.assign(u)
