@@ -141,12 +141,16 @@ def test_the_projection_certifies_squarish_kernels_orthogonalised_every_step():
     assert project_kernel(square, u, config, 10)[2] is None
     no_bjorck = ProjectionConfig(eps_bjorck=None)
     assert project_kernel(square, u, no_bjorck, 10, certify=True)[2] is None
-    # One iteration a projection: any kernel, elongated ones too, runs the certifying loop.
+    # One iteration a projection: an elongated kernel runs the certifying loop too when it is
+    # large enough for a chunked certificate (its threshold lowered here), not below.
+    one = ProjectionConfig(maxiter_bjorck=1)
     for shape in ((400, 48), (48, 400)):
         kernel = tf.constant(_near_orthogonal(shape, seed=0, step=1e-3))
-        projected, _, certificate = project_kernel(
-            kernel, tf.ones((1, shape[1])), ProjectionConfig(maxiter_bjorck=1), 10,
-            certify=True)
+        assert project_kernel(kernel, tf.ones((1, shape[1])), one, 10, certify=True)[2] is None
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(operator_norms, "CHUNKED_GRAM_MIN_WORK", 400 * 48 * 48)
+            projected, _, certificate = project_kernel(kernel, tf.ones((1, shape[1])), one,
+                                                       10, certify=True)
         assert _norm(projected) <= float(certificate) <= _norm(projected) * 1.001
 
 
@@ -353,6 +357,9 @@ def test_one_iteration_a_step_certifies_elongated_kernels_and_spares_their_gram_
     default = DP_QuickSpectralDense(512, use_bias=False)
     default.build((None, 3136))
     assert default.certificate_cache() is None
+    small = DP_QuickSpectralDense(10, use_bias=False, maxiter_bjorck=1)  # 1024 x 10: the
+    small.build((None, 1024))  # bound pass's float64 certificate is cheaper than a host call
+    assert small.certificate_cache() is None
 
 
 def test_a_model_projected_with_one_iteration_bounds_exact_gradients_with_its_certificates(
