@@ -215,48 +215,62 @@ def test_the_cache_is_no_weight_and_convolutions_and_elongated_kernels_have_none
     assert head.certified_norm_request()[0] == "dense"
 
 
+def _trained_mlp(inputs, optimizer, seed=0, samples=64, batch=32, hidden_maxiter=None,
+                 head_maxiter=None):
+    """``(model, rng)``: ``inputs -> 48 -> GroupSort2 -> 10`` (no biases, inputs of norm about
+    0.58 under a bound of 1) after one epoch of `samples` examples in batches of `batch`,
+    the dense layers projected with at most `hidden_maxiter` / `head_maxiter` Björck
+    iterations a step (None: deel-lip's loop)."""
+    tf.keras.utils.set_random_seed(seed)
+    model = DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(inputs,)),
+         DP_QuickSpectralDense(48, use_bias=False, maxiter_bjorck=hidden_maxiter),
+         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False, maxiter_bjorck=head_maxiter)],
+        dp_parameters=DPParameters(1.0, 1e-5),
+        dataset_metadata=DatasetMetadata((inputs,), 10, samples, 16, batch, 1.0, "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(10.0), optimizer=optimizer)
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(size=(samples, inputs)).astype(np.float32) / np.sqrt(inputs)
+    y = tf.one_hot(rng.integers(0, 10, samples), 10)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    return model, rng
+
+
+def _assert_bounds_hold_with_the_cached_certificate(model, rng, cached):
+    """The step's bounds, the hidden layer's cached certificate (`cached`) and all, hold for
+    exact per-example gradients on adversarial inputs (random inside, on and beyond the input
+    bound, constant images, a hot pixel) and on inputs optimised for the certified layer's
+    successor's gradient, whose bound is the one the certificate scales; a certificate at
+    1/1.4 of the cached one (a wrong proof) makes that bound fail."""
+    hidden, successor = model.layers[1], model.layers[3].kernel
+    bounds = gradient_bounds(model)
+    loss = model.dp_loss
+    x_adv = adversarial_inputs(rng, model.input_shape[1:], 1.0)
+    y_adv = one_hot_labels(rng, len(x_adv), 10)
+    assert_within_bounds(per_example_gradient_norms(model, loss, x_adv, y_adv), bounds,
+                         "trained, certified by the projection")
+    x_max = maximize_gradient_norm(model, loss, x_adv[:2], y_adv[:2], successor, 1.0, steps=30)
+    norms = per_example_gradient_norms(model, loss, x_max, y_adv[:2])
+    assert_within_bounds(norms, bounds, "gradient ascent")
+    hidden._certificate_cache[1].assign(cached / 1.4)
+    with pytest.raises(AssertionError):
+        assert_within_bounds(norms, gradient_bounds(model), "certificate / 1.4")
+    hidden._certificate_cache[1].assign(cached)
+
+
 def test_a_trained_and_reloaded_model_bounds_its_gradients_with_fresh_certificates(tmp_path):
     """Training steps certify the projected kernels (the cache is fresh after each step and
     the bounds match the from-scratch ones within the certificate's 0.1% here), and the
     step's bounds hold for exact per-example gradients on adversarial inputs; a model
     reloaded from disk starts with stale caches (its build certified the initial kernels)
     and bounds with from-scratch certificates."""
-    tf.keras.utils.set_random_seed(0)
-    model = DP_Sequential(
-        [DP_BoundedInput(1.0, input_shape=(64,)), DP_QuickSpectralDense(48, use_bias=False),
-         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False)],
-        dp_parameters=DPParameters(1.0, 1e-5),
-        dataset_metadata=DatasetMetadata((64,), 10, 64, 16, 32, 1.0, "shuffle"))
-    model.compile(loss=DP_TauCategoricalCrossentropy(10.0),
-                  optimizer=tf.keras.optimizers.SGD(0.1))
-    rng = np.random.default_rng(0)
-    x = rng.uniform(size=(64, 64)).astype(np.float32) / 8.0
-    y = tf.one_hot(rng.integers(0, 10, 64), 10)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model, rng = _trained_mlp(64, tf.keras.optimizers.SGD(0.1))
     hidden = model.layers[1]
     assert _fresh(hidden)
     cached = _bound(hidden)
     scratch = float(dense_spectral_norm_upper(hidden.kernel))
     assert scratch <= cached <= scratch * 1.001
-    # The step's bounds, cached certificate and all, hold for exact per-example gradients on
-    # adversarial inputs (random inside, on and beyond the input bound, constant images, a hot
-    # pixel) and on inputs optimised for the certified layer's successor's gradient, whose
-    # bound is the one the certificate scales.
-    bounds = gradient_bounds(model)
-    loss = model.dp_loss
-    x_adv = adversarial_inputs(rng, (64,), 1.0)
-    y_adv = one_hot_labels(rng, len(x_adv), 10)
-    assert_within_bounds(per_example_gradient_norms(model, loss, x_adv, y_adv), bounds,
-                         "trained, certified by the projection")
-    successor = model.layers[3].kernel
-    x_max = maximize_gradient_norm(model, loss, x_adv[:2], y_adv[:2], successor, 1.0, steps=30)
-    norms = per_example_gradient_norms(model, loss, x_max, y_adv[:2])
-    assert_within_bounds(norms, bounds, "gradient ascent")
-    # A certificate at 1/1.4 of the cached one (a wrong proof) makes that bound fail.
-    hidden._certificate_cache[1].assign(cached / 1.4)
-    with pytest.raises(AssertionError):
-        assert_within_bounds(norms, gradient_bounds(model), "certificate / 1.4")
-    hidden._certificate_cache[1].assign(cached)
+    _assert_bounds_hold_with_the_cached_certificate(model, rng, cached)
     path = str(tmp_path / "model.keras")
     model.save(path)
     loaded = tf.keras.models.load_model(path)
@@ -290,19 +304,8 @@ def test_classic_dp_sgd_projects_without_certifying_and_compiles_with_xla():
 def _trained_hidden_kernel(maxiter_bjorck):
     """The hidden kernel of a small MLP after 8 Adam steps at the main job's learning rate,
     projected with at most `maxiter_bjorck` Björck iterations a step."""
-    tf.keras.utils.set_random_seed(1)
-    model = DP_Sequential(
-        [DP_BoundedInput(1.0, input_shape=(64,)),
-         DP_QuickSpectralDense(48, use_bias=False, maxiter_bjorck=maxiter_bjorck),
-         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False)],
-        dp_parameters=DPParameters(1.0, 1e-5),
-        dataset_metadata=DatasetMetadata((64,), 10, 128, 16, 16, 1.0, "shuffle"))
-    model.compile(loss=DP_TauCategoricalCrossentropy(10.0),
-                  optimizer=tf.keras.optimizers.Adam(1e-3))
-    rng = np.random.default_rng(1)
-    x = rng.uniform(size=(128, 64)).astype(np.float32) / 8.0
-    y = tf.one_hot(rng.integers(0, 10, 128), 10)
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model, _ = _trained_mlp(64, tf.keras.optimizers.Adam(1e-3), seed=1, samples=128, batch=16,
+                            hidden_maxiter=maxiter_bjorck)
     return model.layers[1]
 
 
@@ -370,19 +373,8 @@ def test_a_model_projected_with_one_iteration_bounds_exact_gradients_with_its_ce
     per-example gradients on adversarial and gradient-ascent inputs, and fail with that
     certificate at 1/1.4."""
     monkeypatch.setattr(operator_norms, "CHUNKED_GRAM_MIN_WORK", 2 ** 12)
-    tf.keras.utils.set_random_seed(0)
-    model = DP_Sequential(
-        [DP_BoundedInput(1.0, input_shape=(192,)),
-         DP_QuickSpectralDense(48, use_bias=False, maxiter_bjorck=1),
-         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False, maxiter_bjorck=1)],
-        dp_parameters=DPParameters(1.0, 1e-5),
-        dataset_metadata=DatasetMetadata((192,), 10, 64, 16, 32, 1.0, "shuffle"))
-    model.compile(loss=DP_TauCategoricalCrossentropy(10.0),
-                  optimizer=tf.keras.optimizers.SGD(0.1))
-    rng = np.random.default_rng(0)
-    x = rng.uniform(size=(64, 192)).astype(np.float32) / 14.0
-    y = tf.one_hot(rng.integers(0, 10, 64), 10)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model, rng = _trained_mlp(192, tf.keras.optimizers.SGD(0.1), hidden_maxiter=1,
+                              head_maxiter=1)
     hidden = model.layers[1]
     assert hidden.certified_norm_request()[0] == "cached-dense"
     assert operator_norms._chunked(hidden.kernel.shape)
@@ -390,16 +382,4 @@ def test_a_model_projected_with_one_iteration_bounds_exact_gradients_with_its_ce
     cached = _bound(hidden)
     norm = _norm(hidden.kernel.numpy())
     assert norm <= cached <= norm * 1.001
-    bounds = gradient_bounds(model)
-    loss = model.dp_loss
-    x_adv = adversarial_inputs(rng, (192,), 1.0)
-    y_adv = one_hot_labels(rng, len(x_adv), 10)
-    assert_within_bounds(per_example_gradient_norms(model, loss, x_adv, y_adv), bounds,
-                         "one iteration a step, certified by the projection")
-    successor = model.layers[3].kernel
-    x_max = maximize_gradient_norm(model, loss, x_adv[:2], y_adv[:2], successor, 1.0, steps=30)
-    norms = per_example_gradient_norms(model, loss, x_max, y_adv[:2])
-    assert_within_bounds(norms, bounds, "gradient ascent")
-    hidden._certificate_cache[1].assign(cached / 1.4)
-    with pytest.raises(AssertionError):
-        assert_within_bounds(norms, gradient_bounds(model), "certificate / 1.4")
+    _assert_bounds_hold_with_the_cached_certificate(model, rng, cached)
