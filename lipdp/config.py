@@ -46,8 +46,9 @@ Schema (defaults shown)::
       maxiter_bjorck: null     # Björck iterations per projection of the dense and conv
                                #   layers (null: deel-lip's 15, stopping at its tolerance; 1:
                                #   one iteration a step from the last projection's kernel,
-                               #   which also certifies every dense kernel: faster; README,
-                               #   Speed); the build projects with deel-lip's loop either way
+                               #   which certifies the square-ish and large dense kernels:
+                               #   faster; README, Speed); the build projects with deel-lip's
+                               #   loop either way
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce

@@ -31,7 +31,8 @@ float32 precision for speed (``ONEDNN_DEFAULT_FPMATH_MODE`` set to anything but
 more than the chunked one and its certificate stays within 1e-5 of the norm.
 
 A dense kernel exactly as its last projection left it (Björck every step, sides within a
-factor 3 or a single Björck iteration) comes with that projection's certificate
+factor 3, or a single Björck iteration on a kernel that would get the chunked certificate)
+comes with that projection's certificate
 (`lipdp.layers._bjorck.certifying_bjorck`): the gradient bound pass uses it instead of a Gram
 matrix, chunked or not (``"cached-dense"`` requests); what
 is reported for a trained model (Lipschitz constant, certified radii) is certified from the
@@ -92,7 +93,7 @@ def certified_norms(requests):
         cached = kind == "cached-dense"
         if cached:
             kind = "dense"
-        if kind == "dense" and _chunked(tensors[0].shape):
+        if kind == "dense" and chunked_certificate(tensors[0].shape):
             if cached:  # projected with one Björck iteration (`runs_certifying_bjorck`)
                 kernel, fresh, norm = tensors[:3]
                 tensors = ([kernel] + _chunked_gram_unless_cached(kernel, fresh, norm,
@@ -149,7 +150,7 @@ def _oriented_shape(shape):
     return max(rows, cols), min(rows, cols), rows < cols
 
 
-def _chunked(shape) -> bool:
+def chunked_certificate(shape) -> bool:
     """Whether the dense kernel of `shape` gets the chunked float32 Gram matrix: fully known,
     large and elongated (`CHUNKED_GRAM_MIN_WORK`, `CHUNKED_GRAM_MIN_ASPECT`), and float32
     products rounded to nearest (oneDNN's default ``strict`` floating-point mode)."""
@@ -184,6 +185,15 @@ def _chunking(shape):
     return -(-p // chunks), chunks
 
 
+def _usable_hint(kernel, hint):
+    """`hint` when it has one entry per column of the dense `kernel` reshaped to ``(-1, out)``
+    (the layer's power-iteration vector: it starts `_chunked_gram`'s estimate), else None."""
+    p, k, wide = _oriented_shape(kernel.shape)
+    if hint is None or hint.shape.num_elements() != (p if wide else k):
+        return None
+    return hint
+
+
 def _chunked_gram(kernel, hint=None):
     """``[gram, stats]`` (plus the start vector when `hint` is given) of
     `lipdp.gram_certificates.chunked_dense_norm_upper`, computed by TensorFlow on the CPU."""
@@ -192,7 +202,7 @@ def _chunked_gram(kernel, hint=None):
     with tf.device("/CPU:0"):
         w = tf.reshape(tf.cast(kernel, tf.float32), [k, p] if wide else [p, k])
         extra = []
-        if hint is not None and hint.shape.num_elements() == (p if wide else k):
+        if _usable_hint(kernel, hint) is not None:
             hint = tf.reshape(tf.cast(hint, tf.float32), [-1])
             extra = [tf.linalg.matvec(w, hint) if wide else hint]
         if wide:
@@ -210,14 +220,14 @@ def _chunked_gram_unless_cached(kernel, fresh, norm, hint=None):
     """`_chunked_gram`'s tensors when the projection's certificate cannot serve (stale or
     not finite), zeros of their shapes, never read, when it can: the Gram matrix is then not
     computed at all (`certified_norms` decides on the same `fresh` and `norm`)."""
-    p, k, wide = _oriented_shape(kernel.shape)
-    hinted = hint is not None and hint.shape.num_elements() == (p if wide else k)
+    k = _oriented_shape(kernel.shape)[1]
+    hint = _usable_hint(kernel, hint)
 
     def unused():
-        return [tf.zeros([k, k]), tf.zeros([3])] + ([tf.zeros([k])] if hinted else [])
+        return [tf.zeros([k, k]), tf.zeros([3])] + ([] if hint is None else [tf.zeros([k])])
 
     return tf.cond(tf.logical_and(fresh, tf.math.is_finite(norm)), unused,
-                   lambda: _chunked_gram(kernel, hint if hinted else None))
+                   lambda: _chunked_gram(kernel, hint))
 
 
 def dense_spectral_norm_upper(kernel):

@@ -313,8 +313,9 @@ def test_one_warm_started_bjorck_iteration_a_step_keeps_kernels_orthogonal_and_c
     """``maxiter_bjorck=1`` (config ``model.maxiter_bjorck``): each projection starts from the
     kernel the last one left, moved by one optimizer step, so a single iteration (which
     about squares the distance of every singular value to 1) keeps the kernel within 1e-4
-    of orthogonal (3e-5 here; 5e-3 at ten times the learning rate), and its certificate still bounds the exact norm. It is one iteration: the
-    kernel is measurably less orthogonal than deel-lip's converged loop leaves it."""
+    of orthogonal (3e-5 here; 5e-3 at ten times the learning rate), and its certificate
+    still bounds the exact norm. It is one iteration: the kernel is measurably less
+    orthogonal than deel-lip's converged loop leaves it."""
     one = _trained_hidden_kernel(1)
     converged = _trained_hidden_kernel(None)
     assert one.projection.maxiter_bjorck == 1
@@ -377,7 +378,7 @@ def test_a_model_projected_with_one_iteration_bounds_exact_gradients_with_its_ce
                               head_maxiter=1)
     hidden = model.layers[1]
     assert hidden.certified_norm_request()[0] == "cached-dense"
-    assert operator_norms._chunked(hidden.kernel.shape)
+    assert operator_norms.chunked_certificate(hidden.kernel.shape)
     assert _fresh(hidden) and _fresh(model.layers[3])
     cached = _bound(hidden)
     norm = _norm(hidden.kernel.numpy())

@@ -41,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from lipdp import operator_norms
 from lipdp.gram_certificates import bjorck_step_norm_upper
 
 # Gram-space iterations pay when the long side is at least this many times the short one
@@ -68,18 +69,13 @@ def runs_certifying_bjorck(rows, cols, maxiter=None) -> bool:
     """Whether a rows x cols kernel orthogonalised every step, at most `maxiter` iterations
     a projection, runs `certifying_bjorck`: its sides differ by less than
     `GRAM_SPACE_MIN_ASPECT` (longer ones run in Gram space), or it runs one iteration (one
-    Gram matrix and one product in either space) and is large enough for its certificate from
-    scratch to be the chunked Gram matrix (`lipdp.operator_norms.CHUNKED_GRAM_MIN_WORK`): a
-    small kernel's float64 certificate in the bound pass's one host call costs less than a
-    host call of its own (the main job's 1024 x 10 output layer certified by its projection
-    made the step 1.6-3.6% slower)."""
-    from lipdp import operator_norms
-
-    long_side, short_side = max(rows, cols), min(rows, cols)
-    if long_side < GRAM_SPACE_MIN_ASPECT * short_side:
+    Gram matrix and one product in either space) and its certificate from scratch would be
+    the chunked Gram matrix (`lipdp.operator_norms`): a smaller kernel's float64 certificate
+    in the bound pass's one host call costs less than a host call of its own (the main job's
+    1024 x 10 output layer certified by its projection made the step 1.6-3.6% slower)."""
+    if max(rows, cols) < GRAM_SPACE_MIN_ASPECT * min(rows, cols):
         return True
-    return (maxiter == 1
-            and long_side * short_side ** 2 >= operator_norms.CHUNKED_GRAM_MIN_WORK)
+    return maxiter == 1 and operator_norms.chunked_certificate(tf.TensorShape([rows, cols]))
 
 
 def certifying_bjorck(w, eps, beta, maxiter):

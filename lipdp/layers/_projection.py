@@ -93,8 +93,9 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, cert
     converges). Privacy never depends on this: bounds use certified norms.
 
     With `certify`, a kernel orthogonalised at every step whose sides differ by less than
-    `GRAM_SPACE_MIN_ASPECT`, or any kernel orthogonalised at every step with one Björck
-    iteration (``maxiter_bjorck=1``), runs `lipdp.layers._bjorck.certifying_bjorck`
+    `GRAM_SPACE_MIN_ASPECT`, or one orthogonalised at every step with one Björck iteration
+    (``maxiter_bjorck=1``) whose certificate from scratch would be the chunked Gram matrix
+    (`lipdp.layers._bjorck.runs_certifying_bjorck`), runs `lipdp.layers._bjorck.certifying_bjorck`
     (deel-lip's iterates, to float32 rounding) and its result comes with a certified
     spectral norm.
 
@@ -194,8 +195,8 @@ class ProjectedKernelMixin:
     #: its projection's certificate serves the bound pass: for layers whose certified norm is
     #: the spectral norm of the kernel the projection returns (dense layers; a convolution's
     #: is its operator norm), when that kernel's sides differ by less than a factor 3 or its
-    #: projection runs one Björck iteration (`runs_certifying_bjorck`). The projections of a
-    #: layer with a cache certify.
+    #: projection runs one Björck iteration on a kernel large enough for the chunked
+    #: certificate (`runs_certifying_bjorck`). The projections of a layer with a cache certify.
     _keeps_projection_certificate = False
 
     def _build_projection(self, nb_outputs):
