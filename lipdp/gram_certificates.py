@@ -10,7 +10,9 @@ LAPACK; ``gamma_n = n u / (1 - n u)``; complex arithmetic is covered by taking
    summation order): ``|G^ - G| <= gamma_p |K|^H |K|`` entry-wise (Higham eq. 3.13),
    so ``||G^ - G||_2 <= gamma_p || |K| ||_2^2 <= gamma_p ||K||_F^2 =: e_G``. A
    matrix K itself computed with error (the Fourier transform of a convolution
-   kernel) is handled by Weyl: ``sigma_max(K) <= sigma_max(K^) + ||K - K^||_2``.
+   kernel) is handled by Weyl: ``sigma_max(K) <= sigma_max(K^) + ||K - K^||_2``; or the
+   convolution's Gram matrices are formed from products of its taps, with their error
+   against those of the exact transform (`_grams_by_tap_pairs`).
 2. **Near-orthogonal shortcut** (one real matrix): for any c and unit v,
    ``v^T G v <= v^T G^ v + e_G <= c + ||G^ - c I||_F + e_G``. With c the mean of the
    diagonal, this is the bound when ``||G^ - c I||_F <= 1e-4 c`` (what Björck leaves:
@@ -82,6 +84,10 @@ LANCZOS_STEPS = 30
 # and orthogonal 3x3x32x64 kernels, in 0.7x the time; 10 and 4 missed on a Gaussian 64->32).
 POWER_ITERATIONS = 10
 POWER_CANDIDATES = 8
+#: A complex exponential's time in real multiply-adds, in numpy on a 2-core CPU (about 35 ns
+#: against 0.13 ns): it decides between the two ways to the frequency Gram matrices of a
+#: convolution (`conv_norm_upper`).
+TWIDDLE_COST = 256
 _FINAL_SLACK = 1.0 + 16.0 * U64
 
 
@@ -373,37 +379,115 @@ def conv_norm_upper(kernel, grid) -> np.float32:
     the ``grid = (nh, nw)`` torus, for a float32 ``(kh, kw, C_in, C_out)`` kernel:
     the operator norm of the circular convolution (`lipdp.operator_norms`).
 
-    ``K_hat(w) = sum_t k_t z_t(w)`` with ``|z_t| = 1`` is computed as one product
-    of a twiddle matrix with the kernel, on the half spectrum ``w_2 <= nw / 2``
-    (a real kernel has ``K_hat(-w) = conj(K_hat(w))``, same singular values). The
-    twiddles' phases ``((w_1 a) mod nh) / nh + ((w_2 b) mod nw) / nw`` are within
-    ``5u`` of exact, times ``2 pi`` (|angle| < 4 pi) and cos/sin within an ulp: each
-    twiddle is within ``70u`` of exact; with the complex products and sums of T = kh kw
-    terms (``gamma_{4T}``), each entry is within ``(70u + 1.01 gamma_{4T}) sum_t |k_t|
-    <= (70u + 1.01 gamma_{4T}) sqrt(T) ||k_.||`` of exact (Cauchy-Schwarz), so
-    ``||K_hat(w) - K_hat^(w)||_2 <= (70u + 1.01 gamma_{4T}) sqrt(T) ||k||_F =: e_K``.
-    Then ``sigma_max <= sqrt(lambda bound of the Gram matrices) + e_K``.
+    ``K_hat(w) = sum_t z_t(w) k_t`` over the T = kh kw taps ``t = (a, b)``, with
+    ``z_t(w) = exp(-2 pi i phi_t(w))``, ``phi_t(w) = w_1 a / nh + w_2 b / nw`` and ``k_t`` the
+    ``C_in x C_out`` slice of the tap, taken on the half spectrum ``w_2 <= nw / 2`` (a real
+    kernel has ``K_hat(-w) = conj(K_hat(w))``, same singular values). The Gram matrices of the
+    smaller side (n = min(C_in, C_out); m the other side; a kernel with more inputs is handled
+    through its transposed slices, whose Gram matrices are the conjugates: same eigenvalues)
+    are computed by whichever of two exact identities costs fewer multiply-adds; both are
+    bounded by `max_eigenvalue_upper` from their proven errors (`_grams_by_tap_pairs`,
+    `_grams_by_transform`).
     """
     kh, kw, cin, cout = kernel.shape
     nh, nw = grid
-    k = np.asarray(kernel, np.float32).astype(np.float64).reshape(kh * kw, cin * cout)
-    frobenius = float(np.sqrt(np.sum(k * k))) * (1.0 + gamma64(k.size + 2))
-    if frobenius == 0.0:
+    taps = kh * kw
+    k = np.asarray(kernel, np.float32).astype(np.float64).reshape(taps, cin, cout)
+    if cin > cout:
+        k = np.swapaxes(k, 1, 2)
+    n, m = k.shape[1:]
+    frobenius_sq = float(np.sum(k * k)) * (1.0 + 2.0 * gamma64(k.size + 2))
+    if frobenius_sq == 0.0:
         return np.float32(0.0)
-    if not np.isfinite(frobenius):
+    if not np.isfinite(frobenius_sq):
         return np.float32(np.inf)
-    taps_h, taps_w = np.meshgrid(np.arange(kh), np.arange(kw), indexing="ij")
-    freq_h, freq_w = np.meshgrid(np.arange(nh), np.arange(nw // 2 + 1), indexing="ij")
-    phase = (np.outer(freq_h.ravel(), taps_h.ravel()) % nh / nh
-             + np.outer(freq_w.ravel(), taps_w.ravel()) % nw / nw)
-    twiddles = np.exp(-2j * np.pi * phase)  # (frequencies, taps)
-    k_hat = (twiddles @ k).reshape(-1, cin, cout)
-    transform_error = (70.0 * U64 + 1.01 * gamma64(4 * kh * kw)) * np.sqrt(kh * kw) * frobenius
-    if cin <= cout:
-        grams, inner = k_hat @ np.conj(np.swapaxes(k_hat, 1, 2)), cout
-    else:
-        grams, inner = np.conj(np.swapaxes(k_hat, 1, 2)) @ k_hat, cin
-    largest_sq = float(np.max(np.sum(np.abs(k_hat) ** 2, axis=(1, 2)))) * (1.0 + 2.0 * gamma64(
-        4 * (cin * cout + 2)))
-    lam = max_eigenvalue_upper(grams, gamma64(4 * inner) * largest_sq, complex_arithmetic=True)
+    # The cost of each way in real multiply-adds (a complex one: four; a twiddle, a complex
+    # exponential: TWIDDLE_COST), which picked the faster way on every kernel timed here.
+    frequencies = nh * (nw // 2 + 1)
+    by_pairs = ((frequencies + m) * (taps * n) ** 2
+                + TWIDDLE_COST * frequencies * taps * (taps - 1) // 2)
+    by_transform = 4 * frequencies * n * m * (taps + n) + TWIDDLE_COST * frequencies * taps
+    compute = _grams_by_tap_pairs if by_pairs < by_transform else _grams_by_transform
+    grams, gram_error, transform_error = compute(k, kw, grid, frobenius_sq)
+    lam = max_eigenvalue_upper(grams, gram_error, complex_arithmetic=True)
     return round_up_float32((np.sqrt(max(lam, 0.0)) + transform_error) * _FINAL_SLACK)
+
+
+def _twiddles(offsets_h, offsets_w, grid):
+    """``exp(-2 pi i (((w_1 a) mod nh) / nh + ((w_2 b) mod nw) / nw))`` for every frequency
+    ``w`` of the half spectrum (rows) and every integer tap offset ``(a, b)`` (columns).
+
+    The phase differs from ``w_1 a / nh + w_2 b / nw`` by an integer (the mods are exact
+    integer operations) and is computed within ``5u`` of exact; times ``2 pi`` (``|angle| <
+    4 pi``) and with cos/sin within an ulp, each twiddle is within ``70u`` of exact."""
+    nh, nw = grid
+    freq_h, freq_w = np.meshgrid(np.arange(nh), np.arange(nw // 2 + 1), indexing="ij")
+    phase = (np.outer(freq_h.ravel(), offsets_h) % nh / nh
+             + np.outer(freq_w.ravel(), offsets_w) % nw / nw)
+    return np.exp(-2j * np.pi * phase)
+
+
+def _grams_by_transform(k, kw, grid, frobenius_sq):
+    """``(grams, gram_error, transform_error)``: ``K_hat^ = twiddles @ k`` (one product with
+    the `_twiddles` of the taps), then ``G^ = fl(K_hat^ K_hat^H)`` per frequency.
+
+    Each entry of ``K_hat^`` sums T complex products of a twiddle (within ``70u``) and a
+    real kernel entry: within ``(70u + 1.01 gamma_{4T}) sum_t |k_t| <= (70u + 1.01
+    gamma_{4T}) sqrt(T) ||k_.||`` of exact (Cauchy-Schwarz), so ``||K_hat(w) -
+    K_hat^(w)||_2 <= (70u + 1.01 gamma_{4T}) sqrt(T) ||k||_F =: e_K`` (Weyl: it is added to
+    the singular value); the Gram matrices of ``K_hat^`` have step 1's error with inner
+    dimension m, from ``max_w ||K_hat^(w)||_F^2`` computed here."""
+    taps, n, m = k.shape
+    taps_h, taps_w = np.divmod(np.arange(taps), kw)
+    k_hat = (_twiddles(taps_h, taps_w, grid) @ k.reshape(taps, n * m)).reshape(-1, n, m)
+    grams = k_hat @ np.conj(np.swapaxes(k_hat, 1, 2))
+    largest_sq = float(np.max(np.sum(np.abs(k_hat) ** 2, axis=(1, 2)))) * (1.0 + 2.0 * gamma64(
+        4 * (n * m + 2)))
+    transform_error = ((70.0 * U64 + 1.01 * gamma64(4 * taps)) * np.sqrt(taps)
+                       * np.sqrt(frobenius_sq))
+    return grams, gamma64(4 * m) * largest_sq, transform_error
+
+
+def _grams_by_tap_pairs(k, kw, grid, frobenius_sq):
+    """``(grams, gram_error, 0)``: the Gram matrices from the products of the taps' slices,
+    with no Fourier transform of the kernel.
+
+    Exactly, ``G(w) = K_hat K_hat^H = sum_{t, s} c_ts M_ts`` with ``M_ts = k_t k_s^T``
+    (real n x n) and ``c_ts = z_t conj(z_s)``, the `_twiddles` of the offset ``t - s``; as
+    ``c_st = conj(c_ts)`` and ``M_st = M_ts^T``:
+    ``Re G = sum_t M_tt + sum_{t<s} Re(c_ts) S_ts``, ``Im G = sum_{t<s} Im(c_ts) D_ts``, with
+    ``S_ts = M_ts + M_ts^T`` and ``D_ts = M_ts - M_ts^T``. Computed: every ``M^_ts`` from one
+    product of the stacked slices (inner dimension m), ``S^``, ``D^`` with one rounding, and
+    both parts as products with inner dimension ``L = T (T + 1) / 2`` (coefficients 1 for the
+    diagonal terms, exact).
+
+    Error, entry-wise, with ``B_ts = |k_t| |k_s|^T`` and ``A = sum_t |k_t|``: ``|M^_ts - M_ts|
+    <= gamma_m B_ts`` (Higham eq. 3.13) and ``|M^_ts| <= (1 + gamma_m) B_ts``; ``|S^_ts -
+    S_ts| <= (u (1 + gamma_m) + gamma_m) (B_ts + B_st)``, ``|S^_ts| <= (1 + u) (1 + gamma_m)
+    (B_ts + B_st)`` (and the same for D); each twiddle is within ``70u`` of exact and at most
+    ``1 + 70u`` in modulus; each part's product adds ``gamma_L`` times the sum of its terms'
+    magnitudes. Summing, each part is within ``e A A^T`` of exact, with
+    ``e = (gamma_L (1 + 70u) + 70u) (1 + u) (1 + gamma_m) + u (1 + gamma_m) + gamma_m``
+    (``sum_{t, s} B_ts = A A^T``), so ``|G^ - G| <= 2 e A A^T`` and ``||G^ - G||_2 <=
+    2 e ||A||_2^2 <= 2 e ||A||_F^2 <= 2 e T ||k||_F^2`` (Cauchy-Schwarz over the taps). The
+    bound is on the exact Gram matrices of the exact transform: no transform error."""
+    taps, n, m = k.shape
+    stacked = k.reshape(taps * n, m)
+    products = (stacked @ stacked.T).reshape(taps, n, taps, n).transpose(0, 2, 1, 3)
+    first, second = np.triu_indices(taps, 1)
+    upper = products[first, second]  # M^_ts for t < s: (pairs, n, n)
+    transposed = np.swapaxes(upper, 1, 2)
+    diagonal = products[np.arange(taps), np.arange(taps)]
+    real_terms = np.concatenate([diagonal, upper + transposed]).reshape(-1, n * n)
+    imaginary_terms = (upper - transposed).reshape(-1, n * n)
+    taps_h, taps_w = np.divmod(np.arange(taps), kw)
+    twiddles = _twiddles(taps_h[first] - taps_h[second], taps_w[first] - taps_w[second], grid)
+    real_coefficients = np.concatenate([np.ones((twiddles.shape[0], taps)), twiddles.real], 1)
+    imaginary_coefficients = np.ascontiguousarray(twiddles.imag)  # a strided view: no BLAS
+    grams = np.empty((twiddles.shape[0], n, n), np.complex128)
+    grams.real = (real_coefficients @ real_terms).reshape(-1, n, n)
+    grams.imag = (imaginary_coefficients @ imaginary_terms).reshape(-1, n, n)
+    length = taps * (taps + 1) // 2
+    error = ((gamma64(length) * (1.0 + 70.0 * U64) + 70.0 * U64) * (1.0 + U64)
+             * (1.0 + gamma64(m)) + U64 * (1.0 + gamma64(m)) + gamma64(m))
+    return grams, 2.0 * error * taps * frobenius_sq, 0.0
