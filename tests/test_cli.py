@@ -739,6 +739,22 @@ def test_every_shipped_config_is_valid(name):
     assert cfg["dataset"]["sampling"] == "poisson"
 
 
+@pytest.mark.parametrize("name", ["fashion_mnist_eps1.yaml", "fashion_mnist_eps8.yaml",
+                                  "mnist.yaml"])
+def test_configs_that_mirror_the_main_job_build_its_model(name):
+    """The configs whose header says they take the main job's settings build its model, the
+    Björck iterations included (they kept deel-lip's loop after the main job moved to one)."""
+    main = load_config(os.path.join(REPO, "configs", "fashion_mnist.yaml"))
+    cfg = load_config(os.path.join(REPO, "configs", name))
+    with open(os.path.join(REPO, "configs", name)) as source:
+        header = " ".join(line.lstrip("# ").strip() for line in source.read(300).splitlines())
+    assert "the main job's settings" in header
+    assert cfg["model"] == main["model"]
+    for section in ("dataset", "loss", "optimizer"):
+        different = {k for k in main[section] if cfg[section].get(k) != main[section][k]}
+        assert different <= {"name"}, (section, different)
+
+
 def test_scattering_padding_reaches_every_scattering_layer_and_its_constant():
     """``model.scattering_padding: zero`` builds zero-padded scatterings (single and multiscale
     front ends): half the reflection constant on 28 x 28; anything else is a ConfigError."""
