@@ -90,44 +90,35 @@ def certified_norms(requests):
     for request in requests:
         kind, kernel, grid = request[:3]
         tensors = [tf.convert_to_tensor(t) for t in (kernel,) + tuple(request[3:])]
-        cached = kind == "cached-dense"
-        if cached:
-            kind = "dense"
-        if kind == "dense" and chunked_certificate(tensors[0].shape):
-            if cached:  # projected with one Björck iteration (`runs_certifying_bjorck`)
-                kernel, fresh, norm = tensors[:3]
-                tensors = ([kernel] + _chunked_gram_unless_cached(kernel, fresh, norm,
-                                                                  *tensors[3:])
-                           + [fresh, norm])
-                hinted = len(tensors) > 5
-            else:
-                tensors = [tensors[0]] + _chunked_gram(*tensors)
-                hinted = len(tensors) > 3
-            specs.append(("chunked", _chunking(tensors[0].shape), hinted, cached))
-        else:
-            specs.append((kind, grid, len(tensors) > (3 if cached else 1), cached))
-        inputs.extend(tensors)
+        cached = kind == "cached-dense"  # (kind, kernel, None, fresh, norm[, hint])
+        split = 3 if cached else 1
+        kernel, cache, extra = tensors[0], tensors[1:split], tensors[split:]
+        kind = "dense" if cached else kind
+        if kind == "dense" and chunked_certificate(kernel.shape):
+            # A cached kernel got one Björck iteration (`runs_certifying_bjorck`): its Gram
+            # matrix is computed only when the projection's certificate cannot serve.
+            extra = (_chunked_gram_unless_cached(kernel, *cache, *extra) if cached
+                     else _chunked_gram(kernel, *extra))
+            kind, grid = "chunked", _chunking(kernel.shape)
+        specs.append((kind, grid, cached, len(extra)))
+        inputs.extend([kernel] + cache + extra)
 
     def compute(*tensors):
         tensors, norms = iter(tensors), []
-        for kind, grid, hinted, cached in specs:
+        for kind, grid, cached, extras in specs:
             kernel = next(tensors)
-            if kind == "chunked":
-                gram, stats = next(tensors), next(tensors)
-                start = next(tensors) if hinted else None
-                fresh, norm = (next(tensors), next(tensors)) if cached else (False, None)
-                if fresh and np.isfinite(norm):  # the projection certified this very kernel
-                    norms.append(np.float32(norm))  # (and no Gram matrix was computed)
-                    continue
-                norms.append(chunked_dense_norm_upper(kernel, gram, stats, *grid, start=start))
-                continue
             fresh, norm = (next(tensors), next(tensors)) if cached else (False, None)
-            hint = next(tensors) if hinted else None
+            extra = [next(tensors) for _ in range(extras)]
             if fresh and np.isfinite(norm):  # the projection certified this very kernel
-                norms.append(np.float32(norm))
-                continue
-            norms.append(dense_norm_upper(kernel, hint) if kind == "dense"
-                         else conv_norm_upper(kernel, grid))
+                norms.append(np.float32(norm))  # (and no chunked Gram matrix was computed)
+            elif kind == "chunked":
+                gram, stats, *start = extra
+                norms.append(chunked_dense_norm_upper(kernel, gram, stats, *grid,
+                                                      start=start[0] if start else None))
+            elif kind == "dense":
+                norms.append(dense_norm_upper(kernel, *extra))
+            else:
+                norms.append(conv_norm_upper(kernel, grid))
         return np.array(norms, np.float32)
 
     norms = tf.numpy_function(compute, inputs, tf.float32, stateful=False,
