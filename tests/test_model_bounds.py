@@ -8,9 +8,12 @@ import pytest
 import tensorflow as tf
 
 from lipdp.bounds import gradient_bounds, lipschitz_bound
+from lipdp.layers import DP_BoundedInput, DP_Flatten, DP_QuickSpectralConv2D, DP_QuickSpectralDense
 from lipdp.losses import (DP_MulticlassHinge, DP_MulticlassHKR, DP_MulticlassKR, DP_TauBCE,
                           DP_TauCategoricalCrossentropy)
-from tests._models import X0, cnn, mlp
+from lipdp.metadata import DPParameters
+from lipdp.model import DP_Sequential
+from tests._models import X0, cnn, metadata, mlp
 from tests._soundness import (REL_TOL, adversarial_inputs, assert_within_bounds,
                               lipschitz_lower_bound, maximize_gradient_norm, one_hot_labels,
                               per_example_gradient_norms, perturb_weights)
@@ -82,9 +85,9 @@ def test_bounds_hold_with_either_way_to_the_convolution_certificate(monkeypatch,
     way or the other (`lipdp.gram_certificates.conv_norm_upper` picks the cheaper; here the
     choice is forced): exact per-example gradients on adversarial and gradient-ascent inputs
     stay within the bounds. (The gradients of the variables before a convolution reach 0.1-0.25
-    of their bounds on this small CNN: a certificate 1.4x too small passes here; the
-    certificate's own tests, against exact SVDs and power iteration on TensorFlow's conv2d,
-    fail at 1/1.4 either way.)"""
+    of their bounds on this small CNN: a certificate 1.4x too small passes here; it fails
+    `test_a_convolution_certificate_enters_a_bound_that_inputs_reach` and the certificate's own
+    tests, against exact SVDs and power iteration on TensorFlow's conv2d, either way.)"""
     from lipdp import gram_certificates
 
     chosen, used = getattr(gram_certificates, way), []
@@ -196,3 +199,50 @@ def test_each_certified_norm_is_computed_once_per_bound_pass(monkeypatch):
     assert calls == [2]  # two dense layers, each needed forward and backward, one call
     model.layers[-1].kernel.assign(model.layers[-1].kernel * 3.0)  # a new pass sees new weights
     assert gradient_bounds(model, loss) != expected
+
+
+@pytest.mark.parametrize("way", ["_grams_by_tap_pairs", "_grams_by_transform"])
+def test_a_convolution_certificate_enters_a_bound_that_inputs_reach(monkeypatch, way):
+    """A bound that a convolution's certified norm scales, reached by exact per-example
+    gradients, so that a certificate 1.4x too small fails (either way to it forced).
+
+    ``BoundedInput(X0) -> conv 3x3 'same' (8x8x2 -> 8x8x4) -> Flatten -> Dense(3)`` with the KR
+    loss, whose logit gradient has norm exactly its Lipschitz constant L: the dense kernel's
+    gradient is ``h g^T`` of norm ``||conv(x)|| L``, and its bound is ``S X0 L`` with S the
+    convolution's certified operator norm. The input of norm X0 along the top right singular
+    vector of the zero-padded convolution (power iteration on TensorFlow's conv2d) reaches
+    its operator norm, at least 0.9 S on this 8x8 input (0.960 measured)."""
+    from lipdp import gram_certificates, operator_norms
+
+    chosen, used = getattr(gram_certificates, way), []
+    for name in ("_grams_by_tap_pairs", "_grams_by_transform"):
+        monkeypatch.setattr(gram_certificates, name,
+                            lambda *args: used.append(way) or chosen(*args))
+    tf.keras.utils.set_random_seed(5)
+    model = DP_Sequential(
+        [DP_BoundedInput(X0, input_shape=(8, 8, 2)), DP_QuickSpectralConv2D(4, 3, use_bias=False),
+         DP_Flatten(), DP_QuickSpectralDense(3, use_bias=False)],
+        dp_parameters=DPParameters(1.0, 1e-5), dataset_metadata=metadata((8, 8, 2), 3))
+    loss = LOSSES["kr"]()
+    conv = model.layers[1]
+    v = tf.random.stateless_normal((1, 8, 8, 2), seed=[5, 0])
+    for _ in range(200):  # power iteration on conv^T conv, the operator the layer runs
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            energy = 0.5 * tf.reduce_sum(tf.square(conv(v)))
+        v = tape.gradient(energy, v)
+        v = v / tf.norm(v)
+    x = (X0 * v).numpy()
+    y = np.eye(3, dtype=np.float32)[[0]]
+    bounds = gradient_bounds(model, loss)
+    assert used and set(used) == {way}
+    norms = per_example_gradient_norms(model, loss, x, y)
+    assert_within_bounds(norms, bounds, way)
+    dense_kernel = list(bounds)[-1]
+    reached = norms[dense_kernel][0] / bounds[dense_kernel]
+    assert reached >= 0.9, reached
+    certify = operator_norms.conv_norm_upper
+    monkeypatch.setattr(operator_norms, "conv_norm_upper",
+                        lambda *args: np.float32(certify(*args) / 1.4))
+    with pytest.raises(AssertionError):
+        assert_within_bounds(norms, gradient_bounds(model, loss), f"{way}, certificate / 1.4")
