@@ -12,7 +12,8 @@ Models (inputs 28x28x1, 10 classes, no biases anywhere):
   DP_GroupSort(2) -> DP_QuickSpectralDense(10) (813k parameters).
 
 The main job's config sets ``maxiter_bjorck: 1`` (one Björck iteration per projection, from the
-kernel the last one left, which certifies it); the CNN's keeps deel-lip's loop to its
+kernel the last one left, which certifies it) and ``maxiter_spectral: 2`` (two power iterations
+before it, from the last step's vector); the CNN's keeps deel-lip's loop to its
 tolerance (up to 15 iterations). ``--maxiter-bjorck N`` sets both models' count: 15 measures
 the mlp as it was before 2026-11-27.
 

@@ -49,6 +49,9 @@ Schema (defaults shown)::
                                #   which certifies the square-ish and large dense kernels:
                                #   faster; README, Speed); the build projects with deel-lip's
                                #   loop either way
+      maxiter_spectral: null   # power iterations per projection, from the last step's vector,
+                               #   before Björck (null: lipdp's 10; the certificate, never this
+                               #   estimate, enters the bounds; README, Speed)
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce
@@ -199,6 +202,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "feature_groups": 27,
         "head": "lipschitz",
         "maxiter_bjorck": None,
+        "maxiter_spectral": None,
     },
     "loss": {"name": "tau_cce", "tau": 10.0, "margin": 0.0, "min_margin": 1.0, "alpha": 10.0},
     "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9, "ema_momentum": None,
@@ -383,6 +387,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "feature_groups": _scales,
         "head": _choice("lipschitz", "plain"),
         "maxiter_bjorck": lambda k, v: None if v is None else _positive_int(k, v),
+        "maxiter_spectral": lambda k, v: None if v is None else _positive_int(k, v),
     },
     "loss": {
         "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
@@ -633,7 +638,8 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
                              dp_parameters=dp_parameters, dataset_metadata=metadata)
     use_bias = model_cfg["use_bias"]
     # None keeps each layer's default (deel-lip's).
-    projection = {"maxiter_bjorck": model_cfg["maxiter_bjorck"]}
+    projection = {"maxiter_bjorck": model_cfg["maxiter_bjorck"],
+                  "maxiter_spectral": model_cfg["maxiter_spectral"]}
     stack: List[Any] = [layers.DP_BoundedInput(input_shape=metadata.input_shape,
                                                upper_bound=metadata.max_norm)]
     if model_cfg["architecture"] in ("mlp", "scatternet"):  # scatternet: the head

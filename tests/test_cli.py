@@ -113,6 +113,7 @@ def test_defaults_partial_file_and_overrides(tmp_path):
     ("model.widths=[64, -1]", ["list of positive integers", "model.widths=[64, -1]"]),
     ("model.use_bias=yes please", ["true or false", "model.use_bias='yes please'"]),
     ("model.maxiter_bjorck=0", ["positive integer", "model.maxiter_bjorck=0"]),
+    ("model.maxiter_spectral=0", ["positive integer", "model.maxiter_spectral=0"]),
     ("loss.name=mse", ["'tau_cce'", "loss.name='mse'"]),
     ("loss.tau=-1", ["loss.tau=-1"]),
     ("loss.margin=-0.1", ["non-negative", "loss.margin=-0.1"]),
@@ -227,17 +228,22 @@ def test_build_cnn_is_the_papers_network(fake_fashion):
 
 
 @pytest.mark.parametrize("architecture", ["mlp", "cnn"])
-def test_maxiter_bjorck_reaches_every_projected_layer(fake_fashion, architecture):
+@pytest.mark.parametrize("key", ["maxiter_bjorck", "maxiter_spectral"])
+def test_projection_iterations_reach_every_projected_layer(fake_fashion, architecture, key):
     from deel.lip.normalizers import DEFAULT_MAXITER_BJORCK
 
-    for value, expected in ((None, DEFAULT_MAXITER_BJORCK), (1, 1)):
+    from lipdp.layers._projection import DEFAULT_MAXITER_SPECTRAL
+
+    default = {"maxiter_bjorck": DEFAULT_MAXITER_BJORCK,
+               "maxiter_spectral": DEFAULT_MAXITER_SPECTRAL}[key]
+    for value, expected in ((None, default), (1, 1), (3, 3)):
         cfg = load_config(None, [f"model.architecture={architecture}", "dataset.batch_size=20",
                                  "privacy.epsilon_budget=null", "training.epochs=1",
-                                 f"model.maxiter_bjorck={'null' if value is None else value}"])
+                                 f"model.{key}={'null' if value is None else value}"])
         model = config.build_from_config(cfg)[0]
         projected = [layer for layer in model.layers if hasattr(layer, "projection")]
         assert len(projected) == (2 if architecture == "mlp" else 4)
-        assert {layer.projection.maxiter_bjorck for layer in projected} == {expected}
+        assert {getattr(layer.projection, key) for layer in projected} == {expected}
 
 
 def test_config_compiles_with_its_bjorck_schedule(fake_fashion):
