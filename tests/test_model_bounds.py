@@ -13,10 +13,12 @@ from lipdp.losses import (DP_MulticlassHinge, DP_MulticlassHKR, DP_MulticlassKR,
                           DP_TauCategoricalCrossentropy)
 from lipdp.metadata import DPParameters
 from lipdp.model import DP_Sequential
+from tests._certificates import CONV_GRAM_WAYS, force_conv_gram_way
 from tests._models import X0, cnn, metadata, mlp
 from tests._soundness import (REL_TOL, adversarial_inputs, assert_within_bounds,
                               lipschitz_lower_bound, maximize_gradient_norm, one_hot_labels,
-                              per_example_gradient_norms, perturb_weights)
+                              per_example_gradient_norms, perturb_weights,
+                              top_singular_directions)
 
 LOSSES = {
     "cce": lambda: DP_TauCategoricalCrossentropy(5.0),
@@ -79,7 +81,7 @@ def test_bounds_hold_with_chunked_float32_certificates(monkeypatch):
                              context)
 
 
-@pytest.mark.parametrize("way", ["_grams_by_tap_pairs", "_grams_by_transform"])
+@pytest.mark.parametrize("way", CONV_GRAM_WAYS)
 def test_bounds_hold_with_either_way_to_the_convolution_certificate(monkeypatch, way):
     """The CNN's two convolutions certified with their frequency Gram matrices computed one
     way or the other (`lipdp.gram_certificates.conv_norm_upper` picks the cheaper; here the
@@ -88,12 +90,7 @@ def test_bounds_hold_with_either_way_to_the_convolution_certificate(monkeypatch,
     of their bounds on this small CNN: a certificate 1.4x too small passes here; it fails
     `test_a_convolution_certificate_enters_a_bound_that_inputs_reach` and the certificate's own
     tests, against exact SVDs and power iteration on TensorFlow's conv2d, either way.)"""
-    from lipdp import gram_certificates
-
-    chosen, used = getattr(gram_certificates, way), []
-    for name in ("_grams_by_tap_pairs", "_grams_by_transform"):
-        monkeypatch.setattr(gram_certificates, name,
-                            lambda *args: used.append(way) or chosen(*args))
+    used = force_conv_gram_way(monkeypatch, way)
     loss = LOSSES["cce"]()
     model, bounds, cases = _cnn_cases(4, loss, way)
     assert used and set(used) == {way}
@@ -201,7 +198,7 @@ def test_each_certified_norm_is_computed_once_per_bound_pass(monkeypatch):
     assert gradient_bounds(model, loss) != expected
 
 
-@pytest.mark.parametrize("way", ["_grams_by_tap_pairs", "_grams_by_transform"])
+@pytest.mark.parametrize("way", CONV_GRAM_WAYS)
 def test_a_convolution_certificate_enters_a_bound_that_inputs_reach(monkeypatch, way):
     """A bound that a convolution's certified norm scales, reached by exact per-example
     gradients, so that a certificate 1.4x too small fails (either way to it forced).
@@ -212,26 +209,18 @@ def test_a_convolution_certificate_enters_a_bound_that_inputs_reach(monkeypatch,
     convolution's certified operator norm. The input of norm X0 along the top right singular
     vector of the zero-padded convolution (power iteration on TensorFlow's conv2d) reaches
     its operator norm, at least 0.9 S on this 8x8 input (0.960 measured)."""
-    from lipdp import gram_certificates, operator_norms
+    from lipdp import operator_norms
 
-    chosen, used = getattr(gram_certificates, way), []
-    for name in ("_grams_by_tap_pairs", "_grams_by_transform"):
-        monkeypatch.setattr(gram_certificates, name,
-                            lambda *args: used.append(way) or chosen(*args))
+    used = force_conv_gram_way(monkeypatch, way)
     tf.keras.utils.set_random_seed(5)
     model = DP_Sequential(
         [DP_BoundedInput(X0, input_shape=(8, 8, 2)), DP_QuickSpectralConv2D(4, 3, use_bias=False),
          DP_Flatten(), DP_QuickSpectralDense(3, use_bias=False)],
         dp_parameters=DPParameters(1.0, 1e-5), dataset_metadata=metadata((8, 8, 2), 3))
     loss = LOSSES["kr"]()
-    conv = model.layers[1]
-    v = tf.random.stateless_normal((1, 8, 8, 2), seed=[5, 0])
-    for _ in range(200):  # power iteration on conv^T conv, the operator the layer runs
-        with tf.GradientTape() as tape:
-            tape.watch(v)
-            energy = 0.5 * tf.reduce_sum(tf.square(conv(v)))
-        v = tape.gradient(energy, v)
-        v = v / tf.norm(v)
+    # Power iteration on conv^T conv, the operator the layer runs (linear: any point will do).
+    _, v = top_singular_directions(model.layers[1], np.zeros((1, 8, 8, 2)), 1e-2,
+                                   iterations=200, seed=5)
     x = (X0 * v).numpy()
     y = np.eye(3, dtype=np.float32)[[0]]
     bounds = gradient_bounds(model, loss)

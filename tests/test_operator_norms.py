@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lipdp import gram_certificates
 from lipdp.gram_certificates import conv_norm_upper, dense_norm_upper
 from lipdp.operator_norms import dense_spectral_norm_upper
+from tests._certificates import CONV_GRAM_WAYS, force_conv_gram_way
 
 SVD_SLACK = 1e-12  # float64 SVD error on the largest singular value, relative, generous
 TIGHT = 5e-5  # documented: at most sqrt(1 + 1e-4) above the exact norm (first shift: 1e-6)
@@ -245,20 +246,14 @@ def test_conv_certificate_bounds_the_exact_circular_norm_and_is_tight(name, kern
     assert exact * (1 - SVD_SLACK) <= bound <= exact * (1 + 1e-4), (name, bound, exact)
 
 
-@pytest.mark.parametrize("way", ["tap pairs", "transform"])
+@pytest.mark.parametrize("way", CONV_GRAM_WAYS)
 @pytest.mark.parametrize("name, kernel, grid", list(_conv_kernels()),
                          ids=[n for n, _, _ in _conv_kernels()])
 def test_both_ways_to_the_frequency_grams_certify_every_kernel(monkeypatch, way, name, kernel,
                                                                grid):
     """`conv_norm_upper` picks the cheaper of its two Gram computations; each one alone,
     forced on every kernel, gives a bound of the exact norm as tight as the documented one."""
-    chosen = (gram_certificates._grams_by_tap_pairs if way == "tap pairs"
-              else gram_certificates._grams_by_transform)
-    used = []
-    monkeypatch.setattr(gram_certificates, "_grams_by_tap_pairs",
-                        lambda *args: used.append(way) or chosen(*args))
-    monkeypatch.setattr(gram_certificates, "_grams_by_transform",
-                        lambda *args: used.append(way) or chosen(*args))
+    used = force_conv_gram_way(monkeypatch, way)
     kernel = np.asarray(kernel, np.float32)
     exact = _exact_conv_norm(kernel, grid)
     bound = float(conv_norm_upper(kernel, grid))
@@ -298,16 +293,14 @@ def test_tap_pair_grams_are_within_their_error_bound_of_the_exact_ones(shape, gr
     assert index == len(grams)
 
 
-@pytest.mark.parametrize("way", ["_grams_by_tap_pairs", "_grams_by_transform"])
+@pytest.mark.parametrize("way", CONV_GRAM_WAYS)
 def test_conv_certificate_bounds_the_convolution_tensorflow_runs(monkeypatch, way):
     """Against the operator itself: power iteration on x -> conv2d(x, k) (a lower
     estimate) for 'same' and 'valid' padding and strides never exceeds the bound, with the
     frequency Gram matrices computed either way (forced)."""
     from lipdp.operator_norms import conv_operator_norm_power, conv_operator_norm_upper
 
-    chosen = getattr(gram_certificates, way)
-    for name in ("_grams_by_tap_pairs", "_grams_by_transform"):
-        monkeypatch.setattr(gram_certificates, name, chosen)
+    used = force_conv_gram_way(monkeypatch, way)
     rng = np.random.default_rng(7)
     for shape, hw in [((3, 3, 3, 5), (9, 9)), ((5, 5, 2, 2), (6, 5)), ((2, 2, 3, 4), (7, 8))]:
         k = tf.constant(rng.normal(size=shape), tf.float32)
@@ -318,6 +311,7 @@ def test_conv_certificate_bounds_the_convolution_tensorflow_runs(monkeypatch, wa
                     lambda t: tf.nn.conv2d(t, k, strides, padding), hw + (shape[2],),
                     iterations=200)
                 assert measured <= bound * (1 + 1e-5), (shape, padding, strides)
+    assert used and set(used) == {way}
 
 
 def test_conv_certificate_of_zero_and_non_finite_kernels():
