@@ -317,6 +317,10 @@ def _optional_int(key, value):
     return int(value)
 
 
+def _optional_positive_int(key, value):
+    return None if value is None else _positive_int(key, value)
+
+
 def _optional_str(key, value):
     if value is None:
         return None
@@ -367,7 +371,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "bound": _choice("clip", "normalize"),
         "sampling": _choice("poisson", "shuffle"),
         "seed": _optional_int,
-        "nb_samples_train": lambda k, v: None if v is None else _positive_int(k, v),
+        "nb_samples_train": _optional_positive_int,
         "data_dir": _optional_str,
         "augmentation": lambda k, v: None if v is None else _choice("shift", "shift_flip")(k, v),
         "augmentation_multiplicity": _positive_int,
@@ -386,8 +390,8 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "feature_normalization": _choice("none", "group"),
         "feature_groups": _scales,
         "head": _choice("lipschitz", "plain"),
-        "maxiter_bjorck": lambda k, v: None if v is None else _positive_int(k, v),
-        "maxiter_spectral": lambda k, v: None if v is None else _positive_int(k, v),
+        "maxiter_bjorck": _optional_positive_int,
+        "maxiter_spectral": _optional_positive_int,
     },
     "loss": {
         "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
@@ -419,7 +423,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "adaptive_clip_initial": lambda k, v: None if v is None else _POSITIVE(k, v),
         "adaptive_clip_learning_rate": _POSITIVE,
     },
-    "training": {"epochs": lambda k, v: None if v is None else _positive_int(k, v),
+    "training": {"epochs": _optional_positive_int,
                  "private_logs_only": _bool, "bjorck_every": _positive_int},
     "certification": {"radii": _radii},
     "output": {"save_model": _optional_str},
@@ -637,7 +641,7 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
         return DP_Sequential(layers=_plain_head(model_cfg, metadata),
                              dp_parameters=dp_parameters, dataset_metadata=metadata)
     use_bias = model_cfg["use_bias"]
-    # None keeps each layer's default (deel-lip's).
+    # None keeps each layer's default (deel-lip's Björck loop, lipdp's 10 power iterations).
     projection = {"maxiter_bjorck": model_cfg["maxiter_bjorck"],
                   "maxiter_spectral": model_cfg["maxiter_spectral"]}
     stack: List[Any] = [layers.DP_BoundedInput(input_shape=metadata.input_shape,
