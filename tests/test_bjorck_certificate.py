@@ -216,16 +216,19 @@ def test_the_cache_is_no_weight_and_convolutions_and_elongated_kernels_have_none
 
 
 def _trained_mlp(inputs, optimizer, seed=0, samples=64, batch=32, hidden_maxiter=None,
-                 head_maxiter=None):
+                 head_maxiter=None, maxiter_spectral=None):
     """``(model, rng)``: ``inputs -> 48 -> GroupSort2 -> 10`` (no biases, inputs of norm about
     0.58 under a bound of 1) after one epoch of `samples` examples in batches of `batch`,
     the dense layers projected with at most `hidden_maxiter` / `head_maxiter` Björck
-    iterations a step (None: deel-lip's loop)."""
+    iterations a step (None: deel-lip's loop), after `maxiter_spectral` power iterations
+    (None: the layers' default)."""
     tf.keras.utils.set_random_seed(seed)
     model = DP_Sequential(
         [DP_BoundedInput(1.0, input_shape=(inputs,)),
-         DP_QuickSpectralDense(48, use_bias=False, maxiter_bjorck=hidden_maxiter),
-         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False, maxiter_bjorck=head_maxiter)],
+         DP_QuickSpectralDense(48, use_bias=False, maxiter_bjorck=hidden_maxiter,
+                               maxiter_spectral=maxiter_spectral),
+         DP_GroupSort(2), DP_QuickSpectralDense(10, use_bias=False, maxiter_bjorck=head_maxiter,
+                                                maxiter_spectral=maxiter_spectral)],
         dp_parameters=DPParameters(1.0, 1e-5),
         dataset_metadata=DatasetMetadata((inputs,), 10, samples, 16, batch, 1.0, "shuffle"))
     model.compile(loss=DP_TauCategoricalCrossentropy(10.0), optimizer=optimizer)
@@ -327,6 +330,25 @@ def test_one_warm_started_bjorck_iteration_a_step_keeps_kernels_orthogonal_and_c
         assert singular_values[0] <= _bound(layer) <= singular_values[0] * 1.001
     assert spread["one"] < 1e-4
     assert spread["one"] > 10 * spread["converged"]
+
+
+def test_the_main_jobs_projection_settings_keep_certified_bounds_that_hold():
+    """The main job's projection (``maxiter_bjorck: 1``, ``maxiter_spectral: 2``: the kernel
+    divided by a two-iteration power estimate, then one Björck iteration), 8 Adam steps at
+    its learning rate: the hidden kernel stays within 1e-4 of orthogonal, its projection's
+    certificate is fresh and within 0.1% of the exact norm, and the step's bounds hold for
+    exact per-example gradients on adversarial and gradient-ascent inputs (and fail with
+    that certificate at 1/1.4)."""
+    model, rng = _trained_mlp(64, tf.keras.optimizers.Adam(1e-3), seed=1, samples=128,
+                              batch=16, hidden_maxiter=1, head_maxiter=1, maxiter_spectral=2)
+    hidden = model.layers[1]
+    assert hidden.projection.maxiter_spectral == 2 and hidden.projection.maxiter_bjorck == 1
+    singular_values = np.linalg.svd(np.asarray(hidden.kernel, np.float64), compute_uv=False)
+    assert np.max(np.abs(singular_values - 1.0)) < 1e-4
+    assert _fresh(hidden)
+    cached = _bound(hidden)
+    assert singular_values[0] <= cached <= singular_values[0] * 1.001
+    _assert_bounds_hold_with_the_cached_certificate(model, rng, cached)
 
 
 def test_one_iteration_a_step_certifies_elongated_kernels_and_spares_their_gram_matrix(
