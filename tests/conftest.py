@@ -23,6 +23,24 @@ import tempfile
 os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
 
 
+def _share_the_cores_between_workers():
+    """Under pytest-xdist each worker gets its share of the cores for TensorFlow's and the
+    BLAS' thread pools (also read before they start, hence here): by default every worker's
+    pools take every core, and two workers on two cores then run four busy threads. On the
+    2-core machine the heaviest test files ran in 0.93x the wall time (paired, 3 rounds).
+    Variables the user set are kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1:
+        return
+    share = str(max(1, (os.cpu_count() or 1) // workers))
+    for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS",
+                 "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(name, share)
+
+
+_share_the_cores_between_workers()
+
+
 def _write_art_config():
     """adversarial-robustness-toolbox writes ``~/.art/config.json`` at its first import, with
     no lock: on a fresh machine, pytest-xdist workers importing it at once race, and one that
