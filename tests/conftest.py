@@ -26,8 +26,8 @@ os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
 def _share_the_cores_between_workers():
     """Under pytest-xdist each worker gets its share of the cores for TensorFlow's and the
     BLAS' thread pools (also read before they start, hence here): by default every worker's
-    pools take every core, and two workers on two cores then run four busy threads. On the
-    2-core machine the heaviest test files ran in 0.93x the wall time (paired, 3 rounds).
+    pools take every core, and two workers on two cores then run four busy threads. On a
+    2-core machine the whole suite ran in 0.93x the wall time (paired, two rounds).
     Variables the user set are kept."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers < 1:
