@@ -32,7 +32,8 @@ def _share_the_cores_between_workers():
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers < 1:
         return
-    share = str(max(1, (os.cpu_count() or 1) // workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = str(max(1, (cores or 1) // workers))
     for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS",
                  "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(name, share)
