@@ -21,6 +21,10 @@ _QUIET_TENSORFLOW = (_os.path.basename(_ARGV[0]) == "lipdp" and "--verbose" not 
 if _QUIET_TENSORFLOW:
     _os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
+from lipdp._autograph import skip_conversion as _skip_conversion
+
+_skip_conversion()  # traces of lipdp's functions: as written, not rewritten (`lipdp._autograph`)
+
 from lipdp import (audit, bounds, certify, checkpoints, clipping, data, layers, ledger, losses,
                    records)
 from lipdp.accounting import get_eps_delta, get_max_epochs
