@@ -33,12 +33,13 @@ LAPACK; ``gamma_n = n u / (1 - n u)``; complex arithmetic is covered by taking
    eigenvalues of the eight best ranked decide, and when the first test fails the
    eigenvalues of every matrix decide instead: on clustered spectra the ranking can
    miss the top matrix, and the shift ladder alone then certified 0.8% above the norm
-   after four factorisations); one batched factorisation tests every matrix. The shifts after 1e-6 are for the kernels a Björck schedule leaves
-   between refreshes: after an Adam step and a spectral normalisation the top
-   eigenvalues crowd within 1e-4 to 1e-3 of each other and 30 Lanczos steps can settle
-   below the top by as much (eight seeded draws: 2e-7 to 1e-3); the former ladder
-   (1e-6, 1e-4, 1e-2, 1) needed three factorisations on one of them and certified at
-   1e-2 (0.5% above the norm), the present one two, at 3e-4 (1.5e-4 above).
+   after four factorisations); one batched factorisation tests every matrix. The
+   shifts after 1e-6 are for the kernels a Björck schedule leaves between refreshes:
+   after an Adam step and a spectral normalisation the top eigenvalues crowd within
+   1e-4 to 1e-3 of each other and 30 Lanczos steps can settle below the top by as much
+   (eight seeded draws: 2e-7 to 1e-3); the former ladder (1e-6, 1e-4, 1e-2, 1) needed
+   three factorisations on one of them and certified at 1e-2 (0.5% above the norm), the
+   present one two, at 3e-4 (1.5e-4 above).
 4. **Chunked float32 Gram matrices** (large dense kernels, `chunked_gram_error`): for a
    p x k matrix W split into ``c`` blocks of ``b`` rows (zero rows pad the last one),
    ``G^ = fl32(sum_c fl32(W_c^T W_c))``: each block product in float32 (any summation

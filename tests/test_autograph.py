@@ -18,7 +18,7 @@ def _lipdp_rules():
 
 
 class _SignFlip(tf.keras.layers.Layer):
-    """A user's layer whose ``call`` branches on a tensor: it traces only once rewritten."""
+    """A user's layer whose ``call`` branches on a tensor: traced as written, it fails."""
 
     def call(self, inputs):
         if tf.reduce_sum(inputs) > 0:
