@@ -97,7 +97,7 @@ every other round, and mlp@4096 read 1.52x the twin instead of 1.04-1.08x):
 ``forward+backward`` (``model._averaged_gradients(x, y)``: gradients
 / D, per-example losses, predictions), ``bound pass`` (``model.sensitivities()``: certified
 operator norms and the backpropagation of bounds), ``noise`` (``model._noise_stddevs`` of
-precomputed sensitivities, then one ``tf.random.normal`` of every variable's shape), ``optimizer``
+precomputed sensitivities, then ``lipdp.noise.add_gaussian_noise`` to every variable), ``optimizer``
 (``model.optimizer.apply_gradients`` of the noisy gradients of a fresh, untimed
 ``model.private_gradients`` call before each timed one, so that the weights move as in
 training, not along one fixed gradient: Björck's iteration count depends on how far they
@@ -441,7 +441,7 @@ def _breakdown_pieces(model, x, y) -> dict:
     untimed preparations some of them need before each call."""
     import tensorflow as tf
 
-    from lipdp.noise import gaussian_noise
+    from lipdp.noise import add_gaussian_noise
 
     variables = model.trainable_variables
     sensitivities = model.sensitivities()
@@ -468,7 +468,7 @@ def _breakdown_pieces(model, x, y) -> dict:
     @tf.function
     def noise(sensitivities):
         stddevs = model._noise_stddevs(sensitivities)  # pylint: disable=protected-access
-        return _probe(gaussian_noise(variables, stddevs))
+        return _probe(add_gaussian_noise(variables, stddevs))
 
     @tf.function
     def optimizer(gradients):

@@ -50,7 +50,7 @@ from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_boun
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
-from lipdp.noise import gaussian_noise
+from lipdp.noise import add_gaussian_noise
 from lipdp.records import check_finite_arrays, check_finite_dataset
 
 
@@ -59,24 +59,24 @@ def _batch_size(x) -> tf.Tensor:
     return tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
 
 
-def _once_per_global_batch(draw_noise, like):
-    """The noise ``draw_noise()`` returns (tensors shaped as `like`), on one replica only.
+def _once_per_global_batch(noised, otherwise):
+    """``noised()`` (tensors that carry this step's noise) on one replica only,
+    ``otherwise()`` (the same tensors without it) on the others.
 
     Under a `tf.distribute` strategy every replica runs the train step on its share
     of the global batch, and the optimizer *sums* the replicas' gradients (each
     already divided by the global denominator D). The noise is added once, by the
-    first replica in sync, and the others add zeros: the aggregated update then
+    first replica in sync, and the others add none: the aggregated update then
     carries exactly the calibrated noise, whatever the replicas' random streams are
     (noise added on every replica would carry sqrt(R) times it; noise split as
     1/sqrt(R) per replica would be exact only if the replicas' draws were
     independent, which seeded random ops do not promise). Outside a strategy (one
-    replica) this is ``draw_noise()``.
+    replica) this is ``noised()``.
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return draw_noise()
-    return tf.cond(tf.equal(context.replica_id_in_sync_group, 0), draw_noise,
-                   lambda: [tf.zeros_like(g) for g in like])
+        return noised()
+    return tf.cond(tf.equal(context.replica_id_in_sync_group, 0), noised, otherwise)
 
 
 class _DPModelMixin:
@@ -450,8 +450,8 @@ class _DPModelMixin:
         # Sum of bits - 1/2: sensitivity 1/2 under adding or removing one example. Under a
         # strategy: the replicas' sums are added, with the noise drawn once.
         local = tf.reduce_sum(below - 0.5)
-        noisy = local + _once_per_global_batch(lambda: [tf.random.normal(
-            [], stddev=self._step_mechanism.quantile_noise_multiplier)], [local])[0]
+        noisy = _once_per_global_batch(lambda: local + tf.random.normal(
+            [], stddev=self._step_mechanism.quantile_noise_multiplier), lambda: local)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             noisy = context.all_reduce(tf.distribute.ReduceOp.SUM, noisy)
@@ -512,9 +512,9 @@ class _DPModelMixin:
             g, f"Non-finite gradient of {v.name} in a private step")
             for g, v in zip(gradients, self.trainable_variables)]
         sensitivities = self.sensitivities()
-        noise = _once_per_global_batch(
-            lambda: gaussian_noise(gradients, self._noise_stddevs(sensitivities)), gradients)
-        noisy = [g + n for g, n in zip(gradients, noise)]
+        noisy = _once_per_global_batch(
+            lambda: add_gaussian_noise(gradients, self._noise_stddevs(sensitivities)),
+            otherwise=lambda: list(gradients))
         return gradients, noisy, sensitivities, per_example, y_pred
 
     def _averaged_gradients(self, x, y):

@@ -1,5 +1,17 @@
 """Gaussian noise of the private step: the Box–Muller transform of TF uniforms, vectorised.
 
+``add_gaussian_noise(tensors, stddevs)`` returns ``tensors[i] + stddevs[i] * z_i``, what the
+private step releases: on the CPU, for float32, one fused kernel per tensor
+(`lipdp.kernels`, ``gaussian_noise.cc``) that draws ``tf.random.uniform``'s own uniforms
+(the same Philox stream, seeded the same way) and applies the Box–Muller transform below in
+one pass over the tensor; elsewhere (float64, XLA, a GPU, no compiler) ``tensor +
+gaussian_noise(...)``. Both give ``fl(x + fl(stddev * z))`` with ``z`` the transform of
+uniforms of the same generator: the fused transform is within 1.2 * 2^-23 (radius, relative)
+and 1.7 * 2^-24 (cosine and sine, absolute) of exact on every one of its inputs, the TF-ops
+one within the accuracy of TensorFlow's float32 ``log``, ``cos`` and ``sin`` of a rounded
+``2 pi v``. The kernel made the clipless step 0.96x (the paper's CNN, batch 1024) and 0.95x
+(the main job's MLP) the time, paired (README, "Noise added by one fused kernel").
+
 ``gaussian_noise(like, stddevs)`` returns ``stddev_i * z_i`` with ``z_i`` shaped like
 ``like[i]`` and every coordinate of every ``z_i`` independent ``N(0, 1)``: ``u, v`` uniform
 on [0, 1) (``tf.random.uniform``: TensorFlow's stateful Philox generator, seeded as every TF
@@ -27,7 +39,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-__all__ = ["gaussian_noise", "standard_normal"]
+__all__ = ["add_gaussian_noise", "gaussian_noise", "standard_normal"]
 
 
 def standard_normal(n, dtype=tf.float32) -> tf.Tensor:
@@ -56,3 +68,26 @@ def gaussian_noise(like: Sequence[tf.Tensor], stddevs) -> list:
         z = tf.cast(tf.reshape(z, tf.shape(tensor)), tensor.dtype)
         noise.append(tf.cast(stddev, tensor.dtype) * z)
     return noise
+
+
+def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs) -> list:
+    """``[tensors[i] + stddevs[i] * z_i]``, ``z_i`` independent standard normal tensors shaped
+    like ``tensors[i]``: the fused kernel where `lipdp.kernels.usable_for` the tensor (float32
+    on the CPU, outside XLA), else ``tensor + gaussian_noise([tensor], [stddev])[0]``.
+
+    The kernel is seeded as ``tf.random.uniform`` is (``tf.compat.v1.random.get_seed``: the
+    global seed and the op's, or a random seed when the program sets none), so a seeded
+    program repeats its noise and an unseeded one never does.
+    """
+    from lipdp import kernels
+
+    noisy = []
+    for tensor, stddev in zip(tensors, stddevs):
+        tensor = tf.convert_to_tensor(tensor)
+        if kernels.usable_for(tensor):
+            seed, seed2 = tf.compat.v1.random.get_seed(None)
+            noisy.append(kernels.fused_ops().lipdp_add_gaussian_noise(
+                tensor, tf.cast(stddev, tf.float32), seed=seed or 0, seed2=seed2 or 0))
+        else:
+            noisy.append(tensor + gaussian_noise([tensor], [stddev])[0])
+    return noisy

@@ -255,6 +255,10 @@ _FALLBACK_CHECK = """
     print("STATUS", kernels.status())
     print("FUSED", any(op.startswith("Lipdp") for op in ops))
     print("VALUE", float(tf.reduce_sum(step(x))))
+    from lipdp.noise import add_gaussian_noise
+    noise = tf.function(lambda x: add_gaussian_noise([x], [1.0]))
+    print("NOISE_FUSED", "LipdpAddGaussianNoise" in {
+        op.type for op in noise.get_concrete_function(x).graph.get_operations()})
 """
 
 
@@ -262,9 +266,10 @@ def test_without_a_compiler_the_layers_fall_back_with_a_warning(tmp_path):
     out, err = _run_python(_FALLBACK_CHECK, CXX="false", PATH=str(tmp_path),
                            LIPDP_KERNEL_CACHE=str(tmp_path / "cache"))
     assert "FUSED False" in out and "no C++ compiler found" in out
-    assert "fused GroupSort2 / L2-norm pooling kernels are unavailable" in err
+    assert "NOISE_FUSED False" in out
+    assert "fused GroupSort2 / L2-norm pooling / noise kernels are unavailable" in err
     fused_out, _ = _run_python(_FALLBACK_CHECK)
-    assert "FUSED True" in fused_out
+    assert "FUSED True" in fused_out and "NOISE_FUSED True" in fused_out
     value = [line for line in out.splitlines() if line.startswith("VALUE")]
     assert value == [line for line in fused_out.splitlines() if line.startswith("VALUE")]
 

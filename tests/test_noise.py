@@ -1,4 +1,10 @@
-"""`lipdp.noise`: the private step's Gaussian noise (Box–Muller of TF uniforms).
+"""`lipdp.noise`: the private step's Gaussian noise (Box–Muller of TF uniforms), in TF ops
+(`standard_normal`, `gaussian_noise`) and added by the fused kernel (`add_gaussian_noise`).
+
+The fused kernel against independent computations: TensorFlow's own ``tf.random.uniform``
+with the same seeds (its uniforms, bit for bit: the same Philox stream, the same
+reservation), float64 numpy on every one of the transform's 2^23 inputs, then the same
+statistical tests as the TF-ops noise.
 
 Against independent computations: scipy's normal CDF (Kolmogorov–Smirnov), exact chi-square
 and normal quantiles for the std and mean (`tests._stats`), binomial tails for P(|z| > 3),
@@ -13,7 +19,8 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
-from lipdp.noise import gaussian_noise, standard_normal
+from lipdp import kernels
+from lipdp.noise import add_gaussian_noise, gaussian_noise, standard_normal
 from tests._stats import assert_gaussian_noise
 
 N = 2_000_001  # odd: the last Box–Muller pair is cut
@@ -83,3 +90,131 @@ def test_dynamic_shapes_in_a_graph():
     assert a.shape == (4, 5) and b.shape == (3,)
     a, b = draw(tf.zeros([0, 5]), tf.zeros([0]))
     assert a.shape == (0, 5) and b.shape == (0,)
+
+
+needs_kernels = pytest.mark.skipif(kernels.fused_ops() is None,
+                                   reason=f"fused kernels unavailable: {kernels.status()}")
+UNIT = 2.0 ** -23  # the uniforms' spacing, and float32's relative spacing in [1, 2)
+
+
+def _fused_draw(x, stddev, seed, seed2):
+    """The fused kernel on `x` in a fresh graph (a fresh generator: its first draw)."""
+    ops = kernels.fused_ops()
+    return tf.function(lambda: ops.lipdp_add_gaussian_noise(
+        tf.constant(x, tf.float32), stddev, seed=seed, seed2=seed2))().numpy()
+
+
+def _transform(bits):
+    """``(r, cos, sin)`` of the kernel's Box–Muller functions, on uint32 bits."""
+    a, b = (tf.constant(v, tf.uint32) for v in bits)
+    return [t.numpy() for t in kernels.fused_ops().lipdp_box_muller(a, b)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [4 * 100_003, 4 * 100_003 - 1, 2])
+def test_fused_noise_is_the_box_muller_transform_of_tf_random_uniforms(n):
+    """With the seeds ``tf.random.uniform`` gets, the kernel's noise is, bit for bit,
+    ``fl(r(u_2k) cos(2 pi u_2k+1))`` and ``fl(r(u_2k) sin(2 pi u_2k+1))`` of that op's
+    uniforms: TensorFlow's Philox stream and reservation, split between threads without a
+    counter used twice or skipped; and ``x + stddev * z`` rounded as in float32."""
+    tf.random.set_seed(20261127)
+    seed, seed2 = tf.compat.v1.random.get_seed(5)
+    uniforms = tf.function(lambda: tf.random.uniform([n], seed=5))().numpy()
+    bits = np.round(uniforms.astype(np.float64) / UNIT).astype(np.uint32)
+    np.testing.assert_array_equal(bits.astype(np.float64) * UNIT, uniforms)  # exact
+    pairs = n // 2  # a cut last pair's second uniform is not in `uniforms`
+    r, cosine, sine = _transform((bits[0:2 * pairs:2], bits[1:2 * pairs:2]))
+    expected = np.stack([r * cosine, r * sine], 1).ravel()  # float32 products
+    z = _fused_draw(np.zeros(n, np.float32), 1.0, seed, seed2)
+    np.testing.assert_array_equal(z[:2 * pairs], expected)
+    x = np.random.default_rng(0).normal(size=n).astype(np.float32)
+    stddev = np.float32(0.37)
+    y = _fused_draw(x, stddev, seed, seed2)
+    np.testing.assert_array_equal(y, x + stddev * z)  # fl(x + fl(s z)), float32 throughout
+
+
+@needs_kernels
+def test_box_muller_functions_on_every_input():
+    """The radius on all 2^23 uniforms (with the angle 0: cos 1, sin 0 exactly) and the
+    cosine and sine on all 2^23 angles, against float64: within 1.2 * 2^-23 relative and
+    1.7 * 2^-24 absolute (the kernel's stated accuracy); the largest radius is the TF-ops
+    noise's, sqrt(2 * 23 ln 2)."""
+    every = np.arange(2 ** 23, dtype=np.uint32)
+    r, cosine, sine = _transform((every, np.zeros_like(every)))
+    assert np.all(cosine == 1.0) and np.all(sine == 0.0)
+    exact = np.sqrt(-2.0 * np.log1p(-(every * UNIT)))
+    assert r[0] == 0.0
+    assert np.max(np.abs(r[1:] - exact[1:]) / exact[1:]) <= 1.2 * UNIT
+    assert abs(float(r.max()) - math.sqrt(2 * 23 * math.log(2))) <= 4 * UNIT
+    _, cosine, sine = _transform((np.zeros_like(every), every))
+    angle = 2.0 * np.pi * every * UNIT
+    assert np.max(np.abs(cosine - np.cos(angle))) <= 1.7 * UNIT / 2
+    assert np.max(np.abs(sine - np.sin(angle))) <= 1.7 * UNIT / 2
+    assert np.max(np.abs(cosine)) <= 1.0 and np.max(np.abs(sine)) <= 1.0
+
+
+@needs_kernels
+def test_added_noise_is_standard_normal_with_independent_pair_outputs():
+    tf.random.set_seed(8)
+    like = [tf.zeros([N]), tf.zeros([1000, 700])]
+    noisy = tf.function(lambda: add_gaussian_noise(like, [1.0, tf.constant(3.0)]))()
+    z = noisy[0].numpy().astype(np.float64)
+    assert_gaussian_noise(z, 1.0, "fused, std 1", nb_tests=2)
+    assert_gaussian_noise(noisy[1].numpy(), 3.0, "fused, std 3", nb_tests=2)
+    # The two outputs of a pair share their uniforms: uncorrelated, and so are their squares.
+    a, b = z[0:N - 1:2], z[1:N - 1:2]
+    band = stats.norm.isf(5e-7) / math.sqrt(a.size)
+    assert abs(np.corrcoef(a, b)[0, 1]) < band
+    assert abs(np.corrcoef(a * a, b * b)[0, 1]) < band
+    assert stats.kstest(z, "norm").pvalue > 1e-6
+
+
+@needs_kernels
+def test_added_noise_runs_the_kernel_where_usable_and_falls_back_elsewhere():
+    """float32 on the CPU: the kernel; float64 and XLA: TF ops, same shapes and dtypes."""
+    like = [tf.zeros([30, 20]), tf.zeros([7]), tf.zeros([0, 3]), tf.zeros([]),
+            tf.zeros([400, 250], tf.float64)]
+    stds = [2.0, tf.constant(0.5), 1.0, 3.0, tf.constant(0.25, tf.float64)]
+    draw = tf.function(lambda: add_gaussian_noise(like, stds))
+    kinds = [op.type for op in draw.get_concrete_function().graph.get_operations()]
+    assert kinds.count("LipdpAddGaussianNoise") == 4 and "RandomUniform" in kinds
+    tf.random.set_seed(12)
+    noisy = draw()
+    for n, t in zip(noisy, like):
+        assert n.shape == t.shape and n.dtype == t.dtype
+    assert_gaussian_noise(noisy[4].numpy(), 0.25, "float64 fallback", nb_tests=2)
+    xla = tf.function(lambda: add_gaussian_noise([tf.zeros([300, 200])], [2.0]),
+                      jit_compile=True)
+    assert "LipdpAddGaussianNoise" not in {
+        op.type for op in xla.get_concrete_function().graph.get_operations()}
+    assert_gaussian_noise(xla()[0].numpy(), 2.0, "XLA fallback", nb_tests=2)
+
+
+@needs_kernels
+def test_added_noise_differs_between_draws_and_tensors_and_repeats_under_a_seed():
+    def traced():
+        return tf.function(lambda: add_gaussian_noise([tf.zeros([1000]), tf.zeros([1000])],
+                                                      [1.0, 1.0]))
+
+    tf.random.set_seed(3)
+    draw = traced()
+    first, second = [np.concatenate([t.numpy() for t in draw()]) for _ in range(2)]
+    assert not np.any(np.isin(first, second))  # consecutive draws: fresh counters
+    assert not np.any(np.isin(first[:1000], first[1000:]))  # each tensor a draw of its own
+    tf.random.set_seed(3)
+    np.testing.assert_array_equal(np.concatenate([t.numpy() for t in traced()()]), first)
+    tf.random.set_seed(None)  # unseeded: two programs never share their noise
+    unseeded = [np.concatenate([t.numpy() for t in traced()()]) for _ in range(2)]
+    assert not np.any(np.isin(unseeded[0], unseeded[1]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("shapes", [([4, 5], [3]), ([0, 5], [0])])
+def test_added_noise_with_dynamic_shapes_in_a_graph(shapes):
+    @tf.function(input_signature=[tf.TensorSpec([None, 5]), tf.TensorSpec([None])])
+    def draw(a, b):
+        return add_gaussian_noise([a, b], [1.0, 1.0])
+
+    a, b = draw(tf.ones(shapes[0]), tf.ones(shapes[1]))
+    assert a.shape == tuple(shapes[0]) and b.shape == tuple(shapes[1])
+    assert np.all(a.numpy() != 1.0)

@@ -1,4 +1,5 @@
-"""Fused CPU kernels for GroupSort2 and L2-norm pooling, compiled on first use.
+"""Fused CPU kernels for GroupSort2, L2-norm pooling and the private step's Gaussian noise,
+compiled on first use.
 
 TensorFlow runs every elementwise op as its own pass over memory. lipdp's GroupSort2 took
 five of them forward and two backward (a partner tensor, comparisons, selections), and
@@ -11,14 +12,20 @@ only), L2-norm pooling with deel-lip's order of operations (so
 `lipdp.rounding.block_norm_error` still bounds its rounding). `tests/test_kernels.py` holds
 both against the references, ties and NaNs included.
 
-The source is compiled with the C++ compiler of the machine (``$CXX``, else ``g++``,
+``gaussian_noise.cc`` adds the private step's Gaussian noise to a gradient in one pass
+(`lipdp.noise.add_gaussian_noise`): TensorFlow's Philox uniforms, drawn as
+``tf.random.uniform`` draws them, and the Box-Muller transform, vectorised
+(`tests/test_noise.py` checks the stream bit for bit and the transform on every input).
+
+The sources are compiled with the C++ compiler of the machine (``$CXX``, else ``g++``,
 ``c++`` or ``clang++``) against the installed TensorFlow's headers, a few seconds, once: the
 shared library is cached under ``$LIPDP_KERNEL_CACHE`` (default
 ``$XDG_CACHE_HOME/lipdp/kernels``, else ``~/.cache/lipdp/kernels``), named by a hash of the
-source, the TensorFlow version and the flags, and written atomically (parallel test workers
+sources, the TensorFlow version and the flags, and written atomically (parallel test workers
 may compile at the same time). When no compiler works, or ``LIPDP_FUSED_KERNELS=0``, the
-layers use their reference implementation and `status` says why (with one warning, unless
-the switch turned them off).
+layers use their reference implementation, the noise its TensorFlow-ops version
+(`lipdp.noise.gaussian_noise`), and `status` says why (with one warning, unless the switch
+turned them off).
 
 The layers choose per call, when they are traced: the fused kernel for float32 tensors on
 the CPU outside XLA (no GPU visible, no ``jit_compile``); the reference otherwise. Both
@@ -38,7 +45,7 @@ import threading
 import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("lipdp_ops.cc")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("lipdp_ops.cc", "gaussian_noise.cc"))
 CXX_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared",
              "-fPIC")
 COMPILE_TIMEOUT_S = 600
@@ -69,7 +76,8 @@ def _library_path(tf_flags) -> Path:
     import tensorflow as tf
 
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), tf.__version__.encode(), " ".join(CXX_FLAGS).encode(),
+    sources = [source.read_bytes() for source in SOURCES]
+    for part in (*sources, tf.__version__.encode(), " ".join(CXX_FLAGS).encode(),
                  " ".join(tf_flags).encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -77,13 +85,13 @@ def _library_path(tf_flags) -> Path:
 
 
 def _compile(compiler, target: Path, tf_flags):
-    """Compile the source into `target`, atomically (a temporary file, then a rename)."""
+    """Compile the sources into `target`, atomically (a temporary file, then a rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        done = subprocess.run([compiler, *CXX_FLAGS, str(SOURCE), "-o", temporary, *tf_flags],
-                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        command = [compiler, *CXX_FLAGS, *map(str, SOURCES), "-o", temporary, *tf_flags]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({done.returncode}): "
                                f"{(done.stderr or done.stdout).strip()[-2000:]}")
@@ -126,10 +134,11 @@ def fused_ops():
                 ops, message = _load()
                 _state.update(loaded=True, ops=ops, status=message)
                 if ops is None and not message.startswith("disabled"):
-                    warnings.warn(f"lipdp's fused GroupSort2 / L2-norm pooling kernels are "
-                                  f"unavailable, using the slower reference layers (same "
-                                  f"values): {message}. Set {ENV_CACHE} to a writable "
-                                  f"directory or CXX to a C++ compiler, or {ENV_SWITCH}=0 "
+                    warnings.warn(f"lipdp's fused GroupSort2 / L2-norm pooling / noise kernels "
+                                  f"are unavailable, using the slower reference layers and "
+                                  f"noise (same values, same distribution): {message}. "
+                                  f"Set {ENV_CACHE} to a writable directory or CXX to a C++ "
+                                  f"compiler, or {ENV_SWITCH}=0 "
                                   f"to silence this.", RuntimeWarning, stacklevel=2)
     return _state["ops"]
 
