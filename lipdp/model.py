@@ -507,14 +507,16 @@ class _DPModelMixin:
         gradients, per_example, y_pred = tf.cond(
             _batch_size(x) > 0, lambda: self._averaged_gradients(x, y),
             self._empty_batch_gradients)
-        # A non-finite gradient (from a finite loss) would turn every weight into NaN.
-        gradients = [tf.debugging.check_numerics(
-            g, f"Non-finite gradient of {v.name} in a private step")
-            for g, v in zip(gradients, self.trainable_variables)]
+        # A non-finite gradient (from a finite loss) would turn every weight into NaN: the
+        # step fails instead, checked where the noise is added (one pass for both).
+        messages = [f"Non-finite gradient of {v.name} in a private step"
+                    for v in self.trainable_variables]
         sensitivities = self.sensitivities()
         noisy = _once_per_global_batch(
-            lambda: add_gaussian_noise(gradients, self._noise_stddevs(sensitivities)),
-            otherwise=lambda: list(gradients))
+            lambda: add_gaussian_noise(gradients, self._noise_stddevs(sensitivities),
+                                       non_finite_messages=messages),
+            otherwise=lambda: [tf.debugging.check_numerics(g, m)
+                               for g, m in zip(gradients, messages)])
         return gradients, noisy, sensitivities, per_example, y_pred
 
     def _averaged_gradients(self, x, y):

@@ -9,8 +9,9 @@ gaussian_noise(...)``. Both give ``fl(x + fl(stddev * z))`` with ``z`` the trans
 uniforms of the same generator: the fused transform is within 1.2 * 2^-23 (radius, relative)
 and 1.7 * 2^-24 (cosine and sine, absolute) of exact on every one of its inputs, the TF-ops
 one within the accuracy of TensorFlow's float32 ``log``, ``cos`` and ``sin`` of a rounded
-``2 pi v``. The kernel made the clipless step 0.96x (the paper's CNN, batch 1024) and 0.95x
-(the main job's MLP) the time, paired (README, "Noise added by one fused kernel").
+``2 pi v``. The kernel (with the private step's finiteness check in its pass) made the
+clipless step 0.96x (the paper's CNN, batch 1024) and 0.91-0.93x (the main job's MLP, batch
+256 and 1024) the time, paired (README, "Noise added by one fused kernel").
 
 ``gaussian_noise(like, stddevs)`` returns ``stddev_i * z_i`` with ``z_i`` shaped like
 ``like[i]`` and every coordinate of every ``z_i`` independent ``N(0, 1)``: ``u, v`` uniform
@@ -70,7 +71,7 @@ def gaussian_noise(like: Sequence[tf.Tensor], stddevs) -> list:
     return noise
 
 
-def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs) -> list:
+def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs, non_finite_messages=None) -> list:
     """``[tensors[i] + stddevs[i] * z_i]``, ``z_i`` independent standard normal tensors shaped
     like ``tensors[i]``: the fused kernel where `lipdp.kernels.usable_for` the tensor (float32
     on the CPU, outside XLA), else ``tensor + gaussian_noise([tensor], [stddev])[0]``.
@@ -78,16 +79,27 @@ def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs) -> list:
     The kernel is seeded as ``tf.random.uniform`` is (``tf.compat.v1.random.get_seed``: the
     global seed and the op's, or a random seed when the program sets none), so a seeded
     program repeats its noise and an unseeded one never does.
+
+    Args:
+        tensors: the tensors to noise (e.g. the averaged gradients).
+        stddevs: one standard deviation per tensor (scalars or scalar tensors).
+        non_finite_messages: optional, one message per tensor: a tensor with a NaN or an
+            infinity then fails the computation with ``InvalidArgumentError(message)``, as
+            ``tf.debugging.check_numerics`` does (the kernel checks in its own pass).
     """
     from lipdp import kernels
 
+    messages = non_finite_messages or [None] * len(tensors)
     noisy = []
-    for tensor, stddev in zip(tensors, stddevs):
+    for tensor, stddev, message in zip(tensors, stddevs, messages):
         tensor = tf.convert_to_tensor(tensor)
         if kernels.usable_for(tensor):
             seed, seed2 = tf.compat.v1.random.get_seed(None)
             noisy.append(kernels.fused_ops().lipdp_add_gaussian_noise(
-                tensor, tf.cast(stddev, tf.float32), seed=seed or 0, seed2=seed2 or 0))
-        else:
-            noisy.append(tensor + gaussian_noise([tensor], [stddev])[0])
+                tensor, tf.cast(stddev, tf.float32), seed=seed or 0, seed2=seed2 or 0,
+                message=message or ""))
+            continue
+        if message:
+            tensor = tf.debugging.check_numerics(tensor, message)
+        noisy.append(tensor + gaussian_noise([tensor], [stddev])[0])
     return noisy

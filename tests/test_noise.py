@@ -218,3 +218,18 @@ def test_added_noise_with_dynamic_shapes_in_a_graph(shapes):
     a, b = draw(tf.ones(shapes[0]), tf.ones(shapes[1]))
     assert a.shape == tuple(shapes[0]) and b.shape == tuple(shapes[1])
     assert np.all(a.numpy() != 1.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])  # the kernel, the TF-ops fallback
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_tensors_fail_with_their_message_when_one_is_given(dtype, bad):
+    values = np.zeros(1001)
+    values[777] = bad
+    tensor = tf.constant(values, dtype)
+    checked = tf.function(lambda: add_gaussian_noise(
+        [tf.zeros([5], dtype), tensor], [1.0, 1.0], non_finite_messages=["first", "second"]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="second"):
+        checked()
+    unchecked = tf.function(lambda: add_gaussian_noise([tensor], [1.0]))()[0].numpy()
+    assert not np.isfinite(unchecked[777]) and np.all(np.isfinite(np.delete(unchecked, 777)))

@@ -11,6 +11,8 @@
 //   z[4g + 3] the same from (x2, x3), with r(x) = sqrt(-2 ln(1 - u(x))): the Box-Muller
 //   transform, whose two outputs are independent standard normals for independent uniforms.
 //   With the same seeds, RandomUniform draws exactly these uniforms (the tests check it).
+//   With a non-empty attribute `message`, a non-finite x fails the op with it, as
+//   CheckNumerics would (the check reads x in the same pass).
 // * LipdpBoxMuller(a, b): (r(a), cos(2 pi u(b)), sin(2 pi u(b))) of uint32 tensors, the
 //   functions the noise is made of, so that the tests can check them on every one of their
 //   2^23 inputs (r within 1.2 * 2^-23 relative, sine and cosine within 1.7 * 2^-24 absolute
@@ -28,10 +30,12 @@
 //   on [0, pi/4] (the first terms left out are below 2^-28), then the quadrant's symmetries:
 //   no rounding of 2 pi u, which TensorFlow's sin(2 pi u) commits (up to 2^-21 absolute).
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -117,10 +121,12 @@ inline void CosSin(uint32_t bits, float* cosine, float* sine) {  // of 2 pi u
   *cosine = ((quadrant + 1) & 2) ? -cos_turned : cos_turned;
 }
 
-// y[i] = x[i] + stddev * z[i] for the groups [begin, end) of four outputs (i < size).
+// y[i] = x[i] + stddev * z[i] for the groups [begin, end) of four outputs (i < size);
+// returns whether every x[i] read was finite.
 LIPDP_VECTOR_CLONES
-void AddNoise(uint32_t key0, uint32_t key1, const uint32_t* counter, int64_t begin,
+bool AddNoise(uint32_t key0, uint32_t key1, const uint32_t* counter, int64_t begin,
               int64_t end, const float* x, float stddev, float* y, int64_t size) {
+  uint32_t non_finite = 0;
   const uint64_t counter_low = (static_cast<uint64_t>(counter[1]) << 32) | counter[0];
   const uint64_t counter_high = (static_cast<uint64_t>(counter[3]) << 32) | counter[2];
   for (int64_t start = begin; start < end; start += kLanes) {
@@ -163,10 +169,15 @@ void AddNoise(uint32_t key0, uint32_t key1, const uint32_t* counter, int64_t beg
     for (int64_t j = 0; j < groups; ++j) {
       for (int64_t k = 0; k < 4; ++k) {
         const int64_t i = 4 * (start + j) + k;
-        if (i < size) y[i] = x[i] + stddev * z[k][j];
+        if (i >= size) continue;
+        uint32_t bits;
+        std::memcpy(&bits, &x[i], sizeof(bits));
+        non_finite |= (bits & 0x7f800000u) == 0x7f800000u;  // all exponent bits: inf or NaN
+        y[i] = x[i] + stddev * z[k][j];
       }
     }
   }
+  return non_finite == 0;
 }
 
 REGISTER_OP("LipdpAddGaussianNoise")
@@ -175,6 +186,7 @@ REGISTER_OP("LipdpAddGaussianNoise")
     .Output("y: float")
     .Attr("seed: int = 0")
     .Attr("seed2: int = 0")
+    .Attr("message: string = ''")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle unused;
@@ -187,6 +199,7 @@ class AddGaussianNoiseOp : public OpKernel {
  public:
   explicit AddGaussianNoiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, generator_.Init(ctx));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("message", &message_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -208,16 +221,22 @@ class AddGaussianNoiseOp : public OpKernel {
     const float scale = stddev.scalar<float>()();
     const int64_t groups = (size + 3) / 4;
     const int64_t blocks = (groups + kLanes - 1) / kLanes;
+    std::atomic<bool> finite(true);
     auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
     ::tensorflow::Shard(threads->num_threads, threads->workers, blocks, 64 * kLanes * 4,
                         [&](int64_t first, int64_t last) {
-                          AddNoise(key0, key1, counter, first * kLanes,
-                                   std::min(last * kLanes, groups), in, scale, out, size);
+                          if (!AddNoise(key0, key1, counter, first * kLanes,
+                                        std::min(last * kLanes, groups), in, scale, out, size)) {
+                            finite.store(false);
+                          }
                         });
+    OP_REQUIRES(ctx, message_.empty() || finite.load(),
+                errors::InvalidArgument(message_, " : Tensor had NaN or Inf values"));
   }
 
  private:
   ::tensorflow::GuardedPhiloxRandom generator_;
+  std::string message_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("LipdpAddGaussianNoise").Device(DEVICE_CPU), AddGaussianNoiseOp);
