@@ -82,11 +82,14 @@ def certifying_bjorck(w, eps, beta, maxiter):
     """deel-lip's `bjorck_normalization(w, eps, beta, maxiter)` (same iterates to float32
     rounding, same stopping rule), with a certified upper bound of the result's spectral norm.
 
-    The kernel is oriented tall (p x k, p >= k; a wide one is transposed, exactly). Each
-    iteration computes ``G^ = fl32(sum_c fl32(V_c^T V_c))`` over blocks of
-    `CERTIFYING_CHUNK_ROWS` rows (zero rows pad the last one), ``P^ = fl32(a I - fl32(b G^))``
-    with the float32 ``a = 1 + b`` and b, and ``fl32(V P^)``: deel-lip's ``(1 + b) V -
-    b V (V^T V)``. The certificate is computed on the host from the last iteration's
+    The proof is written for a tall kernel V (p x k, p >= k). Each iteration computes
+    ``G^ = fl32(sum_c fl32(V_c^T V_c))`` over blocks of `CERTIFYING_CHUNK_ROWS` rows (zero rows
+    pad the last one), ``P^ = fl32(a I - fl32(b G^))`` with the float32 ``a = 1 + b`` and b,
+    and ``fl32(V P^)``: deel-lip's ``(1 + b) V - b V (V^T V)``. A wide kernel W (k x p) is V^T
+    and is never transposed: its blocks are blocks of columns, ``G^ = fl32(sum_c fl32(W_c
+    W_c^T))`` (the same dot products), and ``fl32(P^T W)`` is ``fl32(V P^)^T`` entry for entry
+    (the same dot products, in an order the proof leaves free); its statistics are V's, read
+    along the other axis. The certificate is computed on the host from the last iteration's
     statistics (`lipdp.gram_certificates.bjorck_step_norm_upper`): inf when the iteration
     did not run or its inputs fall outside the range the proof covers.
 
@@ -96,14 +99,18 @@ def certifying_bjorck(w, eps, beta, maxiter):
     """
     w = tf.convert_to_tensor(w)
     wide = w.shape[0] < w.shape[1]
-    v = tf.transpose(w) if wide else w
-    p, k = v.shape
+    k, p = w.shape if wide else w.shape[::-1]
     chunks = -(-p // CERTIFYING_CHUNK_ROWS)
     rows = -(-p // chunks)
     alpha, beta32 = np.float32(1.0 + beta), np.float32(beta)
 
     def gram_of(v):
-        blocks = tf.reshape(tf.pad(v, [[0, rows * chunks - p], [0, 0]]), [chunks, rows, k])
+        padding = [[0, 0], [0, rows * chunks - p]] if wide else [[0, rows * chunks - p], [0, 0]]
+        padded = tf.pad(v, padding)
+        if wide:  # (chunks, k, rows): the column blocks W_c, and G^ = sum_c W_c W_c^T
+            blocks = tf.transpose(tf.reshape(padded, [k, chunks, rows]), [1, 0, 2])
+            return tf.reduce_sum(tf.matmul(blocks, blocks, transpose_b=True), 0)
+        blocks = tf.reshape(padded, [chunks, rows, k])
         return tf.reduce_sum(tf.matmul(blocks, blocks, transpose_a=True), 0)
 
     def keep_going(iteration, current, previous, gram, step):
@@ -115,27 +122,29 @@ def certifying_bjorck(w, eps, beta, maxiter):
         gram = gram_of(current)
         # fl32(a I - fl32(b G^)) entry for entry: off the diagonal 0 - fl32(b g) is exact.
         step = tf.linalg.set_diag(-(beta32 * gram), alpha - beta32 * tf.linalg.diag_part(gram))
-        return iteration + 1, tf.matmul(current, step), current, gram, step
+        result = (tf.matmul(step, current, transpose_a=True) if wide
+                  else tf.matmul(current, step))
+        return iteration + 1, result, current, gram, step
 
-    start = (tf.constant(0), v, v, tf.zeros([k, k], v.dtype), tf.zeros([k, k], v.dtype))
+    start = (tf.constant(0), w, w, tf.zeros([k, k], w.dtype), tf.zeros([k, k], w.dtype))
     if maxiter == 1:  # no loop: one iteration, no stopping test to evaluate
         iterations, result, last_input, gram, step = iterate(*start)
     else:
         iterations, result, last_input, gram, step = tf.while_loop(
             keep_going, iterate, start, maximum_iterations=maxiter)
     magnitudes = tf.abs(last_input)
-    row_sums = tf.reduce_sum(magnitudes, 1)
+    row_sums = tf.reduce_sum(magnitudes, 0 if wide else 1)  # V's rows: p sums of k entries
     abs_gram, abs_step = tf.abs(gram), tf.abs(step)
     stats = tf.stack([
-        tf.reduce_max(tf.linalg.matvec(magnitudes, row_sums, transpose_a=True)),
+        tf.reduce_max(tf.linalg.matvec(magnitudes, row_sums, transpose_a=not wide)),
         tf.reduce_max(row_sums), tf.reduce_max(magnitudes),
         tf.maximum(tf.reduce_max(tf.reduce_sum(abs_gram, 0)),
                    tf.reduce_max(tf.reduce_sum(abs_gram, 1))),
         tf.maximum(tf.reduce_max(tf.reduce_sum(abs_step, 0)),
                    tf.reduce_max(tf.reduce_sum(abs_step, 1))),
         tf.reduce_max(tf.linalg.diag_part(abs_step)),
-        tf.cast(tf.reduce_all(tf.math.is_finite(result)), v.dtype),
-        tf.cast(iterations, v.dtype)])
+        tf.cast(tf.reduce_all(tf.math.is_finite(result)), w.dtype),
+        tf.cast(iterations, w.dtype)])
 
     def certify(stats):
         if not (stats[-1] >= 1 and stats[-2] == 1):  # no iteration, or it diverged
@@ -144,8 +153,7 @@ def certifying_bjorck(w, eps, beta, maxiter):
 
     certificate = tf.numpy_function(certify, [stats], tf.float32, stateful=False,
                                     name="bjorck_certificate")
-    certificate = tf.ensure_shape(certificate, [])
-    return (tf.transpose(result) if wide else result), certificate
+    return result, tf.ensure_shape(certificate, [])
 
 
 def gram_space_bjorck(w, eps, beta, maxiter):
