@@ -845,7 +845,7 @@ def _header(elapsed) -> str:
         f"- versions: Python {platform.python_version()}, {versions}; lipdp commit "
         f"{_git_commit()}",
         f"- command: `{command}`",
-        f"- lipdp's fused GroupSort2 / L2-norm pooling kernels (`lipdp.kernels`): "
+        f"- lipdp's fused GroupSort2 / L2-norm pooling / noise kernels (`lipdp.kernels`): "
         f"{_kernel_status()}",
         f"- total wall time: {elapsed:.0f} s", "",
         "What each configuration is and how time and memory are measured: the docstring of "
