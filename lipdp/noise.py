@@ -40,6 +40,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from lipdp import kernels
+
 __all__ = ["add_gaussian_noise", "gaussian_noise", "standard_normal"]
 
 
@@ -82,13 +84,14 @@ def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs, non_finite_message
 
     Args:
         tensors: the tensors to noise (e.g. the averaged gradients).
-        stddevs: one standard deviation per tensor (scalars or scalar tensors).
+        stddevs: one standard deviation per tensor (scalars or scalar tensors), used in the
+            tensor's dtype: a float64 standard deviation for a float32 tensor is rounded to
+            nearest, so round it up first (`lipdp.layers.base.round_up_to_float32`, as the
+            private step does).
         non_finite_messages: optional, one message per tensor: a tensor with a NaN or an
             infinity then fails the computation with ``InvalidArgumentError(message)``, as
             ``tf.debugging.check_numerics`` does (the kernel checks in its own pass).
     """
-    from lipdp import kernels
-
     messages = non_finite_messages or [None] * len(tensors)
     noisy = []
     for tensor, stddev, message in zip(tensors, stddevs, messages):

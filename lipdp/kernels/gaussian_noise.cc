@@ -30,6 +30,7 @@
 //   on [0, pi/4] (the first terms left out are below 2^-28), then the quadrant's symmetries:
 //   no rounding of 2 pi u, which TensorFlow's sin(2 pi u) commits (up to 2^-21 absolute).
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
