@@ -97,7 +97,8 @@ every other round, and mlp@4096 read 1.52x the twin instead of 1.04-1.08x):
 ``forward+backward`` (``model._averaged_gradients(x, y)``: gradients
 / D, per-example losses, predictions), ``bound pass`` (``model.sensitivities()``: certified
 operator norms and the backpropagation of bounds), ``noise`` (``model._noise_stddevs`` of
-precomputed sensitivities, then ``lipdp.noise.add_gaussian_noise`` to every variable), ``optimizer``
+precomputed sensitivities, then ``lipdp.noise.add_gaussian_noise`` to every variable, with
+the step's finiteness check), ``optimizer``
 (``model.optimizer.apply_gradients`` of the noisy gradients of a fresh, untimed
 ``model.private_gradients`` call before each timed one, so that the weights move as in
 training, not along one fixed gradient: Björck's iteration count depends on how far they
@@ -108,7 +109,9 @@ step: the bound pass does not depend on the batch, and TensorFlow runs it on the
 the forward+backward). Beside them, not part of the step: the forward+backward piece compiled
 with XLA
 (``jit_compile=True``), to show whether XLA would help (lipdp's step cannot use it: its
-certified norms run on the host).
+certified norms run on the host), and the noise as the step drew it before the fused kernel
+(``check_numerics``, then ``lipdp.noise.gaussian_noise``'s TensorFlow ops), paired with the
+``noise`` piece.
 
 Slow and large configurations: after tracing, a configuration's further steps (warm-up, then
 timed ones) only run while they have taken less than ``--budget`` seconds in all (at least one
@@ -169,6 +172,9 @@ TF_PRIVACY = ("tf-privacy-model", "tf-privacy-vectorized")
 PIECES = ("forward+backward", "bound pass", "noise", "optimizer", "projection")
 # Timed beside the pieces, not part of the step: would XLA (jit_compile) help?
 XLA_PIECE = "forward+backward with XLA (not in the step)"
+TF_NOISE_PIECE = "noise with TensorFlow ops (not in the step)"
+#: Pieces timed beside the step's, for comparison (the step does not run them).
+ASIDE_PIECES = (XLA_PIECE, TF_NOISE_PIECE)
 # Paired ratios are taken to these.
 REFERENCES = ("floor", "twin", "clipless", "twin" + SCHEDULED)
 INPUT_SHAPE = (28, 28, 1)
@@ -441,7 +447,7 @@ def _breakdown_pieces(model, x, y) -> dict:
     untimed preparations some of them need before each call."""
     import tensorflow as tf
 
-    from lipdp.noise import add_gaussian_noise
+    from lipdp.noise import add_gaussian_noise, gaussian_noise
 
     variables = model.trainable_variables
     sensitivities = model.sensitivities()
@@ -468,7 +474,15 @@ def _breakdown_pieces(model, x, y) -> dict:
     @tf.function
     def noise(sensitivities):
         stddevs = model._noise_stddevs(sensitivities)  # pylint: disable=protected-access
-        return _probe(add_gaussian_noise(variables, stddevs))
+        return _probe(add_gaussian_noise(variables, stddevs, non_finite_messages=[
+            v.name for v in variables]))
+
+    @tf.function
+    def tf_noise(sensitivities):
+        # What the step did before the fused kernel: check_numerics, then the TF-ops draw.
+        stddevs = model._noise_stddevs(sensitivities)  # pylint: disable=protected-access
+        checked = [tf.debugging.check_numerics(v, v.name) for v in variables]
+        return _probe([v + n for v, n in zip(checked, gaussian_noise(checked, stddevs))])
 
     @tf.function
     def optimizer(gradients):
@@ -484,7 +498,8 @@ def _breakdown_pieces(model, x, y) -> dict:
     fresh_noisy_gradients()
     calls = {"forward+backward": lambda: forward_backward(x, y), "bound pass": bound_pass,
              "noise": lambda: noise(sensitivities), "optimizer": lambda: optimizer(noisy_gradients),
-             "projection": projection, XLA_PIECE: lambda: forward_backward_xla(x, y)}
+             "projection": projection, XLA_PIECE: lambda: forward_backward_xla(x, y),
+             TF_NOISE_PIECE: lambda: tf_noise(sensitivities)}
     return calls, {"optimizer": fresh_noisy_gradients}
 
 
@@ -534,7 +549,7 @@ def paired_worker(model_name, batch, configs, rounds, budget, breakdown=True) ->
             for piece, call in piece_calls.items():
                 calls[piece] = call
                 spent[piece] = _warm_up(call, budget, prepare.get(piece))
-    pieces = [name for name in calls if name in PIECES or name == XLA_PIECE]
+    pieces = [name for name in calls if name in PIECES or name in ASIDE_PIECES]
     times = {name: [] for name in calls}  # per round, None once the budget is spent
     whole_steps = [name for name in calls if name not in pieces]
     for round_index in range(rounds):
@@ -773,8 +788,7 @@ def _breakdown_table(model_name, batch_sizes, paired) -> str:
             continue
         rows = [(piece, pieces[piece]["step_s"]) for piece in PIECES]
         rows += [("unaccounted", whole - sum(t for _, t in rows)), ("whole step", whole)]
-        if XLA_PIECE in pieces:
-            rows.append((XLA_PIECE, pieces[XLA_PIECE]["step_s"]))
+        rows += [(piece, pieces[piece]["step_s"]) for piece in ASIDE_PIECES if piece in pieces]
         lines += [f"| {batch} | {piece} | {_ms(t)} | {100 * t / whole:.0f}% |"
                   for piece, t in rows]
     return "\n".join(lines)
