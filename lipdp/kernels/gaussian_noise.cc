@@ -23,8 +23,8 @@
 // vector versions for AVX-512 and AVX2 give the same bits as the scalar one:
 // * r: 1 - u is exact; ln w = e ln 2 + ln m with w = 2^e m, m in [sqrt(1/2), sqrt(2)), and
 //   ln m = 2 atanh(s) = 2 (s + s^3/3 + ... + s^9/9), s = (m - 1)/(m + 1), |s| <= 0.172 (the
-//   first term left out, s^11/11, is below 2^-30 relative); ln 2 split so that e ln 2's high
-//   part is exact. r(u) <= sqrt(2 * 23 ln 2) = 5.65, as the TF-ops version's.
+//   terms left out, from s^11/11 on, add up to about 2^-29 relative); ln 2 split so that the
+//   high part of e ln 2 is exact. r(u) <= sqrt(2 * 23 ln 2) = 5.65, as the TF-ops version's.
 // * cosine and sine: 4u = q + f exactly (q the quadrant), the angle pi/2 g with
 //   g = min(f, 1 - f) <= 1/2 (exact), Taylor polynomials of degree 9 (sine) and 10 (cosine)
 //   on [0, pi/4] (the first terms left out are below 2^-28), then the quadrant's symmetries:
