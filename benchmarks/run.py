@@ -447,7 +447,7 @@ def _breakdown_pieces(model, x, y) -> dict:
     untimed preparations some of them need before each call."""
     import tensorflow as tf
 
-    from lipdp.noise import add_gaussian_noise, gaussian_noise
+    from lipdp import noise as lipdp_noise
 
     variables = model.trainable_variables
     sensitivities = model.sensitivities()
@@ -474,15 +474,15 @@ def _breakdown_pieces(model, x, y) -> dict:
     @tf.function
     def noise(sensitivities):
         stddevs = model._noise_stddevs(sensitivities)  # pylint: disable=protected-access
-        return _probe(add_gaussian_noise(variables, stddevs, non_finite_messages=[
+        return _probe(lipdp_noise.add_gaussian_noise(variables, stddevs, non_finite_messages=[
             v.name for v in variables]))
 
     @tf.function
     def tf_noise(sensitivities):
         # What the step did before the fused kernel: check_numerics, then the TF-ops draw.
         stddevs = model._noise_stddevs(sensitivities)  # pylint: disable=protected-access
-        checked = [tf.debugging.check_numerics(v, v.name) for v in variables]
-        return _probe([v + n for v, n in zip(checked, gaussian_noise(checked, stddevs))])
+        return _probe([lipdp_noise._noised_by_tf_ops(v, s, v.name)  # pylint: disable=W0212
+                       for v, s in zip(variables, stddevs)])
 
     @tf.function
     def optimizer(gradients):

@@ -101,8 +101,15 @@ def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs, non_finite_message
             noisy.append(kernels.fused_ops().lipdp_add_gaussian_noise(
                 tensor, tf.cast(stddev, tf.float32), seed=seed or 0, seed2=seed2 or 0,
                 message=message or ""))
-            continue
-        if message:
-            tensor = tf.debugging.check_numerics(tensor, message)
-        noisy.append(tensor + gaussian_noise([tensor], [stddev])[0])
+        else:
+            noisy.append(_noised_by_tf_ops(tensor, stddev, message))
     return noisy
+
+
+def _noised_by_tf_ops(tensor, stddev, message=None):
+    """`add_gaussian_noise` of one tensor where the fused kernel is not usable:
+    ``tf.debugging.check_numerics`` with `message` (when given), then ``tensor +
+    gaussian_noise([tensor], [stddev])[0]``."""
+    if message:
+        tensor = tf.debugging.check_numerics(tensor, message)
+    return tensor + gaussian_noise([tensor], [stddev])[0]

@@ -151,9 +151,8 @@ def status() -> str:
 
 def usable_for(tensor) -> bool:
     """Whether a layer (or the noise) may run its fused kernel on `tensor` in the graph being
-    traced: a
-    float32 tensor, kernels loaded, no GPU visible (the kernels are CPU only) and no XLA
-    compilation (``jit_compile``: XLA cannot compile a custom op)."""
+    traced: a float32 tensor, kernels loaded, no GPU visible (the kernels are CPU only) and no
+    XLA compilation (``jit_compile``: XLA cannot compile a custom op)."""
     import tensorflow as tf
     from tensorflow.python.ops import control_flow_util
 
