@@ -72,6 +72,16 @@ def test_consecutive_draws_differ_and_seeds_repeat():
     np.testing.assert_array_equal(draw().numpy(), first)
 
 
+def _values_shared(a, b):
+    """How many values of `a` also occur in `b`.
+
+    Independent float32 normals coincide by chance: two draws of 2000 share 0.06 values on
+    average (measured over 300 unseeded pairs; 5.7% of pairs share one or two), so a check of
+    independence allows a few. Reused counters would share every value of the overlap.
+    """
+    return int(np.count_nonzero(np.isin(a, b)))
+
+
 def test_noise_takes_each_tensors_shape_dtype_and_std():
     like = [tf.zeros([300, 200]), tf.zeros([7]), tf.zeros([0, 3]), tf.zeros([], tf.float32),
             tf.zeros([400, 250], tf.float64)]
@@ -83,7 +93,7 @@ def test_noise_takes_each_tensors_shape_dtype_and_std():
     assert_gaussian_noise(noise[0].numpy(), 2.0, "300x200, std 2", nb_tests=2)
     assert_gaussian_noise(noise[4].numpy(), 0.25, "400x250 float64, std 0.25", nb_tests=2)
     # Each tensor has a draw of its own (no value of one repeats in another).
-    assert not np.any(np.isin(noise[1].numpy() / 0.5, noise[0].numpy() / 2.0))
+    assert _values_shared(noise[1].numpy() / 0.5, noise[0].numpy() / 2.0) <= 4
 
 
 def test_dynamic_shapes_in_a_graph():
@@ -201,13 +211,13 @@ def test_added_noise_differs_between_draws_and_tensors_and_repeats_under_a_seed(
     tf.random.set_seed(3)
     draw = traced()
     first, second = [np.concatenate([t.numpy() for t in draw()]) for _ in range(2)]
-    assert not np.any(np.isin(first, second))  # consecutive draws: fresh counters
-    assert not np.any(np.isin(first[:1000], first[1000:]))  # each tensor a draw of its own
+    assert _values_shared(first, second) <= 4  # consecutive draws: fresh counters
+    assert _values_shared(first[:1000], first[1000:]) <= 4  # each tensor a draw of its own
     tf.random.set_seed(3)
     np.testing.assert_array_equal(np.concatenate([t.numpy() for t in traced()()]), first)
     tf.random.set_seed(None)  # unseeded: two programs never share their noise
     unseeded = [np.concatenate([t.numpy() for t in traced()()]) for _ in range(2)]
-    assert not np.any(np.isin(unseeded[0], unseeded[1]))
+    assert _values_shared(unseeded[0], unseeded[1]) <= 4
 
 
 @needs_kernels
