@@ -43,6 +43,7 @@ import tensorflow as tf
 from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
+from lipdp.host_blas import limited_blas_threads
 from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
                                with_pass_slack)
@@ -584,8 +585,22 @@ class _DPModelMixin:
         return tf.equal(self._dp_steps % self._bjorck_every, 0)
 
     def make_train_function(self, force=False):
+        """Keras' train function (`fit`, `train_on_batch`), each call of it run with numpy's
+        BLAS on one thread: the step's certificates run in numpy on one of TensorFlow's
+        threads while TensorFlow's own hold the cores (`lipdp.host_blas`). The traced
+        function itself is ``train_tf_function``, as Keras keeps it."""
         self._check_compiled()
-        return super().make_train_function(force)
+        train_function = super().make_train_function(force)
+        if getattr(train_function, "limits_blas_threads", False):
+            return train_function
+
+        def limited(*args, **kwargs):
+            with limited_blas_threads():
+                return train_function(*args, **kwargs)
+
+        limited.limits_blas_threads = True
+        self.train_function = limited
+        return limited
 
     def train_step(self, data):
         self._check_compiled()

@@ -328,7 +328,7 @@ def test_fit_traces_the_private_step_once(model_fn):
     x, y = _mlp_data()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert model.train_function.experimental_get_tracing_count() == 1
+    assert model.train_tf_function.experimental_get_tracing_count() == 1
     assert model.dp_steps_taken == 12
 
 
