@@ -11,6 +11,7 @@ rounds) the clipless step used 409 against 376, 403 against 394 and 391 against 
 process CPU time with one BLAS thread, and ran 1.128x / 1.073x, 1.109x / 1.110x and 1.115x /
 1.087x its twin (default / one thread).
 
+With threadpoolctl installed (``pip install lipdp[speed]``; scikit-learn brings it too),
 `DP_Model.make_train_function` (`fit`, `train_on_batch`) runs each call of Keras' train
 function inside `limited_blas_threads`, in the thread that calls it, which restores the
 setting afterwards. Not inside the host call, on TensorFlow's thread: there OpenBLAS 0.3.23
@@ -25,7 +26,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-from threadpoolctl import ThreadpoolController
+try:  # the `speed` extra (scikit-learn, the `audit` extra's, brings it too)
+    from threadpoolctl import ThreadpoolController
+except ImportError:  # without it the step runs as before
+    ThreadpoolController = None
 
 #: BLAS threads in a private step unless ``LIPDP_HOST_BLAS_THREADS`` says otherwise.
 HOST_BLAS_THREADS = 1
@@ -55,9 +59,10 @@ def _controller():
 @contextlib.contextmanager
 def limited_blas_threads():
     """Within this context the BLAS libraries run on `host_blas_threads` threads; their
-    setting is restored when it ends. Enter and leave it in the same thread."""
+    setting is restored when it ends. Enter and leave it in the same thread. Without
+    threadpoolctl it changes nothing."""
     threads = host_blas_threads()
-    if threads == 0:
+    if threads == 0 or ThreadpoolController is None:
         yield
         return
     with _controller().limit(limits=threads, user_api="blas"):

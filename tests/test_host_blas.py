@@ -1,5 +1,6 @@
 """`lipdp.host_blas`: numpy's BLAS on one thread while `fit` / `train_on_batch` run a private
-step (its certificates' host call sees the limit), the setting restored after, the variable."""
+step (its certificates' host call sees the limit), the setting restored after, the variable,
+and nothing changed without threadpoolctl."""
 
 import numpy as np
 import pytest
@@ -50,6 +51,13 @@ def test_the_variable_sets_the_threads_and_zero_leaves_blas_alone(two_threads, m
         monkeypatch.setenv("LIPDP_HOST_BLAS_THREADS", bad)
         with pytest.raises(ValueError, match="LIPDP_HOST_BLAS_THREADS"):
             host_blas.host_blas_threads()
+
+
+def test_without_threadpoolctl_nothing_changes(two_threads, monkeypatch):
+    monkeypatch.setattr(host_blas, "ThreadpoolController", None)
+    monkeypatch.setattr(host_blas, "_CONTROLLER", [])
+    with host_blas.limited_blas_threads():
+        assert _blas_threads() == {2}
 
 
 def test_fit_and_train_on_batch_certify_on_one_blas_thread(two_threads, monkeypatch):
