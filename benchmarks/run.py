@@ -35,8 +35,8 @@ Configurations:
   pays the projections too);
 * ``clipless``: Clipless DP-SGD, ``DPParameters(noise_multiplier=1, delta=1e-5)`` (global
   noise), compiled with ``private_logs_only=True``; the step is ``model.train_step((x, y))``,
-  called with numpy's BLAS on one thread as ``fit`` calls it (`lipdp.host_blas`; also the
-  breakdown's bound pass);
+  called with numpy's BLAS on one thread where ``fit`` calls it so (the cnn: its certificates'
+  host products are small, `lipdp.host_blas`; also the breakdown's bound pass);
 * ``clipless-per-layer``: the same with ``noisify_strategy="per-layer"``;
 * ``ghost``: lipdp's classic DP-SGD on the same DP layers: ``mode="clipped", clipping="flat",
   l2_norm_clip=1, engine="ghost"`` (ghost norms, no per-example gradient of a Dense/Conv2D
@@ -349,10 +349,13 @@ def _twin(model_name, batch, bjorck_every=1):
     return step, model
 
 
-def _as_fit_runs_it(call):
+def _as_fit_runs_it(model, call):
     """`call` with numpy's BLAS limited as `DP_Model.make_train_function` limits it around each
-    step of ``fit`` (`lipdp.host_blas`: the step's certificates run in numpy)."""
+    step of ``fit`` when the model's certificates call for it (`lipdp.host_blas`)."""
     from lipdp.host_blas import limited_blas_threads
+
+    if not getattr(model, "limits_host_blas", lambda: False)():
+        return call
 
     def limited(*args):
         with limited_blas_threads():
@@ -370,7 +373,7 @@ def _train_step(model):
         model.train_step((x, y))
         return _probe(model.variables)
 
-    return _as_fit_runs_it(step)
+    return _as_fit_runs_it(model, step)
 
 
 def _lipdp_private(model_name, batch, config):
@@ -511,7 +514,7 @@ def _breakdown_pieces(model, x, y) -> dict:
     forward_backward_xla = tf.function(forward_backward.python_function, jit_compile=True)
     fresh_noisy_gradients()
     calls = {"forward+backward": lambda: forward_backward(x, y),
-             "bound pass": _as_fit_runs_it(bound_pass),
+             "bound pass": _as_fit_runs_it(model, bound_pass),
              "noise": lambda: noise(sensitivities), "optimizer": lambda: optimizer(noisy_gradients),
              "projection": projection, XLA_PIECE: lambda: forward_backward_xla(x, y),
              TF_NOISE_PIECE: lambda: tf_noise(sensitivities)}

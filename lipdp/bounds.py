@@ -128,6 +128,16 @@ def _leaves(layers):
             yield layer
 
 
+def _certified_leaves(layers):
+    return [layer for layer in _leaves(layers) if hasattr(layer, "certified_norm_request")]
+
+
+def certified_norm_requests(layers):
+    """What the bound pass asks `lipdp.operator_norms.certified_norms` to certify for the
+    chain `layers`, one request per certified layer."""
+    return [layer.certified_norm_request() for layer in _certified_leaves(layers)]
+
+
 def check_single_use(layers: Sequence[tf.keras.layers.Layer]):
     """Every layer instance, and every trainable variable, is used once in the chain.
 
@@ -199,8 +209,7 @@ def _bound_pass(layers, projection_certificates=False):
     Lipschitz constant, its certified radii) depends on its weights only and is the same
     after it is saved and loaded."""
     with operator_norm_cache():
-        certified = [layer for layer in _leaves(layers)
-                     if hasattr(layer, "certified_norm_request")]
+        certified = _certified_leaves(layers)
         if certified:
             requests = [layer.certified_norm_request() for layer in certified]
             if not projection_certificates:

@@ -402,27 +402,39 @@ def conv_norm_upper(kernel, grid) -> np.float32:
     `_grams_by_transform`).
     """
     kh, kw, cin, cout = kernel.shape
-    nh, nw = grid
     taps = kh * kw
     k = np.asarray(kernel, np.float32).astype(np.float64).reshape(taps, cin, cout)
     if cin > cout:
         k = np.swapaxes(k, 1, 2)
-    n, m = k.shape[1:]
     frobenius_sq = float(np.sum(k * k)) * (1.0 + 2.0 * gamma64(k.size + 2))
     if frobenius_sq == 0.0:
         return np.float32(0.0)
     if not np.isfinite(frobenius_sq):
         return np.float32(np.inf)
-    # The cost of each way in real multiply-adds (a complex one: four; a twiddle, a complex
-    # exponential: TWIDDLE_COST), which picked the faster way on every kernel timed here.
-    frequencies = nh * (nw // 2 + 1)
-    by_pairs = ((frequencies + m) * (taps * n) ** 2
-                + TWIDDLE_COST * frequencies * taps * (taps - 1) // 2)
-    by_transform = 4 * frequencies * n * m * (taps + n) + TWIDDLE_COST * frequencies * taps
+    by_pairs, by_transform = _conv_gram_costs(kernel.shape, grid)
     compute = _grams_by_tap_pairs if by_pairs < by_transform else _grams_by_transform
     grams, gram_error, transform_error = compute(k, kw, grid, frobenius_sq)
     lam = max_eigenvalue_upper(grams, gram_error, complex_arithmetic=True)
     return round_up_float32((np.sqrt(max(lam, 0.0)) + transform_error) * _FINAL_SLACK)
+
+
+def _conv_gram_costs(kernel_shape, grid):
+    """``(by tap pairs, by transform)``: the cost of `conv_norm_upper`'s two ways to its Gram
+    matrices in real multiply-adds (a complex one: four; a twiddle, a complex exponential:
+    `TWIDDLE_COST`), which picked the faster way on every kernel timed here."""
+    kh, kw, cin, cout = (int(d) for d in kernel_shape)
+    n, m, taps = min(cin, cout), max(cin, cout), kh * kw
+    frequencies = int(grid[0]) * (int(grid[1]) // 2 + 1)
+    by_pairs = ((frequencies + m) * (taps * n) ** 2
+                + TWIDDLE_COST * frequencies * taps * (taps - 1) // 2)
+    by_transform = 4 * frequencies * n * m * (taps + n) + TWIDDLE_COST * frequencies * taps
+    return by_pairs, by_transform
+
+
+def conv_certificate_work(kernel_shape, grid) -> int:
+    """Real multiply-adds of `conv_norm_upper`'s Gram matrices for a kernel of
+    `kernel_shape` on the `grid` torus (the cheaper way's, `_conv_gram_costs`)."""
+    return min(_conv_gram_costs(kernel_shape, grid))
 
 
 def _twiddles(offsets_h, offsets_w, grid):

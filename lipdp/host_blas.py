@@ -7,12 +7,14 @@ core busy. numpy's BLAS (OpenBLAS in numpy's wheels) splits a product above a si
 over threads of its own, one per core, which then spin-wait for more work before they sleep:
 in the step they only take cycles from TensorFlow's threads. On the paper's CNN at batch 1024
 (this 2-core machine, the limit set around each step, paired in one process, 16 and 30
-rounds) the clipless step used 409 against 376, 403 against 394 and 391 against 369 ms of
-process CPU time with one BLAS thread, and ran 1.128x / 1.073x, 1.109x / 1.110x and 1.115x /
-1.087x its twin (default / one thread).
+rounds) the clipless step used 409 against 376, 403 against 394, 391 against 369 and 347
+against 344 ms of process CPU time with one BLAS thread, and ran 1.128x / 1.073x, 1.109x /
+1.110x, 1.115x / 1.087x and 1.075x / 1.071x its twin (default / one thread); at batch 256 and
+4096 it read the same either way.
 
 With threadpoolctl installed (``pip install lipdp[speed]``; scikit-learn brings it too),
-`DP_Model.make_train_function` (`fit`, `train_on_batch`) runs each call of Keras' train
+`DP_Model.make_train_function` (`fit`, `train_on_batch`) of a clipless model whose
+certificates' host products are all small (`limit_pays`) runs each call of Keras' train
 function inside `limited_blas_threads`, in the thread that calls it, which restores the
 setting afterwards. Not inside the host call, on TensorFlow's thread: there OpenBLAS 0.3.23
 ignored the raise back to the main thread's setting (seen here: set from a second thread
@@ -33,6 +35,9 @@ except ImportError:  # without it the step runs as before
 
 #: BLAS threads in a private step unless ``LIPDP_HOST_BLAS_THREADS`` says otherwise.
 HOST_BLAS_THREADS = 1
+#: Most multiply-adds of a certificate's largest float64 product (`lipdp.operator_norms.
+#: host_work`) for which a private step limits the BLAS threads (`limit_pays`).
+LIMITED_MAX_WORK = 2 ** 26
 
 _CONTROLLER = []
 
@@ -47,6 +52,16 @@ def host_blas_threads() -> int:
         raise ValueError("LIPDP_HOST_BLAS_THREADS must be a non-negative integer (0: leave the "
                          f"BLAS libraries alone). Received: {value!r}")
     return int(value)
+
+
+def limit_pays(host_works) -> bool:
+    """Whether limiting the BLAS threads pays in a private step whose certificates' largest
+    float64 products take `host_works` multiply-adds: when every one is below
+    `LIMITED_MAX_WORK` (about 3 ms on one core). A larger one, on the step's critical path,
+    runs faster on every core: the main job's 784 x 1024 kernel, certified from scratch on the
+    steps a `bjorck_every=4` schedule leaves (629M multiply-adds), made that step 1.10x
+    slower with one thread (paired, 12 rounds of 4-step periods, batch 256)."""
+    return all(work < LIMITED_MAX_WORK for work in host_works)
 
 
 def _controller():

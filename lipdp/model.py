@@ -40,10 +40,11 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from lipdp.bounds import backpropagate_bounds, check_residual_sections, dp_layers
+from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_residual_sections,
+                          dp_layers)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
-from lipdp.host_blas import limited_blas_threads
+from lipdp.host_blas import limit_pays, limited_blas_threads
 from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
                                with_pass_slack)
@@ -52,6 +53,7 @@ from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, 
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise
+from lipdp.operator_norms import host_work
 from lipdp.records import check_finite_arrays, check_finite_dataset
 
 
@@ -584,14 +586,24 @@ class _DPModelMixin:
             return True
         return tf.equal(self._dp_steps % self._bjorck_every, 0)
 
+    def limits_host_blas(self) -> bool:
+        """Whether `fit` and `train_on_batch` run this model's steps with numpy's BLAS on one
+        thread (`make_train_function`): clipless, and every certificate's largest float64
+        product on the host small (`lipdp.host_blas.limit_pays`)."""
+        if self.dp_parameters.mode is not DPMode.CLIPLESS:
+            return False
+        return limit_pays(host_work(request)
+                          for request in certified_norm_requests(dp_layers(self)))
+
     def make_train_function(self, force=False):
-        """Keras' train function (`fit`, `train_on_batch`), each call of it run with numpy's
-        BLAS on one thread: the step's certificates run in numpy on one of TensorFlow's
-        threads while TensorFlow's own hold the cores (`lipdp.host_blas`). The traced
-        function itself is ``train_tf_function``, as Keras keeps it."""
+        """Keras' train function (`fit`, `train_on_batch`). In clipless mode, when every
+        certificate's host products are small, each call of it runs with numpy's BLAS on one
+        thread: the step's certificates run in numpy on one of TensorFlow's threads while
+        TensorFlow's own hold the cores (`lipdp.host_blas`). The traced function itself is
+        ``train_tf_function``, as Keras keeps it."""
         self._check_compiled()
         train_function = super().make_train_function(force)
-        if getattr(train_function, "limits_blas_threads", False):
+        if getattr(train_function, "limits_blas_threads", False) or not self.limits_host_blas():
             return train_function
 
         def limited(*args, **kwargs):

@@ -50,7 +50,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from lipdp.gram_certificates import chunked_dense_norm_upper, conv_norm_upper, dense_norm_upper
+from lipdp.gram_certificates import (chunked_dense_norm_upper, conv_certificate_work,
+                                     conv_norm_upper, dense_norm_upper)
 from lipdp.host_memory import keep_host_memory
 
 #: Multiply-adds ``p k^2`` of a dense kernel's Gram matrix from which it is chunked.
@@ -124,6 +125,23 @@ def certified_norms(requests):
     norms = tf.numpy_function(compute, inputs, tf.float32, stateful=False,
                               name="certified_norms")
     return tf.unstack(tf.ensure_shape(norms, [len(requests)]))
+
+
+def host_work(request) -> int:
+    """Multiply-adds of the largest float64 products `certified_norms` runs on the host for
+    `request` (of `certified_norms`), when its kernel is certified there: a convolution's
+    Gram matrices (`lipdp.gram_certificates.conv_certificate_work`), a dense kernel's Gram
+    matrix ``p k^2`` (k its short side), or for a chunked one (its Gram matrix is computed by
+    TensorFlow) the Cholesky factorisation's ``k^3 / 3``. What decides whether numpy's BLAS
+    threads pay in the step (`lipdp.host_blas`)."""
+    kind, kernel, grid = request[:3]
+    shape = tf.TensorShape(kernel.shape)
+    if kind == "conv":
+        return conv_certificate_work(shape, grid)
+    p, k, _ = _oriented_shape(shape)
+    if chunked_certificate(shape):
+        return k ** 3 // 3
+    return p * k * k
 
 
 def without_projection_certificate(request):

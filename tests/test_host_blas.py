@@ -80,3 +80,42 @@ def test_fit_and_train_on_batch_certify_on_one_blas_thread(two_threads, monkeypa
     assert _blas_threads() == {2}
     model.sensitivities()  # eager, outside a step: the libraries as the user set them
     assert seen[-1] == {2}
+
+
+def test_the_limit_is_taken_only_where_every_host_product_is_small():
+    from lipdp import DP_Sequential, DPParameters
+    from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
+    from tests._models import metadata
+
+    small = cnn()
+    small.compile(loss=DP_TauCategoricalCrossentropy(5.0), optimizer=tf.keras.optimizers.SGD(0.1))
+    assert small.limits_host_blas()
+    assert getattr(small.make_train_function(), "limits_blas_threads", False)
+
+    def wide(mode):  # the main job's 784 x 1024 kernel: its float64 Gram matrix is 629M
+        parameters = (DPParameters(1.0, 1e-5) if mode == "clipless"
+                      else DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0))
+        model = DP_Sequential(
+            [DP_BoundedInput(1.0, input_shape=(784,)), DP_QuickSpectralDense(1024),
+             DP_GroupSort(2), DP_QuickSpectralDense(10)],
+            dp_parameters=parameters, dataset_metadata=metadata((784,), 10))
+        model.compile(loss=DP_TauCategoricalCrossentropy(5.0),
+                      optimizer=tf.keras.optimizers.SGD(0.1))
+        return model
+
+    for mode in ("clipless", "clipped"):  # clipped: no certificate in its step
+        model = wide(mode)
+        assert not model.limits_host_blas()
+        assert not getattr(model.make_train_function(), "limits_blas_threads", False)
+
+
+def test_host_work_counts_the_largest_float64_product():
+    kernel = lambda *shape: tf.zeros(shape)  # noqa: E731
+    assert operator_norms.host_work(("dense", kernel(784, 1024), None)) == 1024 * 784 ** 2
+    assert operator_norms.host_work(("dense", kernel(3, 3, 32, 64), None)) == 288 * 64 ** 2
+    assert operator_norms.host_work(("cached-dense", kernel(3136, 512), None)) == 512 ** 3 // 3
+    # The paper's CNN's second convolution on its 16 x 16 torus: by tap pairs, (144 + 64)
+    # (9 * 32)^2 multiply-adds and 144 * 36 twiddles at 256 each.
+    assert operator_norms.host_work(("conv", kernel(3, 3, 32, 64), (16, 16))) == (
+        208 * 288 ** 2 + 256 * 144 * 36)
+    assert host_blas.limit_pays([18579456, 44739242]) and not host_blas.limit_pays([2 ** 26])
