@@ -60,7 +60,8 @@ def limit_pays(host_works) -> bool:
     `LIMITED_MAX_WORK` (about 3 ms on one core). A larger one, on the step's critical path,
     runs faster on every core: the main job's 784 x 1024 kernel, certified from scratch on the
     steps a `bjorck_every=4` schedule leaves (629M multiply-adds), made that step 1.10x
-    slower with one thread (paired, 12 rounds of 4-step periods, batch 256)."""
+    slower with one thread (paired, 12 rounds of 4-step periods, batch 256); the paper's
+    CNN's largest is 45M (its 512 x 512 Cholesky test)."""
     return all(work < LIMITED_MAX_WORK for work in host_works)
 
 
