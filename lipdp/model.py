@@ -292,6 +292,12 @@ class _DPModelMixin:
                 or bjorck_every < 1:
             raise ValueError("`bjorck_every` must be a positive integer. "
                              f"Received: bjorck_every={bjorck_every!r}")
+        if not self.built:
+            raise ValueError(
+                f"Model '{self.name}' is not built: its bounds and clipping need every layer's "
+                "input shape at compile time. Give its first layer an input shape (e.g. "
+                "DP_BoundedInput(bound, input_shape=(28, 28, 1))) or an Input, or call "
+                "`model.build((None, ...))` before `compile`.")
         if kwargs.get("jit_compile") and self.dp_parameters.mode is not DPMode.CLIPPED:
             raise ValueError(
                 "jit_compile=True is not supported in clipless mode: the certified operator "

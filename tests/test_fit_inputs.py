@@ -166,6 +166,24 @@ def _arrays(rng, n=N, k=3):
     return _inputs(rng, n), np.eye(k, dtype="float32")[rng.integers(0, k, n)]
 
 
+@pytest.mark.parametrize("mode", ["clipless", "clipped"])
+def test_an_unbuilt_model_is_refused_at_compile_with_how_to_build_it(mode):
+    parameters = (lipdp.DPParameters(1.0, 1e-5) if mode == "clipless"
+                  else lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0))
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(X0), DP_QuickSpectralDense(4), DP_GroupSort(2), DP_QuickSpectralDense(3)],
+        dp_parameters=parameters,
+        dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, N, 16, BATCH, X0, "shuffle"))
+    with pytest.raises(ValueError, match="is not built.*input_shape"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(3.0),
+                      optimizer=tf.keras.optimizers.SGD(0.1))
+    model.build((None, DIM))  # what the message says: then it compiles and trains
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.SGD(0.1))
+    x = np.random.default_rng(0).normal(size=(N, DIM)).astype(np.float32)
+    model.fit(x, np.eye(3, dtype=np.float32)[np.arange(N) % 3], batch_size=BATCH, verbose=0)
+    assert model.dp_steps_taken == N // BATCH
+
+
 @pytest.mark.parametrize("where", ["x nan", "x inf", "y nan"])
 def test_non_finite_arrays_are_refused_before_the_first_step(where):
     rng = np.random.default_rng(4)
