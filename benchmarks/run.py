@@ -352,16 +352,11 @@ def _twin(model_name, batch, bjorck_every=1):
 def _as_fit_runs_it(model, call):
     """`call` with numpy's BLAS limited as `DP_Model.make_train_function` limits it around each
     step of ``fit`` when the model's certificates call for it (`lipdp.host_blas`)."""
-    from lipdp.host_blas import limited_blas_threads
+    from lipdp.host_blas import with_limited_blas_threads
 
     if not getattr(model, "limits_host_blas", lambda: False)():
         return call
-
-    def limited(*args):
-        with limited_blas_threads():
-            return call(*args)
-
-    return limited
+    return with_limited_blas_threads(call)
 
 
 def _train_step(model):

@@ -83,3 +83,15 @@ def limited_blas_threads():
         return
     with _controller().limit(limits=threads, user_api="blas"):
         yield
+
+
+def with_limited_blas_threads(call):
+    """`call`, each call of it run inside `limited_blas_threads`; the function returned is
+    marked ``limits_blas_threads = True`` (so that it is not wrapped twice)."""
+
+    def limited(*args, **kwargs):
+        with limited_blas_threads():
+            return call(*args, **kwargs)
+
+    limited.limits_blas_threads = True
+    return limited

@@ -44,7 +44,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
                           dp_layers)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
-from lipdp.host_blas import limit_pays, limited_blas_threads
+from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
                                with_pass_slack)
@@ -611,14 +611,8 @@ class _DPModelMixin:
         train_function = super().make_train_function(force)
         if getattr(train_function, "limits_blas_threads", False) or not self.limits_host_blas():
             return train_function
-
-        def limited(*args, **kwargs):
-            with limited_blas_threads():
-                return train_function(*args, **kwargs)
-
-        limited.limits_blas_threads = True
-        self.train_function = limited
-        return limited
+        self.train_function = with_limited_blas_threads(train_function)
+        return self.train_function
 
     def train_step(self, data):
         self._check_compiled()
