@@ -11,7 +11,7 @@ and 1.7 * 2^-24 (cosine and sine, absolute) of exact on every one of its inputs,
 one within the accuracy of TensorFlow's float32 ``log``, ``cos`` and ``sin`` of a rounded
 ``2 pi v``. The kernel (with the private step's finiteness check in its pass) made the
 clipless step 0.96x (the paper's CNN, batch 1024) and 0.91-0.93x (the main job's MLP, batch
-256 and 1024) the time, paired (README, "Noise added by one fused kernel").
+256 and 1024) the time, paired (docs/speed.md, "Noise added by one fused kernel").
 
 ``gaussian_noise(like, stddevs)`` returns ``stddev_i * z_i`` with ``z_i`` shaped like
 ``like[i]`` and every coordinate of every ``z_i`` independent ``N(0, 1)``: ``u, v`` uniform
