@@ -60,7 +60,16 @@ Configurations:
   timed call of these runs a whole period of 4 steps, and its time / 4 is their step time (a
   median over single steps would drop the step with Björck). The paired table gives
   clipless-bjorck4's ratio to the twin of the same schedule under it;
-* ``tf-privacy fastest`` (a table row): the faster of the tf-privacy configurations that ran.
+* ``tf-privacy fastest`` (a table row): the faster of the tf-privacy configurations that ran;
+* ``certified-floor`` (mlp only): not a training method but a lower estimate of any private
+  step that keeps its kernels orthogonal and certifies them every step, as clipless does: the
+  floor's step (its ReLU, its loss, no bound pass, no power iteration), then lipdp's fused
+  noise on every gradient and, after ``apply_gradients``, one certifying Björck iteration
+  (``lipdp.layers._bjorck.certifying_bjorck``: one Gram matrix, one product, the certificate's
+  statistics and host call) on each kernel, from orthogonal kernels. It runs in
+  tensorflow-privacy's process too, and the paired table gives tensorflow-privacy's step over
+  it: where that is below 1, no step of this design can be faster than tensorflow-privacy's
+  on this machine.
 
 Every step is compiled with ``tf.function`` and ends by reading one element of every variable
 of the model back to the host with ``.numpy()``: the reads come after the step's assignments
@@ -168,8 +177,11 @@ MODEL_CONFIGS = {"cnn": os.path.join(_CONFIG_DIR, "fashion_mnist_cnn.yaml"),
 MODEL_OVERRIDES = {}
 BJORCK_EVERY = 4  # the Björck schedule of the "-bjorck4" configurations
 SCHEDULED = f"-bjorck{BJORCK_EVERY}"
+CERTIFIED_FLOOR = "certified-floor"
 CONFIGS = ("floor", "twin", "clipless", "clipless-per-layer", "ghost", "tf-privacy-model",
-           "tf-privacy-vectorized", "twin" + SCHEDULED, "clipless" + SCHEDULED)
+           "tf-privacy-vectorized", "twin" + SCHEDULED, "clipless" + SCHEDULED, CERTIFIED_FLOOR)
+#: Configurations that only some models run.
+ONLY_FOR = {CERTIFIED_FLOOR: ("mlp",)}
 TF_PRIVACY = ("tf-privacy-model", "tf-privacy-vectorized")
 PIECES = ("forward+backward", "bound pass", "noise", "optimizer", "projection")
 # Timed beside the pieces, not part of the step: would XLA (jit_compile) help?
@@ -178,7 +190,7 @@ TF_NOISE_PIECE = "noise with TensorFlow ops (not in the step)"
 #: Pieces timed beside the step's, for comparison (the step does not run them).
 ASIDE_PIECES = (XLA_PIECE, TF_NOISE_PIECE)
 # Paired ratios are taken to these.
-REFERENCES = ("floor", "twin", "clipless", "twin" + SCHEDULED)
+REFERENCES = ("floor", "twin", "clipless", "twin" + SCHEDULED, CERTIFIED_FLOOR)
 INPUT_SHAPE = (28, 28, 1)
 NB_CLASSES = 10
 NB_SAMPLES_TRAIN = 60000
@@ -326,6 +338,39 @@ def _floor(model_name):
     return step, model
 
 
+def _certified_floor(model_name):
+    """The floor's step, noised and its kernels certified as clipless's are (the docstring's
+    ``certified-floor``)."""
+    import tensorflow as tf
+
+    from lipdp.layers._bjorck import certifying_bjorck
+    from lipdp.noise import add_gaussian_noise
+
+    model = _keras_model(model_name)
+    for variable in model.trainable_variables:
+        variable.assign(tf.keras.initializers.Orthogonal(seed=0)(variable.shape))
+    optimizer = tf.keras.optimizers.Adam(LEARNING_RATE)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(tf.keras.losses.categorical_crossentropy(y, logits,
+                                                                            from_logits=True))
+        variables = model.trainable_variables
+        gradients = add_gaussian_noise(tape.gradient(loss, variables),
+                                       [SIGMA] * len(variables))
+        optimizer.apply_gradients(zip(gradients, variables))
+        certificates = []
+        for variable in variables:
+            kernel, certificate = certifying_bjorck(variable, eps=1e-3, beta=0.5, maxiter=1)
+            variable.assign(kernel)
+            certificates.append(certificate)
+        return _probe(model.variables + certificates)
+
+    return step, model
+
+
 def _twin(model_name, batch, bjorck_every=1):
     import tensorflow as tf
 
@@ -445,6 +490,8 @@ def _build(model_name, config, batch):
 def _build_one(model_name, config, batch):
     if config == "floor":
         return _floor(model_name)
+    if config == CERTIFIED_FLOOR:
+        return _certified_floor(model_name)
     if config in ("twin", "twin" + SCHEDULED):
         return _twin(model_name, batch, _bjorck_every(config))
     if config == "tf-privacy-model":
@@ -667,7 +714,9 @@ def _measure_batch(model_name, batch, configs, last, args):
     """Own-process runs (unless --no-isolated), then the paired run, of one batch size."""
     isolated, skipped = {}, {}
     for config in configs:
-        reason = _skip_reason(config, batch, last.get(config), args)
+        reason = (f"not run: {', '.join(ONLY_FOR[config])} only"
+                  if model_name not in ONLY_FOR.get(config, (model_name,))
+                  else _skip_reason(config, batch, last.get(config), args))
         if reason is None and not args.no_isolated:
             isolated[config] = _run_worker(["isolated", model_name, str(batch), config], args,
                                            args.timeout)
@@ -693,12 +742,13 @@ def _measure_batch(model_name, batch, configs, last, args):
 
 def _run_paired(model_name, batch, configs, args) -> dict:
     """The paired rounds of `configs`: tensorflow-privacy's configurations in a process of
-    their own, with the references (floor, twin, clipless) again; lipdp's in another."""
+    their own, with the references (floor, twin, clipless, the probe) again; lipdp's in another."""
     tf_privacy = [c for c in configs if c in TF_PRIVACY]
     lipdp_configs = [c for c in configs if c not in TF_PRIVACY]
     result = _run_paired_process(model_name, batch, lipdp_configs, args, "paired")
     if tf_privacy:
-        references = [c for c in ("floor", "twin", "clipless") if c in lipdp_configs]
+        references = [c for c in ("floor", "twin", "clipless", CERTIFIED_FLOOR)
+                      if c in lipdp_configs]
         other = _run_paired_process(model_name, batch, references + tf_privacy, args,
                                     "paired-no-pieces")
         result["configs"].update({c: other["configs"][c] for c in tf_privacy})
@@ -771,6 +821,12 @@ def _paired_table(model_name, batch_sizes, configs, paired) -> str:
     if scheduled:
         notes.add((f"clipless{SCHEDULED} x twin{SCHEDULED} (same schedule), by batch",
                    ", ".join(scheduled)))
+    under_probe = [f"{batch}: {_ratio(fastest[1], CERTIFIED_FLOOR)}" for batch in batch_sizes
+                   for fastest in [_fastest_tf_privacy(paired[(model_name, batch)]["configs"])]
+                   if fastest and CERTIFIED_FLOOR in fastest[1].get("ratio_to", {})]
+    if under_probe:
+        notes.add((f"tf-privacy fastest / {CERTIFIED_FLOOR} (its step over the probe's, paired), "
+                   "by batch", ", ".join(under_probe)))
     return "\n".join(lines + [""] + [f"{c} path: {note}." for c, note in sorted(notes)])
 
 
