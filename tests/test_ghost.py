@@ -478,3 +478,102 @@ def test_vectorized_engine_clips_models_with_random_layers(clipping, clip):
                                        draws=30)
     assert worst <= 1 + 1e-5, worst
     assert 0 < exceeded < 1 if clipping == "global" else exceeded > 0, exceeded
+
+
+def _folding_model(engine, clipping="per-layer", clip=(0.01, 0.01), batch=4):
+    """A Dense applied at T = 4 positions that a Lambda folds into the batch axis, then back:
+    each example owns 4 rows of the Dense's input. Exact per-example gradients exist (examples
+    do not interact), but a ghost norm per row would clip each row on its own."""
+    tf.keras.utils.set_random_seed(11)
+    inputs = L.Input((4, 5))
+    h = L.Lambda(lambda t: tf.reshape(t, (-1, 5)))(inputs)
+    h = L.Dense(3, name="per_position")(h)
+    outputs = L.Lambda(lambda t: tf.reshape(t, (-1, 12)))(h)
+    from lipdp.model import DP_Model
+
+    metadata = DatasetMetadata((4, 5), 12, 8, 8, batch, None, "shuffle")
+    model = DP_Model(inputs, outputs, dataset_metadata=metadata, dp_parameters=DPParameters(
+        0.0, mode="clipped", clipping=clipping, l2_norm_clip=list(clip) if
+        clipping == "per-layer" else clip, engine=engine))
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.SGD(1.0))
+    return model
+
+
+def _folding_data(n=8):
+    rng = np.random.default_rng(12)
+    return (3 * rng.standard_normal((n, 4, 5))).astype(np.float32), rng.integers(0, 12, n)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "mixed-ghost"])
+def test_a_batch_axis_folded_with_positions_is_refused_by_ghost_norms(engine):
+    """Ghost norms per row would let one example contribute 4 times the threshold (measured
+    2.47 C_v before the check, the per-layer rule's worst example of 8). Refused at trace time
+    when the batch is static (`train_on_batch`), at run time when it is not (`fit` over a
+    dataset of unknown batch size), both naming the layer and the engine that works."""
+    x, y = _folding_data()
+    model = _folding_model(engine)
+    # Raised while Keras traces the step, which re-raises it as a StagingError quoting it.
+    with pytest.raises(Exception, match="GhostRowsError: Ghost clipping: layer 'per_position' "
+                                        "sees 16 rows for a batch of 4 examples.*"
+                                        "engine='vectorized'"):
+        model.train_on_batch(x[:4], y[:4])
+    model = _folding_model(engine)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).map(
+        lambda a, b: (tf.ensure_shape(a, (None, 4, 5)), b))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"per_position.{1,4} sees x rows "
+                                                             r"for a batch of y examples(.|\n)*"
+                                                             r"x \(.*\[16\](.|\n)*\[4\]"):
+        model.fit(dataset, epochs=1, verbose=0, validate_data=False)
+
+
+def test_the_vectorized_engine_clips_a_folded_batch_axis_per_example():
+    """The same model with engine 'vectorized': one example's update (SGD at learning rate 1,
+    no noise, D = 4) is its clipped gradient / D, at most C_v per variable (tolerance 1e-5,
+    float32 rounding), and the clipping is active (some example reaches it)."""
+    x, y = _folding_data()
+    worst = 0.0
+    for i in range(len(x)):
+        model = _folding_model("vectorized")
+        before = [v.numpy() for v in model.trainable_variables]
+        model.train_on_batch(x[i:i + 1], y[i:i + 1])
+        worst = max(worst, max(np.linalg.norm(b - v.numpy()) * 4 / 0.01
+                               for b, v in zip(before, model.trainable_variables)))
+    assert 0.99 < worst <= 1 + 1e-5, worst
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_reduced_precision_layers_are_refused_by_ghost_norms(policy):
+    """Under a mixed-precision policy the ghost norms' squared float16 cotangents underflow: an
+    example whose gradient norm is 2.21 C was released unclipped (norm 0 measured). The ghost
+    engines refuse such layers at compile; 'vectorized' (norms of the float32 variables'
+    gradients) accepts them and clips that example to C (tolerance 1e-3: float16 forward)."""
+    from lipdp.model import DP_Model
+
+    previous = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy(policy)
+    try:
+        def build(engine):
+            tf.keras.utils.set_random_seed(13)
+            inputs = L.Input((8,))
+            h = L.Dense(2048, name="big")(inputs)
+            outputs = L.Dense(1, dtype="float32")(h)
+            model = DP_Model(inputs, outputs, dataset_metadata=DatasetMetadata(
+                (8,), 1, 8, 8, 1, None, "shuffle"), dp_parameters=DPParameters(
+                0.0, mode="clipped", clipping="flat", l2_norm_clip=1.0, engine=engine))
+            model.compile(loss="mae", optimizer=tf.keras.optimizers.SGD(1.0))
+            return model
+
+        for engine in ("ghost", "mixed-ghost"):
+            with pytest.raises(ValueError, match="'big' computes in (b)?float16.*"
+                                                 "engine='vectorized'"):
+                build(engine)
+        model = build("vectorized")
+        x = np.full((1, 8), 200 / math.sqrt(8), np.float32)
+        before = [v.numpy() for v in model.trainable_variables]
+        model.train_on_batch(x, np.zeros((1, 1), np.float32))
+        released = math.sqrt(sum(float(np.sum((b - v.numpy()) ** 2))
+                                 for b, v in zip(before, model.trainable_variables)))
+        assert 0.99 < released <= 1 + 1e-3, released
+    finally:
+        tf.keras.mixed_precision.set_global_policy(previous)

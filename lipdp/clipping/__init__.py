@@ -13,7 +13,9 @@ layers (anything without batch statistics), DP layers too.
   layer inputs and output cotangents (Dense, Conv2D, Embedding), a reweighted
   second backward pass; other layers fall back to exact gradients, visibly
   (`ghost_plan`), and are refused when they draw random numbers in training
-  (`GhostRandomnessError`: use ``"vectorized"``). Engine ``"ghost"`` uses Gram
+  (`GhostRandomnessError`), when a layer does not see one row per example (a
+  batch axis folded with positions: `GhostRowsError`) and when layers compute in
+  float16 or bfloat16 (their norms underflow): use ``"vectorized"``. Engine ``"ghost"`` uses Gram
   identities only; ``"mixed-ghost"`` forms a layer's per-example gradient
   (transiently, for its norm) when that is smaller than its Gram matrices.
 * `mechanism`: `ClippedDPSGD`, what the model's ``private_gradients`` uses in
@@ -24,7 +26,7 @@ layers (anything without batch statistics), DP layers too.
 
 from lipdp.clipping.engine import ClippedBatch
 from lipdp.clipping.ghost import (GhostEngine, GhostFallbackWarning, GhostPlan,
-                                  GhostRandomnessError, ghost_plan)
+                                  GhostRandomnessError, GhostRowsError, ghost_plan)
 from lipdp.clipping.ghost_norms import register_ghost_rule
 from lipdp.clipping.mechanism import ClippedDPSGD, PreclipFallbackWarning
 from lipdp.clipping.rules import (ClippingRule, FlatClipping, GlobalClipping, PerLayerClipping,
@@ -42,6 +44,7 @@ __all__ = [
     "GhostFallbackWarning",
     "GhostPlan",
     "GhostRandomnessError",
+    "GhostRowsError",
     "GlobalClipping",
     "PerLayerClipping",
     "PreclipFallbackWarning",

@@ -25,7 +25,18 @@ One private step:
 
 The result equals clipping exact per-example gradients (`vectorized`), up to
 float rounding, for every layer that is a deterministic function of its inputs
-and variables in training mode. Which layers are handled by ghost rules and
+and variables in training mode, provided row i of every recorded layer's input
+belongs to example i. A layer that folds an example's positions into the batch
+axis (a ``Lambda`` reshaping ``(B, T, d)`` to ``(B T, d)`` before a Dense) breaks
+that: each row would be clipped on its own, and one example could contribute T
+times the threshold. The engine checks every recorded layer's row count against
+the batch's (at trace time where both are static, else at run time) and fails
+with an error naming the layer; a layer that reorders the rows of the batch
+cannot be seen, and needs engine ``"vectorized"``, which differentiates each
+example's own loss. Layers computing in float16 or bfloat16 (a mixed-precision
+policy) are refused: squared activations and cotangents underflow there (a
+norm of 0 leaves an example unclipped); engine ``"vectorized"`` takes norms of
+the float32 variables' gradients and accepts them. Which layers are handled by ghost rules and
 which fall back is decided at compile time (`ghost_plan`) and announced with a
 warning.
 
@@ -77,6 +88,49 @@ class GhostFallbackWarning(UserWarning):
 
 class GhostRandomnessError(ValueError):
     """A layer the ghost engine calls a second time draws random numbers in training."""
+
+
+class GhostRowsError(ValueError):
+    """A layer recorded by the ghost engine does not see one row per example."""
+
+
+def check_float32_compute(model: tf.keras.Model) -> None:
+    """Refuse layers computing in float16 or bfloat16 (the module docstring).
+
+    Raises:
+        ValueError: naming the first such layer.
+    """
+    for layer in leaf_layers(model):
+        dtype = tf.as_dtype(getattr(layer, "compute_dtype", None) or "float32")
+        if dtype.is_floating and dtype.size < 4:
+            raise ValueError(
+                f"Layer '{layer.name}' computes in {dtype.name}: ghost norms are formed from "
+                "its squared activations and cotangents, which underflow in that precision (a "
+                "per-example norm of 0 leaves the example unclipped). Use engine='vectorized', "
+                "or a float32 policy (tf.keras.mixed_precision.set_global_policy('float32')).")
+
+
+def _rows_checked(layer, tensor, losses):
+    """`tensor` (a recorded output cotangent of `layer`), checked to hold one row per example,
+    as the per-example `losses` do: at trace time when both row counts are static, else by an
+    assertion the returned tensor depends on.
+
+    Raises:
+        GhostRowsError: the static row counts differ.
+    """
+    rows = tensor.shape[0] if tensor.shape.rank else None
+    message = (f"Ghost clipping: layer '{layer.name}' sees {{}} rows for a batch of {{}} "
+               "examples. Ghost norms need row i of a layer's input to be example i's: a layer "
+               "before it folds or splits the batch axis, and each row would be clipped on "
+               "its own. Use engine='vectorized'.")
+    if rows is not None and losses.shape[0] is not None:
+        if rows != losses.shape[0]:
+            raise GhostRowsError(message.format(rows, losses.shape[0]))
+        return tensor
+    check = tf.debugging.assert_equal(tf.shape(tensor)[0], tf.shape(losses)[0],
+                                      message=message.format("x", "y"))
+    with tf.control_dependencies([check]):
+        return tf.identity(tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +374,7 @@ class GhostEngine:
         self.name = "ghost" if norm_method == "gram" else "mixed-ghost"
         self.plan = ghost_plan(model)
         check_no_replayed_randomness(self.plan)
+        check_float32_compute(model)
         _LOGGER.info("Ghost clipping plan:\n%s", self.plan.describe())
         if warn and self.plan.fallback:
             warnings.warn(
@@ -354,6 +409,9 @@ class GhostEngine:
         cotangents = tf.nest.map_structure(
             lambda ct, t: tf.zeros_like(t) if ct is None else tf.convert_to_tensor(ct),
             cotangents, targets) if targets else []
+        cotangents = [tf.nest.map_structure(
+            lambda t, layer=layer: _rows_checked(layer, t, losses), cts)
+            for layer, cts in zip(ghost + replay, cotangents)]
         squared, local, exact = {}, {}, {}
         for layer, g in zip(ghost, cotangents[:len(ghost)]):
             call, rule = records[id(layer)][0], ghost_rule(layer)
