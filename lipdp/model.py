@@ -44,6 +44,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
                           dp_layers)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
+from lipdp.data import ShuffleSamplingWarning
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
@@ -60,6 +61,25 @@ from lipdp.records import check_finite_arrays, check_finite_dataset
 def _batch_size(x) -> tf.Tensor:
     """Number of examples in a batch of inputs (a tensor or a structure of them), int64."""
     return tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
+
+
+#: A Poisson batch exceeds `largest_poisson_batch` with probability below 2^-POISSON_TAIL_BITS.
+POISSON_TAIL_BITS = 40
+
+
+def largest_poisson_batch(expected_size: int) -> int:
+    """A size that a Poisson-sampled batch of expected size D exceeds with probability below
+    ``2^-40``: ``D + ceil(L / 3 + sqrt(L^2 / 9 + 2 D L))`` with ``L = 40 ln 2``.
+
+    The batch size is a sum of N independent Bernoulli(q) draws, mean ``D = q N``, variance
+    ``N q (1 - q) <= D``; Bernstein's inequality gives ``P(size - D >= t) <= exp(-t^2 / (2 (D
+    + t / 3)))``, at most ``exp(-L)`` for the t above (the root of ``t^2 = 2 L (D + t / 3)``).
+    A larger batch is evidence that the data is not Poisson-sampled at rate D / N, as the
+    accountant assumes (fixed batches of another size, a pipeline that concatenates batches),
+    never a property of the data's values: refusing it reveals nothing about an example."""
+    tail = POISSON_TAIL_BITS * np.log(2.0)
+    return int(expected_size + np.ceil(tail / 3 + np.sqrt(tail * tail / 9
+                                                          + 2 * expected_size * tail)))
 
 
 def _once_per_global_batch(noised, otherwise):
@@ -623,13 +643,23 @@ class _DPModelMixin:
                              "per-example gradients beyond their bounds.")
         if y is None:
             raise ValueError("DP models need labels: the dataset must yield (x, y) pairs.")
+        expected = self._step_mechanism.batch_size
         if self._step_mechanism.sampling == Sampling.SHUFFLE:
             too_large = tf.debugging.assert_less_equal(
-                _batch_size(x), tf.constant(self._step_mechanism.batch_size, tf.int64),
+                _batch_size(x), tf.constant(expected, tf.int64),
                 message="A batch is larger than dataset_metadata.batch_size: the accountant's "
                         "sampling rate would under-state the privacy loss.")
-            with tf.control_dependencies([too_large]):  # before anything uses the batch
-                x = tf.nest.map_structure(tf.identity, x)
+        else:
+            too_large = tf.debugging.assert_less_equal(
+                _batch_size(x), tf.constant(largest_poisson_batch(expected), tf.int64),
+                message=f"A batch holds more examples than a Poisson sample of expected size "
+                        f"{expected} (dataset_metadata.batch_size) holds with probability "
+                        f"2^-{POISSON_TAIL_BITS}: the dataset is not Poisson-sampled at the "
+                        "rate the accountant assumes, and the reported epsilon would "
+                        "under-state the privacy loss. Train on lipdp.data.load_dataset(..., "
+                        "sampling='poisson').")
+        with tf.control_dependencies([too_large]):  # before anything uses the batch
+            x = tf.nest.map_structure(tf.identity, x)
         batch = _batch_size(x)
         x, y = self._flatten_views(x, y)
         _, noisy, _, _, y_pred = self.private_gradients(x, y)
@@ -681,9 +711,14 @@ class _DPModelMixin:
         gradients), array inputs whose length or batch size disagree with the
         metadata, datasets whose number of batches per epoch disagrees with it,
         parameters changed since `compile`, and (with ``validate_data``) training
-        records holding NaN or inf (`lipdp.records`), all before the first step.
-        Inputs given as arrays are cut into shuffled fixed batches, not Poisson
-        samples: lipdp warns, since the reported epsilon assumes Poisson sampling.
+        records holding NaN or inf (`lipdp.records`), all before the first step;
+        and, at the step that meets it, a batch larger than the metadata's batch size
+        (shuffled batches) or than a Poisson sample of that expected size holds with
+        probability 2^-40 (`largest_poisson_batch`). Inputs given as arrays are cut
+        into shuffled fixed batches, not Poisson samples, and a dataset that is not
+        `lipdp.data.load_dataset`'s Poisson pipeline cannot be checked to be one:
+        with metadata declaring Poisson sampling, which the reported epsilon assumes,
+        lipdp warns (`lipdp.data.ShuffleSamplingWarning`).
 
         **Not private:** the ``loss`` and metrics Keras logs for training (progress
         bar, ``History``) are computed on the training data outside the noisy
@@ -712,6 +747,7 @@ class _DPModelMixin:
         self._check_workers_agree(x)
         if isinstance(x, tf.data.Dataset):
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
+            self._check_poisson_pipeline(x)
             if validate_data:
                 check_finite_dataset(x, kwargs.get("steps_per_epoch") or md.steps_per_epoch)
         elif x is not None:
@@ -766,6 +802,24 @@ class _DPModelMixin:
                 f"{md.steps_per_epoch}. Build the metadata from the data actually used "
                 "(lipdp.data.load_dataset does).")
 
+    def _check_poisson_pipeline(self, dataset):
+        """Warn when the metadata declares Poisson sampling, which the accountant assumes, and
+        the dataset is not `lipdp.data.load_dataset`'s Poisson pipeline (its ``lipdp_sampler``
+        attribute), which lipdp cannot check."""
+        sampler = getattr(dataset, "lipdp_sampler", None)
+        if self.dataset_metadata.sampling != Sampling.POISSON or \
+                getattr(sampler, "sampling", None) is Sampling.POISSON:
+            return
+        warnings.warn(ShuffleSamplingWarning(
+            "fit received a tf.data.Dataset that is not lipdp.data.load_dataset's Poisson "
+            "pipeline, while dataset_metadata declares sampling='poisson', which the accountant "
+            "assumes: the reported epsilon holds only if every batch holds each training "
+            "example independently with probability q = batch_size / nb_samples_train. "
+            "Shuffled fixed-size batches do not (declare sampling='shuffle' for them: the "
+            "literature's heuristic epsilon). A tf.data transformation drops the pipeline's "
+            "sampler: when it keeps each batch's examples (a map over batches), set "
+            "`new.lipdp_sampler = ds_train.lipdp_sampler`."), stacklevel=3)
+
     def _check_arrays(self, x, batch_size):
         md = self.dataset_metadata
         n = len(tf.nest.flatten(x)[0])
@@ -776,10 +830,10 @@ class _DPModelMixin:
             raise ValueError(f"batch_size={batch_size} disagrees with dataset_metadata.batch_size="
                              f"{md.batch_size}, the denominator the bounds are divided by.")
         if md.sampling == Sampling.POISSON:
-            warnings.warn(
+            warnings.warn(ShuffleSamplingWarning(
                 "fit received arrays: Keras cuts them into shuffled fixed-size batches, not Poisson "
                 "samples, while the accountant assumes Poisson sampling. Use "
-                "lipdp.data.load_dataset(..., sampling='poisson') for a proven epsilon.",
+                "lipdp.data.load_dataset(..., sampling='poisson') for a proven epsilon."),
                 stacklevel=3)
         return md.batch_size
 

@@ -165,7 +165,10 @@ def _augmented(ds, augmentation_fct, bound: InputBound):
                                               tf.TensorSpec(y.shape[1:], y.dtype)))
         return bound.apply_batch(x), y
 
-    return ds.map(augment_batch, num_parallel_calls=tf.data.AUTOTUNE)
+    augmented = ds.map(augment_batch, num_parallel_calls=tf.data.AUTOTUNE)
+    # The same batches, each example augmented: still the Poisson sampler's.
+    augmented.lipdp_sampler = ds.lipdp_sampler
+    return augmented
 
 
 def load_and_prepare_data(

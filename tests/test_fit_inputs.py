@@ -259,3 +259,89 @@ def test_private_logs_only_omits_training_metrics(tmp_path):
     path = str(tmp_path / "private.keras")
     private.save(path)
     assert tf.keras.models.load_model(path).get_compile_config()["private_logs_only"] is True
+
+
+# --------------------------------------------------------------------------- #
+# Poisson sampling, which the accountant assumes: checked where lipdp can, said where not.
+# --------------------------------------------------------------------------- #
+def _poisson_model(nb_samples, batch, dim=DIM, k=3):
+    metadata = lipdp.DatasetMetadata((dim,), k, nb_samples, 16, batch, X0, "poisson")
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(X0, input_shape=(dim,)), DP_QuickSpectralDense(4), DP_GroupSort(2),
+         DP_QuickSpectralDense(k)],
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5), dataset_metadata=metadata)
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.SGD(0.1))
+    return model
+
+
+def _poisson_warnings(record):
+    return [str(w.message) for w in record
+            if issubclass(w.category, lipdp.data.ShuffleSamplingWarning)]
+
+
+def test_a_dataset_that_lipdp_cannot_check_to_be_poisson_sampled_is_said_so(recwarn):
+    """With metadata declaring Poisson sampling (the accountant's assumption), `fit` on a
+    dataset of shuffled fixed batches used to train silently with a Poisson epsilon. It warns
+    now, as for arrays; not on `load_dataset`'s Poisson pipeline, nor on a map of it whose
+    sampler was carried over as the warning says (nor on the paper library's augmented
+    pipeline, which carries it)."""
+    x, y = _arrays(np.random.default_rng(7))
+    model = _poisson_model(N, BATCH)
+    fixed = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=0).batch(BATCH)
+    model.fit(fixed, epochs=1, verbose=0)
+    assert any("not lipdp.data.load_dataset's Poisson pipeline" in m and "sampling='shuffle'" in m
+               for m in _poisson_warnings(recwarn)), _poisson_warnings(recwarn)
+
+    recwarn.clear()
+    ds_train, _, metadata = lipdp.data.load_dataset("digits", 64, bound_clip_value=8.0, seed=1,
+                                                    nb_samples_train=256)
+    model = _poisson_model(metadata.nb_samples_train, 64, dim=64, k=10)
+    model.dataset_metadata = metadata
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.SGD(0.1))
+    model.fit(ds_train.map(lambda a, b: (a, b)), epochs=1, verbose=0)
+    assert len(_poisson_warnings(recwarn)) == 1
+    recwarn.clear()
+    mapped = ds_train.map(lambda a, b: (a, b))
+    mapped.lipdp_sampler = ds_train.lipdp_sampler
+    model.fit(mapped, epochs=1, verbose=0)
+    model.fit(ds_train, epochs=1, verbose=0)
+    from lipdp.pipeline import _augmented, bound_clip_value
+
+    model.fit(_augmented(ds_train, lambda a, b: (a, b), bound_clip_value(8.0)), epochs=1,
+              verbose=0)
+    assert _poisson_warnings(recwarn) == []
+
+
+def test_a_batch_no_poisson_sample_of_the_declared_size_holds_is_refused_at_its_step():
+    """Poisson metadata with D = 8 and N = 64, a dataset of batches of 48 (the whole set in
+    batches 6 times the declared size: an accountant told q = 1/8 under-states the loss). 48
+    exceeds `largest_poisson_batch(8)` = 41; the step fails before any update or count, with
+    a message saying why. Batches up to the limit train."""
+    x, y = _arrays(np.random.default_rng(8))
+    model = _poisson_model(N, BATCH)
+    assert lipdp.model.largest_poisson_batch(BATCH) == 41
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="more examples than a Poisson sample of expected size 8"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x[:48], y[:48])).batch(48), epochs=1,
+                  verbose=0, steps_per_epoch=1)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert model.dp_steps_taken == 0
+    model.fit(tf.data.Dataset.from_tensor_slices((x[:41], y[:41])).batch(41), epochs=1,
+              verbose=0, steps_per_epoch=1)
+    assert model.dp_steps_taken == 1
+
+
+@pytest.mark.parametrize("expected", [1, 8, 64, 1000, 5000, 60000])
+def test_largest_poisson_batch_is_exceeded_with_probability_below_2_to_the_minus_40(expected):
+    """Against the exact binomial tail (scipy), for sampling rates from 1/2 to 1/60000: the
+    limit is exceeded with probability <= 2^-40; and it is not loose: at the smallest rate
+    (the heaviest tail), a limit halfway to D is exceeded with probability above 2^-40."""
+    from scipy.stats import binom
+
+    limit = lipdp.model.largest_poisson_batch(expected)
+    for n in (2 * expected, 10 * expected, 60000 * expected):
+        assert binom.sf(limit, n, expected / n) <= 2.0 ** -40, (n, limit)
+    halfway = expected + (limit - expected) // 2
+    assert binom.sf(halfway, 60000 * expected, 1 / 60000) > 2.0 ** -40, halfway
