@@ -51,7 +51,9 @@ def _make_log_fn(log_fn):
 
 
 def _steps_per_execution(model) -> int:
-    """Steps run by one call of Keras' train function (``compile(steps_per_execution=...)``)."""
+    """Steps run by one call of Keras' train function (``compile(steps_per_execution=...)``)
+    as it stands now. Keras lowers it while the last, partial call of an epoch runs (and
+    restores it after), so a lookahead takes the largest value seen (`DP_Accountant`)."""
     value = getattr(model, "_steps_per_execution", None)
     if value is None:
         return 1
@@ -123,6 +125,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._stopped_for_budget = False
         self.max_steps = None
+        self._lookahead = _steps_per_execution(self.model)
         metadata = self.model.dataset_metadata
         if getattr(metadata, "sampling", None) is Sampling.SHUFFLE:
             self._log(
@@ -177,7 +180,9 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         if self.max_steps is None or self.model.stop_training:
             return
         steps = accounting._check_count(self.model.dp_steps_taken, "dp_steps_taken")
-        lookahead = _steps_per_execution(self.model)
+        # The largest call seen: Keras lowers the value during an epoch's last, partial call,
+        # and the next epoch's calls are whole again.
+        self._lookahead = lookahead = max(self._lookahead, _steps_per_execution(self.model))
         if steps + lookahead > self.max_steps:
             self.model.stop_training = True
             self._stopped_for_budget = True

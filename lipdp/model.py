@@ -199,6 +199,8 @@ class _DPModelMixin:
     def train_on_batch(self, *args, **kwargs):
         """Keras `train_on_batch` (one private step, recorded in the ledger)."""
         self._build_optimizer()
+        if self._step_mechanism is not None:  # compiled (the step checks the rest)
+            self._resume_ledger()
         result = super().train_on_batch(*args, **kwargs)
         self._note_ledger()
         return result
@@ -244,9 +246,34 @@ class _DPModelMixin:
             f"model took {steps}: the ledger keeps the {steps} steps (weights chosen among the "
             "iterates of a run cost the whole run's epsilon).", stacklevel=3)
 
+    def _resume_ledger(self):
+        """Before steps run (`fit`, `train_on_batch`): the ledger back to its high-water mark
+        if variables restored behind its back rolled it back (a ``tf.train.Checkpoint``
+        restore of an older checkpoint: the steps taken since count, whatever the weights),
+        then a segment for the compiled mechanism. The train step is traced once per
+        `compile`, so the segment it opens when traced would not follow a ledger replaced
+        since (weights and ledger restored from a run of another mechanism); the step
+        checks it (`_ledger_guard`)."""
+        self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
+        self._open_segment()
+
+    def _ledger_guard(self):
+        """An assertion, in the traced step, that the ledger's last segment is the compiled
+        mechanism: the steps counted next are recorded under it. Fails when the ledger
+        variables were replaced since `fit` or `train_on_batch` began (a restore inside a
+        custom loop or a callback), instead of counting steps under another mechanism."""
+        row = tf.constant(self._step_mechanism.to_row(), tf.float64)
+        return tf.debugging.assert_equal(
+            self._dp_ledger[-1, 1:], row,
+            message="The privacy ledger's last segment is not the mechanism this step runs: "
+                    "the model's weights and ledger were replaced since training began "
+                    "(a checkpoint restored, load_weights?). Call fit or train_on_batch again "
+                    "(they record the mechanism before the first step).")
+
     def _open_segment(self):
         """Record that the next steps run the compiled mechanism (a new ledger segment
-        unless the last one has it). Runs eagerly, when the step is traced or called."""
+        unless the last one has it). Runs eagerly, when the step is traced and before steps
+        run (`_resume_ledger`)."""
         with tf.init_scope():
             stored = self._dp_ledger.numpy()
             recorded = segment_rows(stored)
@@ -353,6 +380,18 @@ class _DPModelMixin:
             config["bjorck_every"] = self._bjorck_every
         return config
 
+    def _warn_if_delta_allows_a_record(self, metadata):
+        """A delta of at least 1 / N admits mechanisms that publish a whole training record
+        (release one record at random: (0, 1/N)-DP); the epsilon reported with it then
+        promises little. Warned at compile, as the mechanism is fixed there."""
+        delta, n = float(self.dp_parameters.delta), metadata.nb_samples_train
+        if n and delta >= 1.0 / n:
+            warnings.warn(
+                f"delta={delta:g} is at least 1 / nb_samples_train = 1/{n}: an (epsilon, "
+                "delta) guarantee with such a delta allows publishing a whole training record "
+                f"(e.g. one chosen at random). Choose delta well below 1/{n} (a common choice: "
+                "1 / N^1.1, or 1e-5 for N = 60000).", stacklevel=4)
+
     def _compile_dp(self, optimizer, loss, metrics, loss_weights, **kwargs):
         if self.dp_parameters.mode is DPMode.CLIPPED:
             # Classic DP-SGD (lipdp.clipping): any loss with per-example values, any layer
@@ -361,6 +400,7 @@ class _DPModelMixin:
                 raise ValueError("`loss_weights` is not supported by DP models: it rescales the "
                                  "gradients behind the clipping's back.")
             metadata = self._require_metadata()
+            self._warn_if_delta_allows_a_record(metadata)
             nb_outputs = int(self.output_shape[-1])
             if nb_outputs != metadata.nb_classes:
                 raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata "
@@ -384,6 +424,7 @@ class _DPModelMixin:
             raise ValueError("`loss_weights` is not supported by DP models: it rescales the "
                              "gradients behind the bounds' back.")
         metadata = self._require_metadata()
+        self._warn_if_delta_allows_a_record(metadata)
         layers = dp_layers(self)
         if len(self.output_shape) != 2:
             raise ValueError(
@@ -658,8 +699,8 @@ class _DPModelMixin:
                         "rate the accountant assumes, and the reported epsilon would "
                         "under-state the privacy loss. Train on lipdp.data.load_dataset(..., "
                         "sampling='poisson').")
-        with tf.control_dependencies([too_large]):  # before anything uses the batch
-            x = tf.nest.map_structure(tf.identity, x)
+        with tf.control_dependencies([too_large, self._ledger_guard()]):  # before anything
+            x = tf.nest.map_structure(tf.identity, x)                    # uses the batch
         batch = _batch_size(x)
         x, y = self._flatten_views(x, y)
         _, noisy, _, _, y_pred = self.private_gradients(x, y)
@@ -749,15 +790,15 @@ class _DPModelMixin:
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
             self._check_poisson_pipeline(x)
             if validate_data:
-                check_finite_dataset(x, kwargs.get("steps_per_epoch") or md.steps_per_epoch)
+                check_finite_dataset(x, kwargs.get("steps_per_epoch") or md.steps_per_epoch,
+                                     dtype=self.compute_dtype)
         elif x is not None:
             batch_size = self._check_arrays(x, batch_size)
             if validate_data:
-                check_finite_arrays(x, y)
+                check_finite_arrays(x, y, dtype=self.compute_dtype)
         # Last, so that they run after a BackupAndRestore restored the model.
-        callbacks = list(callbacks or []) + [_EpochSizeCheck(),
-                                             _StartSampler(getattr(x, "lipdp_sampler", None)),
-                                             _NoteLedger()]
+        callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),
+                                             _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, validation_data=validation_data,
@@ -816,9 +857,9 @@ class _DPModelMixin:
             "assumes: the reported epsilon holds only if every batch holds each training "
             "example independently with probability q = batch_size / nb_samples_train. "
             "Shuffled fixed-size batches do not (declare sampling='shuffle' for them: the "
-            "literature's heuristic epsilon). A tf.data transformation drops the pipeline's "
-            "sampler: when it keeps each batch's examples (a map over batches), set "
-            "`new.lipdp_sampler = ds_train.lipdp_sampler`."), stacklevel=3)
+            "literature's heuristic epsilon). A tf.data transformation of that pipeline drops "
+            "its sampler: give per-example transformations to load_dataset (`augmentation`, "
+            "`feature_map`)."), stacklevel=3)
 
     def _check_arrays(self, x, batch_size):
         md = self.dataset_metadata
@@ -856,14 +897,28 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
 
     Fewer examples than declared with the same batch size means each example is
     sampled more often than the accountant assumes (epsilon under-reported).
+
+    With Poisson sampling, the examples of the t steps of this `fit` are a Binomial(t N, q)
+    count (mean t D): more than `largest_poisson_batch` (t D), which a Poisson pipeline exceeds
+    with probability below 2^-40, means the data is drawn at a higher rate than the
+    accountant's q = D / N (a pipeline of its own at another rate, larger fixed batches
+    repeated, an augmentation that adds copies of examples). A count, not any record's
+    value, decides: the check reveals nothing about an example.
     """
+
+    def on_train_begin(self, logs=None):
+        self._start_step = self.model.dp_steps_taken
+        self._poisson_examples = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model._examples_seen.assign(0)
 
     def on_epoch_end(self, epoch, logs=None):
         md = self.model.dataset_metadata
-        if md.sampling != Sampling.SHUFFLE or self.model.stop_training:
+        if md.sampling == Sampling.POISSON:
+            self._check_poisson_count(md)
+            return
+        if self.model.stop_training:
             return
         seen = int(self.model._examples_seen.numpy())
         full = md.nb_samples_train // md.batch_size * md.batch_size
@@ -872,9 +927,28 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
                 f"Epoch {epoch + 1} trained on {seen} examples, but dataset_metadata declares "
                 f"nb_samples_train={md.nb_samples_train}: the reported epsilon would be wrong.")
 
+    def _check_poisson_count(self, md):
+        self._poisson_examples += int(self.model._examples_seen.numpy())
+        steps = self.model.dp_steps_taken - self._start_step
+        limit = largest_poisson_batch(steps * md.batch_size)
+        if self._poisson_examples > limit:
+            raise RuntimeError(
+                f"The {steps} steps of this fit trained on {self._poisson_examples} examples; "
+                f"Poisson samples of expected size {md.batch_size} (dataset_metadata) hold "
+                f"more than {limit} with probability below 2^-{POISSON_TAIL_BITS}: the data is "
+                "drawn at a higher rate than the accountant assumes, and the reported epsilon "
+                "under-states the privacy loss. Train on lipdp.data.load_dataset(..., "
+                "sampling='poisson'), and give per-example augmentations to it "
+                "(`augmentation`) rather than adding examples to its batches.")
+
 
 class _NoteLedger(tf.keras.callbacks.Callback):
-    """The ledger's high-water mark after every epoch and at the end of training."""
+    """The ledger resumed before training (`_resume_ledger`: after any checkpoint was
+    restored by a callback listed before), its high-water mark after every epoch and at
+    the end of training."""
+
+    def on_train_begin(self, logs=None):
+        self.model._resume_ledger()
 
     def on_epoch_end(self, epoch, logs=None):
         self.model._note_ledger()

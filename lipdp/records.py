@@ -1,7 +1,8 @@
 """Checks on the private training records, run once before the first private step.
 
 A record with a NaN or an infinite value cannot be trained on: its loss or its
-gradient is not finite. Found by the train step, it would abort `fit` at the
+gradient is not finite. Nor can a float64 record beyond float32's range when the
+model computes in float32: Keras casts it to an infinity. Found by the train step, it would abort `fit` at the
 step that happened to sample it, and *when* training stopped would depend on
 one record (a release outside the accountant). So `DP_Model.fit` and
 `DP_Sequential.fit` look at every record once, before training starts, and
@@ -26,31 +27,39 @@ class NonFiniteRecordError(ValueError):
     """Training records hold NaN or infinite values."""
 
 
-def _finite_rows(values) -> np.ndarray:
-    """Per-row flag: every float entry of the row is finite (non-float arrays always are)."""
+def _finite_rows(values, dtype) -> np.ndarray:
+    """Per-row flag: every float entry of the row is finite once cast to `dtype`, the
+    model's compute dtype (non-float arrays always are)."""
     array = np.asarray(values)
     if array.ndim == 0:
         return np.ones(1, bool)
     if not np.issubdtype(array.dtype, np.floating):
         return np.ones(len(array), bool)
-    return np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+    rows = array.reshape(len(array), -1)
+    finite = np.isfinite(rows)
+    if np.finfo(array.dtype).max > np.finfo(dtype).max:  # a cast to dtype can overflow
+        finite &= np.abs(np.where(finite, rows, 0)) <= np.finfo(dtype).max
+    return finite.all(axis=1)
 
 
 def _refuse(where: str, bad: List[str], total: int):
     shown = ", ".join(bad[:_SHOWN]) + (f", ... ({len(bad)} in all)" if len(bad) > _SHOWN else "")
     raise NonFiniteRecordError(
-        f"{len(bad)} of {total} training records hold NaN or inf values ({where}): {shown}. "
+        f"{len(bad)} of {total} training records hold NaN or inf values, or values beyond the "
+        f"range of the model's compute dtype ({where}): {shown}. "
         "Remove or repair them before training: a private step cannot use them, and an error "
         "raised when one is first sampled would reveal it.")
 
 
-def check_finite_arrays(x, y=None) -> None:
-    """Every record of the arrays (or nested structures of arrays) `x` and `y` is finite.
+def check_finite_arrays(x, y=None, dtype="float32") -> None:
+    """Every record of the arrays (or nested structures of arrays) `x` and `y` is finite,
+    also once cast to `dtype` (the model's compute dtype).
 
     Raises:
         NonFiniteRecordError: listing the indices of the records that are not.
     """
-    flags = [_finite_rows(a) for a in tf.nest.flatten((x, y)) if a is not None]
+    dtype = np.dtype(dtype)
+    flags = [_finite_rows(a, dtype) for a in tf.nest.flatten((x, y)) if a is not None]
     if not flags:
         return
     finite = np.logical_and.reduce(flags)
@@ -59,8 +68,10 @@ def check_finite_arrays(x, y=None) -> None:
                 [str(i) for i in np.flatnonzero(~finite)], len(finite))
 
 
-def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = None) -> None:
-    """Every record of one pass over `dataset` (at most `max_batches` batches) is finite.
+def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = None,
+                         dtype="float32") -> None:
+    """Every record of one pass over `dataset` (at most `max_batches` batches) is finite,
+    also once cast to `dtype` (the model's compute dtype).
 
     The dataset yields batches of ``(x, y)`` (or ``x``); each float tensor is
     checked row by row, in a `tf.data` map. For a Poisson-sampled pipeline the
@@ -72,9 +83,17 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
     Raises:
         NonFiniteRecordError: listing ``batch b, row r`` of the records that are not.
     """
+    dtype = tf.as_dtype(dtype)
+
+    def finite_rows(t):
+        flags = tf.math.is_finite(t)
+        if t.dtype.max > dtype.max:  # a cast to dtype can overflow
+            flags &= tf.abs(tf.where(flags, t, tf.zeros_like(t))) <= dtype.max
+        return tf.reduce_all(tf.reshape(flags, (tf.shape(t)[0], -1)), axis=1)
+
     def row_flags(*element):
-        flags = [tf.reduce_all(tf.reshape(tf.math.is_finite(t), (tf.shape(t)[0], -1)), axis=1)
-                 for t in tf.nest.flatten(element) if t.dtype.is_floating and t.shape.rank != 0]
+        flags = [finite_rows(t) for t in tf.nest.flatten(element)
+                 if t.dtype.is_floating and t.shape.rank != 0]
         if not flags:
             return tf.ones(tf.shape(tf.nest.flatten(element)[0])[:1], tf.bool)
         return tf.reduce_all(tf.stack(flags), axis=0)

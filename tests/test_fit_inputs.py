@@ -345,3 +345,31 @@ def test_largest_poisson_batch_is_exceeded_with_probability_below_2_to_the_minus
         assert binom.sf(limit, n, expected / n) <= 2.0 ** -40, (n, limit)
     halfway = expected + (limit - expected) // 2
     assert binom.sf(halfway, 60000 * expected, 1 / 60000) > 2.0 ** -40, halfway
+
+
+@pytest.mark.parametrize("case", ["rate 2q", "each example twice"])
+def test_poisson_batches_drawn_at_a_higher_rate_than_declared_stop_fit(case):
+    """Metadata: Poisson at q = D / N = 8 / 64. The data: a pipeline of its own drawing each
+    example with probability 2q (exact Poisson batches, of unknown number), or lipdp's own
+    Poisson pipeline with every example appended twice by a map, its sampler carried over by
+    hand. Each batch is within `largest_poisson_batch` (41), but the fit's count after 3
+    epochs is about twice the 3 x 8 x 8 = 192 expected, beyond its limit (305): fit stops
+    with a message saying why (before, it trained on, accounted at rate q)."""
+    rng = np.random.default_rng(9)
+    x, y = _arrays(rng)
+    model = _poisson_model(N, BATCH)
+    if case == "rate 2q":
+        masks = [rng.random(N) < 2 * BATCH / N for _ in range(8 * 3)]
+        dataset = tf.data.Dataset.from_generator(
+            lambda: ((x[m], y[m]) for m in masks), output_signature=(
+                tf.TensorSpec((None, DIM), tf.float32), tf.TensorSpec((None, 3), tf.float32)))
+        steps = None
+    else:
+        ds_train, _, metadata = lipdp.data.load_dataset("digits", 8, bound_clip_value=8.0,
+                                                        seed=2, nb_samples_train=64)
+        model = _poisson_model(64, 8, dim=64, k=10)
+        dataset = ds_train.map(lambda a, b: (tf.concat([a, a], 0), tf.concat([b, b], 0)))
+        dataset.lipdp_sampler = ds_train.lipdp_sampler
+        steps = 8
+    with pytest.raises(RuntimeError, match="drawn at a higher rate than the accountant assumes"):
+        model.fit(dataset, epochs=3, verbose=0, steps_per_epoch=steps, validate_data=False)

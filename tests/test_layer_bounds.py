@@ -403,7 +403,10 @@ def test_groupsort2_backward_applies_the_forward_permutation_also_at_ties(pairin
         np.testing.assert_array_equal(y[:, first], np.where(swapped, x[:, second], x[:, first]))
         ties += int(np.sum(x[:, first] == x[:, second]))
     assert ties > 20
-    assert float(np.linalg.norm(grad)) == float(np.linalg.norm(g))
+    # Each row of the input cotangent is a permutation of the output cotangent's (so its norm
+    # is G): compared as sorted rows, exactly (float32 norms of the two rows may differ in the
+    # last bit: a permutation changes the order of the sum).
+    np.testing.assert_array_equal(np.sort(grad, axis=1), np.sort(g, axis=1))
 
 
 

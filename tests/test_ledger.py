@@ -251,3 +251,137 @@ def test_ledger_rows_round_trip_and_corrupt_rows_are_refused():
     bad[0, 1] = 7.0  # no such mode
     with pytest.raises(ValueError, match="Corrupt"):
         PrivacyLedger.from_rows(bad, 10)
+
+
+# --------------------------------------------------------------------------- #
+# Ledgers replaced behind the traced step (found by an audit, 2026-11-27).
+# --------------------------------------------------------------------------- #
+def _global(sigma):
+    return lipdp.DPParameters(sigma, DELTA, "global")
+
+
+def test_steps_after_a_restored_ledger_are_recorded_under_the_mechanism_that_ran(tmp_path):
+    """A tf.train.Checkpoint of 4 steps at sigma = 8 restored into a model whose step was
+    traced at sigma = 1 (after 4 steps), then 4 more steps: before, the segment was opened
+    only when the step was traced, and the 4 new steps were counted at sigma = 8 (epsilon
+    0.28 against dp_accounting's >= 4 for what ran). Now each fit records its mechanism
+    before the first step: at least 4 steps at sigma = 8 and 4 at sigma = 1 are composed."""
+    tf.keras.utils.set_random_seed(3)
+    x, y = _data(3)
+    model = _model()
+    model.dp_parameters = _global(8.0)
+    _compile(model)
+    model.fit(x, y, epochs=1, verbose=0)
+    checkpoint = tf.train.Checkpoint(model=model)
+    path = checkpoint.write(str(tmp_path / "sigma8"))
+    model.dp_parameters = _global(1.0)
+    _compile(model)
+    model.fit(x, y, epochs=1, verbose=0)  # traced at sigma = 1
+    checkpoint.read(path)                 # the ledger: 4 steps at sigma = 8
+    with pytest.warns(UserWarning, match="older checkpoint"):
+        model.fit(x, y, epochs=1, verbose=0)
+    ran = [(8.0, 0.25, 4), (1.0, 0.25, 4)]
+    assert model.privacy_ledger.segments[-1].mechanism.noise_multiplier == 1.0
+    _assert_agrees(accounting.epsilon_spent(model), _reference(ran + [(1.0, 0.25, 4)]))
+    assert accounting.epsilon_spent(model) >= _reference(ran)
+
+
+def test_train_on_batch_and_keras_backup_and_restore_record_the_running_mechanism(tmp_path):
+    """Keras' own BackupAndRestore resumes a sigma = 8 run's weights and ledger into a model
+    whose step was traced at sigma = 1 by train_on_batch: the resumed steps count at sigma =
+    1 (before: at sigma = 8, epsilon 0.35 against 5.34)."""
+    tf.keras.utils.set_random_seed(4)
+    x, y = _data(4)
+    backup = str(tmp_path / "backup")
+
+    class Interrupt(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise KeyboardInterrupt
+
+    strong = _model()
+    strong.dp_parameters = _global(8.0)
+    _compile(strong)
+    with pytest.raises(KeyboardInterrupt):
+        strong.fit(x, y, epochs=3, verbose=0,
+                   callbacks=[tf.keras.callbacks.BackupAndRestore(backup), Interrupt()])
+    model = _model()
+    model.dp_parameters = _global(1.0)
+    _compile(model)
+    model.train_on_batch(x[:16], y[:16])
+    model.fit(x, y, epochs=3, verbose=0, callbacks=[tf.keras.callbacks.BackupAndRestore(backup)])
+    segments = [(s.mechanism.noise_multiplier, s.steps) for s in model.privacy_ledger.segments]
+    assert segments[-1] == (1.0, 8), segments
+    assert accounting.epsilon_spent(model) >= _reference([(8.0, 0.25, 4), (1.0, 0.25, 8)])
+
+
+def test_a_ledger_replaced_inside_a_traced_loop_stops_the_step():
+    """A custom loop calling the traced step after the ledger was swapped for another
+    mechanism's (no fit to record the segment): the step's guard fails before any update."""
+    tf.keras.utils.set_random_seed(5)
+    x, y = _data(5)
+    other = _model()
+    other.dp_parameters = _global(8.0)
+    _compile(other)
+    other.fit(x, y, epochs=1, verbose=0)
+    model = _model()
+    model.dp_parameters = _global(1.0)
+    _compile(model)
+    model._build_optimizer()
+    step = tf.function(lambda a, b: model.train_step((a, b)))
+    step(x[:16], y[:16])
+    model._dp_ledger.assign(other._dp_ledger)
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="last segment is not the mechanism this step runs"):
+        step(x[:16], y[:16])
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
+def test_restoring_an_older_checkpoint_then_training_counts_every_step(tmp_path):
+    """12 steps, a tf.train.Checkpoint of the first 4 restored, 4 more steps: 16 ran. Before,
+    fit continued from the restored counter and the ledger read 8 (max, not the sum); now
+    fit puts it back to its high-water mark first."""
+    tf.keras.utils.set_random_seed(6)
+    x, y = _data(6)
+    model = _model(sigma=1.0, strategy="global")
+    model.fit(x, y, epochs=1, verbose=0)
+    checkpoint = tf.train.Checkpoint(model=model)
+    path = checkpoint.write(str(tmp_path / "early"))
+    model.fit(x, y, epochs=2, verbose=0)
+    checkpoint.read(path)
+    with pytest.warns(UserWarning, match="older checkpoint"):
+        model.fit(x, y, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 16
+    _assert_agrees(accounting.epsilon_spent(model), _reference([(1.0, 0.25, 16)]))
+
+
+def test_the_budget_holds_with_several_steps_per_execution():
+    """compile(steps_per_execution=3) with 4 steps an epoch: Keras runs the epoch's last
+    call with 1 step and lowers the value it stores while it does, and the accountant,
+    reading it then, looked 1 step ahead and let the next 3-step call overrun the budget.
+    Budgets from 5 to 17 steps' epsilon: never exceeded, and the run stops less than one
+    call before it."""
+    x, y = _data(7)
+    for allowed in range(5, 18, 3):
+        model = _model(sigma=1.0, strategy="global")
+        model.compile(loss=DP_TauCategoricalCrossentropy(3.0),
+                      optimizer=tf.keras.optimizers.SGD(0.01), steps_per_execution=3)
+        budget = 0.5 * (_reference([(1.0, 0.25, allowed)])
+                        + _reference([(1.0, 0.25, allowed + 1)]))
+        model.fit(x, y, epochs=10, verbose=0,
+                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget)])
+        assert allowed - 3 < model.dp_steps_taken <= allowed, (allowed, model.dp_steps_taken)
+        assert accounting.epsilon_spent(model) <= budget
+
+
+def test_a_delta_that_allows_publishing_a_record_is_warned_at_compile():
+    model = _model()
+    model.dp_parameters = lipdp.DPParameters(1.0, 1.0 / N)
+    with pytest.warns(UserWarning, match=r"delta=0.015625 is at least 1 / nb_samples_train"):
+        _compile(model)
+    model.dp_parameters = lipdp.DPParameters(1.0, 0.5 / N)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compile(model)
