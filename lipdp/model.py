@@ -63,6 +63,19 @@ def _batch_size(x) -> tf.Tensor:
     return tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
 
 
+def _refuse_batch_iterators(x):
+    """`fit` takes arrays (cut into batches of the declared size) or a `tf.data.Dataset`
+    (checked batch by batch); a `keras.utils.Sequence` or an iterator yields batches whose
+    number and size lipdp cannot check against the metadata before training."""
+    if isinstance(x, tf.keras.utils.Sequence) or (
+            hasattr(x, "__next__") and not hasattr(x, "__len__")):
+        raise ValueError(
+            f"DP models train on arrays or a tf.data.Dataset; received a {type(x).__name__}, "
+            "whose batches lipdp cannot check against dataset_metadata (their number, their "
+            "size, the sampling the accountant assumes). Use lipdp.data.load_dataset, or wrap "
+            "the batches in tf.data.Dataset.from_generator(...).")
+
+
 #: A Poisson batch exceeds `largest_poisson_batch` with probability below 2^-POISSON_TAIL_BITS.
 POISSON_TAIL_BITS = 40
 
@@ -793,6 +806,7 @@ class _DPModelMixin:
                 check_finite_dataset(x, kwargs.get("steps_per_epoch") or md.steps_per_epoch,
                                      dtype=self.compute_dtype)
         elif x is not None:
+            _refuse_batch_iterators(x)
             batch_size = self._check_arrays(x, batch_size)
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)

@@ -373,3 +373,47 @@ def test_poisson_batches_drawn_at_a_higher_rate_than_declared_stop_fit(case):
         steps = 8
     with pytest.raises(RuntimeError, match="drawn at a higher rate than the accountant assumes"):
         model.fit(dataset, epochs=3, verbose=0, steps_per_epoch=steps, validate_data=False)
+
+
+@pytest.mark.parametrize("where", ["arrays", "dataset"])
+def test_float64_records_beyond_float32_range_are_refused_before_the_first_step(where):
+    """1e300 is finite in float64 but an infinity once Keras casts it to the model's float32:
+    the step that sampled it would have failed ("Non-finite loss"), revealing when it was
+    sampled. Refused before training, as NaN is; 3e38 (within float32's range) is not."""
+    rng = np.random.default_rng(10)
+    x, y = _arrays(rng)
+    x = x.astype(np.float64)
+    x[[3, 50], 1] = 1e300
+    x[7, 1] = 3e38
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    with pytest.raises(NonFiniteRecordError, match=r"2 of 64 .*beyond the range"):
+        if where == "arrays":
+            model.fit(x, y, epochs=1, verbose=0)
+        else:
+            model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+
+
+def test_a_keras_sequence_or_a_generator_is_refused_with_what_to_use():
+    """They reached the array checks: a Sequence of 8 batches was refused as 'fit received 8
+    training examples', a generator with a bare TypeError."""
+    x, y = _arrays(np.random.default_rng(11))
+
+    class Batches(tf.keras.utils.Sequence):
+        def __len__(self):
+            return N // BATCH
+
+        def __getitem__(self, i):
+            return x[BATCH * i:BATCH * (i + 1)], y[BATCH * i:BATCH * (i + 1)]
+
+    def batches():
+        yield from (Batches()[i] for i in range(N // BATCH))
+
+    model = _model(3)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    for data in (Batches(), batches()):
+        with pytest.raises(ValueError, match=f"received a {type(data).__name__}.*"
+                                             "from_generator"):
+            model.fit(data, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
