@@ -53,7 +53,7 @@ from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_boun
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
-from lipdp.noise import add_gaussian_noise
+from lipdp.noise import add_gaussian_noise, salted_seeds
 from lipdp.operator_norms import host_work
 from lipdp.records import check_finite_arrays, check_finite_dataset
 
@@ -534,13 +534,21 @@ class _DPModelMixin:
         # strategy: the replicas' sums are added, with the noise drawn once.
         local = tf.reduce_sum(below - 0.5)
         noisy = _once_per_global_batch(lambda: local + tf.random.normal(
-            [], stddev=self._step_mechanism.quantile_noise_multiplier), lambda: local)
+            [], stddev=self._step_mechanism.quantile_noise_multiplier,
+            seed=salted_seeds(self._noise_salt())[1]), lambda: local)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             noisy = context.all_reduce(tf.distribute.ReduceOp.SUM, noisy)
         fraction = noisy / float(self._step_mechanism.batch_size) + 0.5
         self._logit_clip.assign(
             clip * tf.exp(-clipping.learning_rate * (fraction - clipping.target_quantile)))
+
+    def _noise_salt(self) -> int:
+        """The private step count when the step is traced: the salt of its noise's seeds in a
+        seeded program (`lipdp.noise.salted_seeds`), so that a step traced again after a new
+        `compile` (another ledger segment) does not draw the noise of the first trace."""
+        with tf.init_scope():
+            return int(self._dp_steps.numpy())
 
     def _noise_stddevs(self, sensitivities):
         """Standard deviation of each variable's noise: ``sigma`` times its sensitivity (per
@@ -597,7 +605,7 @@ class _DPModelMixin:
         sensitivities = self.sensitivities()
         noisy = _once_per_global_batch(
             lambda: add_gaussian_noise(gradients, self._noise_stddevs(sensitivities),
-                                       non_finite_messages=messages),
+                                       non_finite_messages=messages, salt=self._noise_salt()),
             otherwise=lambda: [tf.debugging.check_numerics(g, m)
                                for g, m in zip(gradients, messages)])
         return gradients, noisy, sensitivities, per_example, y_pred

@@ -42,45 +42,67 @@ import tensorflow as tf
 
 from lipdp import kernels
 
-__all__ = ["add_gaussian_noise", "gaussian_noise", "standard_normal"]
+__all__ = ["add_gaussian_noise", "gaussian_noise", "salted_seeds", "standard_normal"]
 
 
-def standard_normal(n, dtype=tf.float32) -> tf.Tensor:
+def salted_seeds(salt=None):
+    """``(seed, seed2)`` for a random op, as ``tf.compat.v1.random.get_seed(None)`` gives them,
+    with `salt` (an int, e.g. the private step count when the step is traced) mixed into the
+    op's seed when the program set a global seed.
+
+    A seeded program seeds each random op from the global seed and the op's position in its
+    graph, so a train step traced again (after a new `compile`) draws the very noise of its
+    first trace: the noise of two segments would be the same draws, scaled, and a difference
+    of two released gradients would cancel it. With the step count as salt, each trace draws
+    its own. Without a global seed TensorFlow seeds every op at random: returned unchanged.
+    """
+    seed, seed2 = tf.compat.v1.random.get_seed(None)
+    if seed is None or salt is None:
+        return seed, seed2
+    return seed, (int(seed2) * 1_000_003 + int(salt) + 1) % (2 ** 31 - 1)
+
+
+def standard_normal(n, dtype=tf.float32, seed=None) -> tf.Tensor:
     """``n`` independent ``N(0, 1)`` samples (a 1-D tensor; `n` an int or a scalar tensor),
-    in float32 (float64 for ``dtype=tf.float64``, from float64 uniforms)."""
+    in float32 (float64 for ``dtype=tf.float64``, from float64 uniforms); `seed` is the op
+    seed of ``tf.random.uniform``."""
     compute = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
     n = tf.cast(n, tf.int32)
-    uniforms = tf.random.uniform(tf.stack([2, (n + 1) // 2]), dtype=compute)
+    uniforms = tf.random.uniform(tf.stack([2, (n + 1) // 2]), dtype=compute, seed=seed)
     radius = tf.sqrt(-2.0 * tf.math.log1p(-uniforms[0]))  # u < 1: 1 - u in (0, 1]
     angle = (2.0 * math.pi) * uniforms[1]
     return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)[:n]
 
 
-def gaussian_noise(like: Sequence[tf.Tensor], stddevs) -> list:
+def gaussian_noise(like: Sequence[tf.Tensor], stddevs, salt=None) -> list:
     """``[stddevs[i] * z_i]``, ``z_i`` independent standard normal tensors shaped like
     ``like[i]`` and of its dtype (one `standard_normal` draw each).
 
     Args:
         like: tensors giving the shapes and dtypes (e.g. the gradients).
         stddevs: one standard deviation per tensor (scalars or scalar tensors).
+        salt: mixed into each draw's seed in a seeded program (`salted_seeds`).
     """
     noise = []
     for tensor, stddev in zip(like, stddevs):
         tensor = tf.convert_to_tensor(tensor)
-        z = standard_normal(tf.size(tensor), tensor.dtype)
+        z = standard_normal(tf.size(tensor), tensor.dtype, seed=salted_seeds(salt)[1])
         z = tf.cast(tf.reshape(z, tf.shape(tensor)), tensor.dtype)
         noise.append(tf.cast(stddev, tensor.dtype) * z)
     return noise
 
 
-def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs, non_finite_messages=None) -> list:
+def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs, non_finite_messages=None,
+                       salt=None) -> list:
     """``[tensors[i] + stddevs[i] * z_i]``, ``z_i`` independent standard normal tensors shaped
     like ``tensors[i]``: the fused kernel where `lipdp.kernels.usable_for` the tensor (float32
     on the CPU, outside XLA), else ``tensor + gaussian_noise([tensor], [stddev])[0]``.
 
     The kernel is seeded as ``tf.random.uniform`` is (``tf.compat.v1.random.get_seed``: the
     global seed and the op's, or a random seed when the program sets none), so a seeded
-    program repeats its noise and an unseeded one never does.
+    program repeats its noise and an unseeded one never does; `salt` (the private step
+    count when the step is traced) gives each trace of a seeded program its own noise
+    (`salted_seeds`).
 
     Args:
         tensors: the tensors to noise (e.g. the averaged gradients).
@@ -97,19 +119,19 @@ def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddevs, non_finite_message
     for tensor, stddev, message in zip(tensors, stddevs, messages):
         tensor = tf.convert_to_tensor(tensor)
         if kernels.usable_for(tensor):
-            seed, seed2 = tf.compat.v1.random.get_seed(None)
+            seed, seed2 = salted_seeds(salt)
             noisy.append(kernels.fused_ops().lipdp_add_gaussian_noise(
                 tensor, tf.cast(stddev, tf.float32), seed=seed or 0, seed2=seed2 or 0,
                 message=message or ""))
         else:
-            noisy.append(_noised_by_tf_ops(tensor, stddev, message))
+            noisy.append(_noised_by_tf_ops(tensor, stddev, message, salt))
     return noisy
 
 
-def _noised_by_tf_ops(tensor, stddev, message=None):
+def _noised_by_tf_ops(tensor, stddev, message=None, salt=None):
     """`add_gaussian_noise` of one tensor where the fused kernel is not usable:
     ``tf.debugging.check_numerics`` with `message` (when given), then ``tensor +
     gaussian_noise([tensor], [stddev])[0]``."""
     if message:
         tensor = tf.debugging.check_numerics(tensor, message)
-    return tensor + gaussian_noise([tensor], [stddev])[0]
+    return tensor + gaussian_noise([tensor], [stddev], salt)[0]

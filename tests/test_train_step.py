@@ -441,3 +441,44 @@ def test_jit_compile_is_refused_in_clipless_mode_with_the_reason():
                           dataset_metadata=DatasetMetadata((4,), 2, 8, 8, 4, 1.0, "shuffle"))
     with pytest.raises(ValueError, match="jit_compile=True is not supported in clipless mode"):
         model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd", jit_compile=True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_seeded_program_draws_new_noise_after_a_new_compile(monkeypatch, fused):
+    """A seeded program (tf.keras.utils.set_random_seed), sigma 1 for 3 steps, then sigma 2
+    and a new compile (a new ledger segment), 3 more steps on the same batch, the learning
+    rate 0. Each random op was seeded from the global seed and its place in the graph, so the
+    second trace drew the first one's noise again, doubled: released(t + 3) - 2 released(t)
+    was a noiseless function of the data (within 1.5e-7; the noise std is 0.79). Now each
+    trace salts its seeds with the step count: that combination keeps noise of the variance
+    of both draws (correlation of the two segments' noise below 0.2, 40 coordinates x 3), and
+    the same program run again repeats its noise exactly (a seed still repeats a run). Both
+    with the fused kernel and with the TF-ops draw."""
+    from lipdp import kernels
+    from tests._distributed import RecordingSGD
+
+    if not fused:
+        monkeypatch.setattr(kernels, "usable_for", lambda tensor: False)
+
+    def run():
+        tf.keras.utils.set_random_seed(0)
+        model = mlp(nb_classes=3, batch=16)
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(16, 10)).astype(np.float32)
+        y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, 16)]
+        released = []
+        for sigma in (1.0, 2.0):
+            model.dp_parameters = DPParameters(sigma, 1e-5)
+            model.compile(optimizer=RecordingSGD(0.0), loss=DP_TauCategoricalCrossentropy(1.0))
+            for _ in range(3):
+                model.train_on_batch(x, y)
+                released.append(np.concatenate([r.numpy().ravel() for r in model.optimizer.recorded]))
+        exact = model.private_gradients(tf.constant(x), tf.constant(y))[0]
+        exact = np.concatenate([g.numpy().ravel() for g in exact])
+        return np.array(released) - exact
+
+    noise = run()
+    first, second = noise[:3].ravel(), noise[3:].ravel()
+    assert abs(np.corrcoef(first, second)[0, 1]) < 0.2
+    np.testing.assert_allclose(np.std(second) / np.std(first), 2.0, rtol=0.35)
+    np.testing.assert_array_equal(run(), noise)
