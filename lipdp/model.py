@@ -63,6 +63,17 @@ def _batch_size(x) -> tf.Tensor:
     return tf.shape(tf.nest.flatten(x)[0], out_type=tf.int64)[0]
 
 
+def _global_batch_size(x) -> tf.Tensor:
+    """Number of examples in the global batch of which `x` is this replica's share (under a
+    `tf.distribute` strategy, the replicas' counts summed; else `_batch_size`), int64."""
+    batch = _batch_size(x)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return batch
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(batch, tf.float64))
+    return tf.cast(total, tf.int64)
+
+
 def _refuse_batch_iterators(x):
     """`fit` takes arrays (cut into batches of the declared size) or a `tf.data.Dataset`
     (checked batch by batch); a `keras.utils.Sequence` or an iterator yields batches whose
@@ -705,15 +716,17 @@ class _DPModelMixin:
                              "per-example gradients beyond their bounds.")
         if y is None:
             raise ValueError("DP models need labels: the dataset must yield (x, y) pairs.")
-        expected = self._step_mechanism.batch_size
+        # The global batch: each replica's share is within the limits whatever the global
+        # batch (two replicas ran batches of 2 D unchecked).
+        expected, global_batch = self._step_mechanism.batch_size, _global_batch_size(x)
         if self._step_mechanism.sampling == Sampling.SHUFFLE:
             too_large = tf.debugging.assert_less_equal(
-                _batch_size(x), tf.constant(expected, tf.int64),
+                global_batch, tf.constant(expected, tf.int64),
                 message="A batch is larger than dataset_metadata.batch_size: the accountant's "
                         "sampling rate would under-state the privacy loss.")
         else:
             too_large = tf.debugging.assert_less_equal(
-                _batch_size(x), tf.constant(largest_poisson_batch(expected), tf.int64),
+                global_batch, tf.constant(largest_poisson_batch(expected), tf.int64),
                 message=f"A batch holds more examples than a Poisson sample of expected size "
                         f"{expected} (dataset_metadata.batch_size) holds with probability "
                         f"2^-{POISSON_TAIL_BITS}: the dataset is not Poisson-sampled at the "

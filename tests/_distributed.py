@@ -160,9 +160,23 @@ def mirrored():
                                single_ratio=single_ratio, replicated_ratio=replicated_ratio, n=n,
                                steps=replicated.dp_steps_taken)
     results["adaptive"] = _adaptive_clipping(strategy, x, y)
+    results["oversized"] = _oversized_batches(strategy, x, y)
     reference, pieces = _sampler_pieces(strategy)
     results["sampler"] = dict(reference=reference, pieces=pieces)
     return results
+
+
+def _oversized_batches(strategy, x, y):
+    """What fit says of global batches of 32 for a model declaring shuffled batches of 16,
+    each replica given 16 of them: the check must be of the global batch."""
+    with strategy.scope():
+        model = _model("clipless-global", 1.0, 0.0)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    try:
+        model.fit(ds, epochs=1, verbose=0, shuffle=False, steps_per_epoch=2)
+    except tf.errors.InvalidArgumentError as error:
+        return dict(error=error.message, steps=model.dp_steps_taken)
+    return dict(error=None, steps=model.dp_steps_taken)
 
 
 def _adaptive_model(clipping, learning_rate, steps_per_epoch=4):

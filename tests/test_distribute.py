@@ -111,6 +111,16 @@ def test_aggregated_noise_has_the_single_device_std(mirrored, config):
     assert abs(result["replicated_ratio"] - 1) < tolerance, result
 
 
+def test_a_global_batch_larger_than_declared_is_refused_under_the_strategy(mirrored):
+    """Shuffled batches of 16 declared, global batches of 32 given (each replica 16): the
+    step compares the global batch, summed over replicas, and fails before the first step
+    (it compared each replica's share, and 2 replicas trained at twice the declared rate)."""
+    result = mirrored["oversized"]
+    assert result["error"] is not None and "larger than dataset_metadata.batch_size" in \
+        result["error"], result
+    assert result["steps"] == 0
+
+
 def test_adaptive_clipping_counts_over_the_global_batch(mirrored):
     """`lipdp.AdaptiveClipping` under the strategy: the replicas' counts are summed and the
     count's noise is drawn once. Noise-free, C_t after 8 steps equals the single-device
