@@ -54,6 +54,7 @@ import os
 import pickle
 import secrets
 import struct
+import weakref
 import sys
 import warnings
 import zlib
@@ -689,6 +690,20 @@ def _make_transform(bound: InputBound, nb_classes: int, augmentation=None,
     return transform
 
 
+#: The Poisson samplers of this process with an explicit seed (their draws repeat across
+#: pipelines of that seed): `seeded_samplers_behind`.
+_SEEDED_POISSON_SAMPLERS = weakref.WeakSet()
+
+
+def seeded_samplers_behind(step: int) -> list:
+    """The Poisson samplers of this process with an explicit seed whose next draw is the one
+    of an earlier private step than `step` (a model's ``dp_steps_taken``). A model that took
+    `step` steps and trains on such a pipeline outside `fit` (which starts it at the model's
+    step) draws again the batches its earlier steps may have used."""
+    return [sampler for sampler in list(_SEEDED_POISSON_SAMPLERS)
+            if int(sampler.next_step.numpy()) < step]
+
+
 class BatchSampler:
     """How a training pipeline of `load_dataset` draws its batches (``ds_train.lipdp_sampler``).
 
@@ -731,6 +746,8 @@ class BatchSampler:
             with tf.init_scope():
                 self.next_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                              name="poisson_next_step")
+            if self.explicit_seed:
+                _SEEDED_POISSON_SAMPLERS.add(self)
 
     def start_at(self, step: int) -> None:
         """The next batch drawn is the one of private step `step`."""

@@ -225,6 +225,39 @@ def test_fit_continues_the_sampler_at_the_model_step(tmp_path):
     assert int(again.lipdp_sampler.next_step.numpy()) == 2 * steps
 
 
+def test_train_on_batch_warns_when_a_seeded_pipeline_would_replay_earlier_draws():
+    """A resumed custom loop: a model that took a first epoch's steps, then train_on_batch on
+    a new pipeline of the same explicit seed, not started at the model's step (fit starts
+    it): its batches are the first epoch's again (measured by an audit: epsilon 4.26
+    reported against 5.89 for what ran). train_on_batch cannot see the pipeline; it warns,
+    once, naming the call that aligns it; after that call the draws are new ones and no
+    warning comes."""
+    import warnings
+
+    ds, _, metadata = lipdp.data.load_dataset("digits", 256, bound_clip_value=8.0, seed=3)
+    model = _digits_model(metadata)
+    model.fit(ds, epochs=1, verbose=0)
+    again, _, _ = lipdp.data.load_dataset("digits", 256, bound_clip_value=8.0, seed=3)
+    with pytest.warns(UserWarning, match=r"seed 3 would next draw the batch of step [0-3], "
+                                         r"while this model has taken 6 steps.*"
+                                         r"start_at\(model.dp_steps_taken\)") as record:
+        for x, y in again.take(3):
+            model.train_on_batch(x, y)
+    # Once per pipeline: the new one (behind from the start; its prefetch drew a few), and
+    # the first one, left at step 6 once the model passed it.
+    assert sum("would next draw" in str(w.message) for w in record) == 2
+    aligned, _, _ = lipdp.data.load_dataset("digits", 256, bound_clip_value=8.0, seed=3)
+    aligned.lipdp_sampler.start_at(model.dp_steps_taken)
+    del again, ds
+    import gc
+
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in aligned.take(2):
+            model.train_on_batch(x, y)
+
+
 def _digits_model(metadata):
     from lipdp.layers import DP_BoundedInput, DP_QuickSpectralDense
 
