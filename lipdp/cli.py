@@ -370,7 +370,11 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
         print(f"certified accuracy : none: no certified Lipschitz constant for {unbounded}, so "
               "no radius is certified")
     else:
-        print(f"certified accuracy : L2 radius in input space (Lipschitz constant {lip:.4g})")
+        space = ("input space" if cfg["dataset"]["bound"] != "normalize" else
+                 "the space of the normalised inputs (dataset.bound: normalize scales each "
+                 "input to norm input_bound before the certified network, which that scaling "
+                 "is not part of: these are not radii around the raw inputs)")
+        print(f"certified accuracy : L2 radius in {space} (Lipschitz constant {lip:.4g})")
         _print_table([[_radius_label(r), f"{certified[r]:.4f}"] for r in radii],
                      ["radius", "accuracy"])
     auroc = None

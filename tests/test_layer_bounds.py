@@ -432,3 +432,16 @@ def test_groupsort2_vectorised_over_examples_equals_one_example_at_a_time(pairin
     for i in range(len(x)):
         for got, expected in zip(vectorised, one((x[i], g[i]))):
             np.testing.assert_array_equal(got[i].numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("k", [-1.0, -0.5, 0.0, float("nan"), float("inf")])
+def test_l2_norm_pooling_refuses_a_coefficient_that_is_not_finite_and_positive(k):
+    """A negative k_coef_lip entered the pooling's bounds as k, not |k|: in a residual branch
+    k = -1 cancelled the skip path (Lipschitz bound 0, infinite certified radii, a zero
+    gradient bound for the next kernel whose exact per-example gradient had norm 0.35)."""
+    from lipdp.layers import DP_GlobalL2NormPooling2D, DP_ScaledL2NormPooling2D
+
+    with pytest.raises(ValueError, match="k_coef_lip"):
+        DP_ScaledL2NormPooling2D(pool_size=(1, 1), k_coef_lip=k)
+    with pytest.raises(ValueError, match="k_coef_lip"):
+        DP_GlobalL2NormPooling2D(k_coef_lip=k)

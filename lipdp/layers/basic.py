@@ -223,7 +223,17 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
     coordinates: ``X_out = k X_in`` and ``G_in = k G``. (deel-lip's custom
     gradient of the square root, ``dy / (2 (sqrt(u) + eps))``, only shrinks
     the true derivative, so the computed cotangents obey the same bound.)
+    Those bounds need ``k > 0``: a negative k (which deel-lip stores as given) entered them
+    as k, not |k|, and cancelled a residual section's skip path (a Lipschitz bound of 0
+    and an infinite certified radius on a 1-Lipschitz network): refused.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        k = float(self.k_coef_lip)
+        if not (math.isfinite(k) and k > 0):
+            raise ValueError("Received an invalid value for `k_coef_lip`, expected a finite "
+                             f"positive number. Received: k_coef_lip={self.k_coef_lip!r}")
 
     def call(self, x):
         """deel-lip's computation; as one fused CPU kernel each way when

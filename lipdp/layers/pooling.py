@@ -31,7 +31,7 @@ class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
                              f"Received: data_format={data_format!r}")
         if kwargs.pop("keepdims", False):
             raise ValueError("DP_GlobalL2NormPooling2D does not support keepdims=True.")
-        if not k_coef_lip > 0:
+        if not (k_coef_lip > 0 and math.isfinite(k_coef_lip)):
             raise ValueError("Received an invalid value for `k_coef_lip`, expected a positive "
                              f"number. Received: k_coef_lip={k_coef_lip!r}")
         super().__init__(data_format="channels_last", k_coef_lip=k_coef_lip,
