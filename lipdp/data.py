@@ -691,17 +691,16 @@ def _make_transform(bound: InputBound, nb_classes: int, augmentation=None,
 
 
 #: The Poisson samplers of this process with an explicit seed (their draws repeat across
-#: pipelines of that seed): `seeded_samplers_behind`.
+#: pipelines of that seed): `seeded_poisson_samplers`.
 _SEEDED_POISSON_SAMPLERS = weakref.WeakSet()
 
 
-def seeded_samplers_behind(step: int) -> list:
-    """The Poisson samplers of this process with an explicit seed whose next draw is the one
-    of an earlier private step than `step` (a model's ``dp_steps_taken``). A model that took
-    `step` steps and trains on such a pipeline outside `fit` (which starts it at the model's
-    step) draws again the batches its earlier steps may have used."""
-    return [sampler for sampler in list(_SEEDED_POISSON_SAMPLERS)
-            if int(sampler.next_step.numpy()) < step]
+def seeded_poisson_samplers() -> list:
+    """The live Poisson samplers of this process with an explicit seed. One that started at
+    an earlier private step (``started_at``) than a model's ``dp_steps_taken`` draws, for
+    that model, batches its earlier steps may have used (`fit` starts a pipeline at the
+    model's step; a custom loop must)."""
+    return list(_SEEDED_POISSON_SAMPLERS)
 
 
 class BatchSampler:
@@ -738,6 +737,7 @@ class BatchSampler:
         self.explicit_seed = seed is not None
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
         self.next_step = None
+        self.started_at = 0  # the step of the first draw since construction or `start_at`
         if sampling is Sampling.POISSON:
             if tf.distribute.has_strategy():
                 raise RuntimeError(
@@ -753,6 +753,7 @@ class BatchSampler:
         """The next batch drawn is the one of private step `step`."""
         if self.next_step is not None:
             self.next_step.assign(int(step))
+            self.started_at = int(step)
 
     def __repr__(self):
         seed = self.seed if self.explicit_seed else "secret"

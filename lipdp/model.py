@@ -44,7 +44,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
                           dp_layers)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
-from lipdp.data import ShuffleSamplingWarning, seeded_samplers_behind
+from lipdp.data import ShuffleSamplingWarning, seeded_poisson_samplers
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
@@ -232,24 +232,26 @@ class _DPModelMixin:
 
     def _warn_if_a_seeded_pipeline_is_behind(self):
         """`fit` starts a `lipdp.data.load_dataset` Poisson pipeline at the model's step;
-        `train_on_batch` cannot see the pipeline its batches come from. Warn (once per
-        sampler) when a pipeline of this process with an explicit seed would next draw an
-        earlier step's batch than this model's count: a resumed custom loop on a new pipeline
-        of the first run's seed replays that run's draws, which the accountant counts as
-        fresh, independent samples."""
-        warned = self.__dict__.setdefault("_warned_samplers", set())
-        for sampler in seeded_samplers_behind(self.dp_steps_taken):
-            if id(sampler) in warned:
+        `train_on_batch` cannot see the pipeline its batches come from. Each pipeline of this
+        process with an explicit seed is looked at once per model, the first time this model
+        trains after it appeared (`fit` marks the one it starts): warn when it started at an
+        earlier step than the model's count (``started_at``; its draw counter is no guide,
+        prefetching moves it ahead). A resumed custom loop on a new pipeline of the first
+        run's seed replays that run's draws, which the accountant counts as fresh samples."""
+        seen = self.__dict__.setdefault("_samplers_seen", set())
+        for sampler in seeded_poisson_samplers():
+            if id(sampler) in seen:
                 continue
-            warned.add(id(sampler))
-            warnings.warn(
-                f"A lipdp.data.load_dataset Poisson pipeline of seed {sampler.seed} would next "
-                f"draw the batch of step {int(sampler.next_step.numpy())}, while this model has "
-                f"taken {self.dp_steps_taken} steps: if its batches feed train_on_batch, they "
-                "are the draws of earlier steps again (replayed samples are not the "
-                "independent subsampling the accountant assumes). Call "
-                "`ds_train.lipdp_sampler.start_at(model.dp_steps_taken)` before iterating it "
-                "(fit does).", stacklevel=3)
+            seen.add(id(sampler))
+            if sampler.started_at < self.dp_steps_taken:
+                warnings.warn(
+                    f"A lipdp.data.load_dataset Poisson pipeline of seed {sampler.seed} draws "
+                    f"from step {sampler.started_at}, while this model has taken "
+                    f"{self.dp_steps_taken} steps: if its batches feed train_on_batch, they "
+                    "are the draws of earlier steps again (replayed samples are not the "
+                    "independent subsampling the accountant assumes). Call "
+                    "`ds_train.lipdp_sampler.start_at(model.dp_steps_taken)` before "
+                    "iterating it (fit does).", stacklevel=3)
 
     def _build_optimizer(self):
         """Create the optimizer's variables before Keras traces the training step. Keras
@@ -1025,6 +1027,7 @@ class _StartSampler(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.sampler is not None:
             self.sampler.start_at(self.model.dp_steps_taken)
+            self.model.__dict__.setdefault("_samplers_seen", set()).add(id(self.sampler))
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
