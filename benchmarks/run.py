@@ -327,15 +327,21 @@ def _floor(model_name):
 
     @tf.function
     def step(x, y):
-        with tf.GradientTape() as tape:
-            logits = model(x, training=True)
-            loss = tf.reduce_mean(tf.keras.losses.categorical_crossentropy(y, logits,
-                                                                            from_logits=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                      model.trainable_variables))
+        optimizer.apply_gradients(zip(_floor_gradients(model, x, y), model.trainable_variables))
         return _probe(model.variables)
 
     return step, model
+
+
+def _floor_gradients(model, x, y):
+    """Gradients of the floor's loss (mean cross-entropy from logits) for its variables."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        logits = model(x, training=True)
+        loss = tf.reduce_mean(tf.keras.losses.categorical_crossentropy(y, logits,
+                                                                        from_logits=True))
+    return tape.gradient(loss, model.trainable_variables)
 
 
 def _certified_floor(model_name):
@@ -353,13 +359,8 @@ def _certified_floor(model_name):
 
     @tf.function
     def step(x, y):
-        with tf.GradientTape() as tape:
-            logits = model(x, training=True)
-            loss = tf.reduce_mean(tf.keras.losses.categorical_crossentropy(y, logits,
-                                                                            from_logits=True))
         variables = model.trainable_variables
-        gradients = add_gaussian_noise(tape.gradient(loss, variables),
-                                       [SIGMA] * len(variables))
+        gradients = add_gaussian_noise(_floor_gradients(model, x, y), [SIGMA] * len(variables))
         optimizer.apply_gradients(zip(gradients, variables))
         certificates = []
         for variable in variables:
