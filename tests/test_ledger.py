@@ -260,6 +260,13 @@ def _global(sigma):
     return lipdp.DPParameters(sigma, DELTA, "global")
 
 
+def _global_model(sigma):
+    model = _model()
+    model.dp_parameters = _global(sigma)
+    _compile(model)
+    return model
+
+
 def test_steps_after_a_restored_ledger_are_recorded_under_the_mechanism_that_ran(tmp_path):
     """A tf.train.Checkpoint of 4 steps at sigma = 8 restored into a model whose step was
     traced at sigma = 1 (after 4 steps), then 4 more steps: before, the segment was opened
@@ -268,9 +275,7 @@ def test_steps_after_a_restored_ledger_are_recorded_under_the_mechanism_that_ran
     before the first step: at least 4 steps at sigma = 8 and 4 at sigma = 1 are composed."""
     tf.keras.utils.set_random_seed(3)
     x, y = _data(3)
-    model = _model()
-    model.dp_parameters = _global(8.0)
-    _compile(model)
+    model = _global_model(8.0)
     model.fit(x, y, epochs=1, verbose=0)
     checkpoint = tf.train.Checkpoint(model=model)
     path = checkpoint.write(str(tmp_path / "sigma8"))
@@ -298,15 +303,11 @@ def test_train_on_batch_and_keras_backup_and_restore_record_the_running_mechanis
         def on_epoch_end(self, epoch, logs=None):
             raise KeyboardInterrupt
 
-    strong = _model()
-    strong.dp_parameters = _global(8.0)
-    _compile(strong)
+    strong = _global_model(8.0)
     with pytest.raises(KeyboardInterrupt):
         strong.fit(x, y, epochs=3, verbose=0,
                    callbacks=[tf.keras.callbacks.BackupAndRestore(backup), Interrupt()])
-    model = _model()
-    model.dp_parameters = _global(1.0)
-    _compile(model)
+    model = _global_model(1.0)
     model.train_on_batch(x[:16], y[:16])
     model.fit(x, y, epochs=3, verbose=0, callbacks=[tf.keras.callbacks.BackupAndRestore(backup)])
     segments = [(s.mechanism.noise_multiplier, s.steps) for s in model.privacy_ledger.segments]
@@ -319,13 +320,9 @@ def test_a_ledger_replaced_inside_a_traced_loop_stops_the_step():
     mechanism's (no fit to record the segment): the step's guard fails before any update."""
     tf.keras.utils.set_random_seed(5)
     x, y = _data(5)
-    other = _model()
-    other.dp_parameters = _global(8.0)
-    _compile(other)
+    other = _global_model(8.0)
     other.fit(x, y, epochs=1, verbose=0)
-    model = _model()
-    model.dp_parameters = _global(1.0)
-    _compile(model)
+    model = _global_model(1.0)
     model._build_optimizer()
     step = tf.function(lambda a, b: model.train_step((a, b)))
     step(x[:16], y[:16])
