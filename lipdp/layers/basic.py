@@ -10,7 +10,7 @@ from deel.lip.layers import GroupSort, ScaledL2NormPooling2D
 
 from lipdp import kernels
 from lipdp.layers._pair_sort import PAIRINGS, sort_pairs
-from lipdp.layers.base import DPLayer, as_bound, check_float32
+from lipdp.layers.base import DPLayer, as_bound, check_float32, check_positive
 from lipdp.rounding import (UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error,
                             rescaling_error)
 
@@ -230,10 +230,7 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        k = float(self.k_coef_lip)
-        if not (math.isfinite(k) and k > 0):
-            raise ValueError("Received an invalid value for `k_coef_lip`, expected a finite "
-                             f"positive number. Received: k_coef_lip={self.k_coef_lip!r}")
+        check_positive(float(self.k_coef_lip), "k_coef_lip")
 
     def call(self, x):
         """deel-lip's computation; as one fused CPU kernel each way when

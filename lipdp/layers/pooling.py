@@ -10,7 +10,7 @@ import math
 import tensorflow as tf
 from deel.lip.layers import ScaledGlobalL2NormPooling2D
 
-from lipdp.layers.base import DPLayer
+from lipdp.layers.base import DPLayer, check_positive
 from lipdp.rounding import block_norm_error, comparison_error
 
 
@@ -31,9 +31,7 @@ class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
                              f"Received: data_format={data_format!r}")
         if kwargs.pop("keepdims", False):
             raise ValueError("DP_GlobalL2NormPooling2D does not support keepdims=True.")
-        if not (k_coef_lip > 0 and math.isfinite(k_coef_lip)):
-            raise ValueError("Received an invalid value for `k_coef_lip`, expected a positive "
-                             f"number. Received: k_coef_lip={k_coef_lip!r}")
+        check_positive(float(k_coef_lip), "k_coef_lip")
         super().__init__(data_format="channels_last", k_coef_lip=k_coef_lip,
                          eps_grad_sqrt=eps_grad_sqrt, **kwargs)
 
