@@ -146,6 +146,9 @@ class _DPModelMixin:
         self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen",
                                           aggregation=tf.VariableAggregation.SUM)
         self._ledger_high_water = (0, EMPTY_STORAGE)  # see `_note_ledger`
+        # Ids of the Poisson samplers this model looked at (`_warn_if_a_seeded_pipeline_is_
+        # behind`) or that `fit` started at its step.
+        self._samplers_seen = set()
         # C_t of lipdp.AdaptiveClipping, saved with the model (0: not set yet).
         self._logit_clip = tf.Variable(0.0, trainable=False, name="loss_gradient_clip",
                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -238,7 +241,7 @@ class _DPModelMixin:
         earlier step than the model's count (``started_at``; its draw counter is no guide,
         prefetching moves it ahead). A resumed custom loop on a new pipeline of the first
         run's seed replays that run's draws, which the accountant counts as fresh samples."""
-        seen = self.__dict__.setdefault("_samplers_seen", set())
+        seen = self._samplers_seen
         for sampler in seeded_poisson_samplers():
             if id(sampler) in seen:
                 continue
@@ -1027,7 +1030,7 @@ class _StartSampler(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.sampler is not None:
             self.sampler.start_at(self.model.dp_steps_taken)
-            self.model.__dict__.setdefault("_samplers_seen", set()).add(id(self.sampler))
+            self.model._samplers_seen.add(id(self.sampler))
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
