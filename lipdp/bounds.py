@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from lipdp.layers.base import (DPLayer, as_bound, cached_operator_norm, chain_backward,
                                chain_lipschitz, check_positive, operator_norm_cache,
-                               with_pass_slack)
+                               recording_signs, sign_checked, with_pass_slack)
 from lipdp.layers.basic import DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
 from lipdp.metadata import DPMode
@@ -226,10 +226,11 @@ def backpropagate_bounds(layers: Sequence[DPLayer], loss_lipschitz) -> List[Tupl
 
     Inputs are unbounded here: the first layer, `DP_BoundedInput`, bounds them.
     """
-    with _bound_pass(layers, projection_certificates=True):
+    with _bound_pass(layers, projection_certificates=True), recording_signs() as record:
         bounds = chain_backward(list(layers), as_bound(float("inf")),
                                 as_bound(loss_lipschitz))[0]
-    return [(v, with_pass_slack(b)) for v, b in bounds]
+    checked = sign_checked(record, [b for _, b in bounds])
+    return [(v, with_pass_slack(b)) for (v, _), b in zip(bounds, checked)]
 
 
 def lipschitz_bound(model) -> tf.Tensor:
@@ -237,8 +238,9 @@ def lipschitz_bound(model) -> tf.Tensor:
     with the two paths of residual sections added); a float64 scalar, with the pass's
     rounding slack."""
     layers = dp_layers(model)
-    with _bound_pass(layers):
-        return with_pass_slack(chain_lipschitz(layers, as_bound(float("inf")), as_bound(1.0)))
+    with _bound_pass(layers), recording_signs() as record:
+        bound = chain_lipschitz(layers, as_bound(float("inf")), as_bound(1.0))
+    return with_pass_slack(sign_checked(record, [bound])[0])
 
 
 def _is_step_loss(model, loss) -> bool:

@@ -239,6 +239,48 @@ def test_non_finite_gradient_stops_the_step_before_the_update():
     assert model.dp_steps_taken == 0
 
 
+class _SignFlip(tf.keras.layers.Layer, DPLayer):
+    """Identity forward whose bound methods negate the cotangent bound: the error a second
+    sign error cancels, leaving every reported variable bound positive and wrong."""
+
+    def call(self, inputs):
+        return inputs
+
+    def propagate_inputs(self, input_bound):
+        return input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return -gradient_bound
+
+
+def test_a_negative_bound_from_a_layer_is_refused():
+    """Two layers whose bound methods negate the cotangent bound give positive variable
+    bounds (the two signs cancel) that nothing else would notice; the bound pass asserts
+    that every value a layer returns is >= 0 and names the layers: at compile (which runs
+    the pass once), in `gradient_bounds`, and in the step, before any update."""
+    rng = np.random.default_rng(8)
+    layers = [DP_QuickSpectralDense(8), _SignFlip(name="flip_a"), DP_QuickSpectralDense(8),
+              _SignFlip(name="flip_b"), DP_QuickSpectralDense(3)]
+    model = _model(3, layers, 1.0)
+    loss = DP_TauCategoricalCrossentropy(1.0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="flip_b.backpropagate_inputs"):
+        model.compile(loss=loss, optimizer="sgd")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="negative or NaN bounds"):
+        gradient_bounds(model, loss)
+    # The step's own check: the layers turn wrong after compile.
+    _SignFlip.backpropagate_inputs, saved = (lambda self, x, g: g), _SignFlip.backpropagate_inputs
+    try:
+        model.compile(loss=loss, optimizer="sgd")
+    finally:
+        _SignFlip.backpropagate_inputs = saved
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="flip_b.backpropagate_inputs"):
+        model.fit(*_arrays(rng), epochs=1, verbose=0)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert model.dp_steps_taken == 0
+
+
 # --------------------------------------------------------------------------- #
 # Outputs computed on training data outside the noisy gradient.
 # --------------------------------------------------------------------------- #

@@ -226,7 +226,8 @@ def chain_backward(layers, input_bound, gradient_bound):
 
     Input bounds are propagated forward from `input_bound`; then, from the
     cotangent bound `gradient_bound` at the chain's output, every layer reports
-    its variables' bounds and passes the cotangent bound to its input.
+    its variables' bounds and passes the cotangent bound to its input. Every value
+    a layer returns is recorded for `sign_checked` (inside a `recording_signs` context).
 
     Returns:
         ``([(variable, per-example gradient bound), ...], input cotangent bound)``.
@@ -235,18 +236,77 @@ def chain_backward(layers, input_bound, gradient_bound):
     gradient_bound = _as_bounds(gradient_bound)
     bounds = []
     for layer, x_in in zip(reversed(layers), reversed(input_bounds)):
-        bounds.extend(layer.backpropagate_params(x_in, gradient_bound))
-        gradient_bound = layer.backpropagate_inputs(x_in, gradient_bound)
+        params = layer.backpropagate_params(x_in, gradient_bound)
+        for variable, bound in params:
+            _record_sign(layer, f"backpropagate_params ({variable.name})", bound)
+        bounds.extend(params)
+        gradient_bound = _recorded(layer, "backpropagate_inputs",
+                                   layer.backpropagate_inputs(x_in, gradient_bound))
     return bounds, gradient_bound
 
 
 def chain_lipschitz(layers, input_bound, gradient_bound):
     """`gradient_bound` times the certified Lipschitz constant of the chain's forward map
-    (`DPLayer.backpropagate_lipschitz`, layer by layer)."""
+    (`DPLayer.backpropagate_lipschitz`, layer by layer; each value recorded as in
+    `chain_backward`)."""
     gradient_bound = _as_bounds(gradient_bound)
     for layer, x_in in zip(reversed(layers), reversed(_input_bounds(layers, input_bound))):
-        gradient_bound = layer.backpropagate_lipschitz(x_in, gradient_bound)
+        gradient_bound = _recorded(layer, "backpropagate_lipschitz",
+                                   layer.backpropagate_lipschitz(x_in, gradient_bound))
     return gradient_bound
+
+
+# The values the layers of one bound pass returned, while `recording_signs` is active.
+_SIGN_RECORD = None
+
+
+@contextlib.contextmanager
+def recording_signs():
+    """Within this context, `chain_backward`, `chain_lipschitz` and `chain_forward` record
+    every value a layer's bound method returns, as ``(description, float64 scalar)``; the
+    context yields the list, for `sign_checked`."""
+    global _SIGN_RECORD
+    outer, _SIGN_RECORD = _SIGN_RECORD, []
+    try:
+        yield _SIGN_RECORD
+    finally:
+        _SIGN_RECORD = outer
+
+
+def _record_sign(layer, method, value):
+    if _SIGN_RECORD is not None:
+        values = value if isinstance(value, tuple) else (value,)
+        for i, v in enumerate(values):
+            where = f"[{i}]" if isinstance(value, tuple) else ""
+            _SIGN_RECORD.append((f"{layer.name}.{method}{where}", as_bound(v)))
+
+
+def _recorded(layer, method, value):
+    _record_sign(layer, method, value)
+    return value
+
+
+def sign_checked(record, values):
+    """`values` (a list of tensors), computed after an assertion that every recorded bound
+    is >= 0 (NaN fails it).
+
+    The bound pass only multiplies, adds, divides and takes square roots and minima of
+    non-negative numbers (module docstring, "Precision"): a negative or NaN value is a
+    wrong bound method (e.g. a sign error that a second one cancels), and the step stops
+    with ``InvalidArgumentError`` naming the layers instead of calibrating noise to it.
+    """
+    if not record:
+        return values
+    names = tf.constant([name for name, _ in record])
+    stacked = tf.stack([value for _, value in record])
+    valid = stacked >= 0.0
+    check = tf.debugging.Assert(
+        tf.reduce_all(valid),
+        ["lipdp: negative or NaN bounds returned by DP layers (a layer's bound methods "
+         "are wrong; no noise is calibrated to them):", tf.boolean_mask(names, ~valid),
+         tf.boolean_mask(stacked, ~valid)], summarize=len(record))
+    with tf.control_dependencies([check]):
+        return [tf.identity(v) for v in values]
 
 
 def chain_rounding_error(layers, input_bound, input_error):
@@ -277,7 +337,7 @@ def _as_bounds(value):
 def _input_bounds(layers, input_bound):
     bounds = [_as_bounds(input_bound)]
     for layer in layers[:-1]:
-        bounds.append(layer.propagate_inputs(bounds[-1]))
+        bounds.append(_recorded(layer, "propagate_inputs", layer.propagate_inputs(bounds[-1])))
     return bounds
 
 
@@ -285,7 +345,7 @@ def chain_forward(layers, input_bound):
     """Output norm bound of a chain of DP layers for inputs of norm <= `input_bound`."""
     input_bound = _as_bounds(input_bound)
     for layer in layers:
-        input_bound = layer.propagate_inputs(input_bound)
+        input_bound = _recorded(layer, "propagate_inputs", layer.propagate_inputs(input_bound))
     return input_bound
 
 
