@@ -75,18 +75,32 @@ def load_model(path, custom_objects=None, compile=True, **kwargs):
     the model's ledger, each segment's mechanism and the composed epsilon at the
     model's delta.
 
+    Legacy HDF5 files (``model.save("m.h5")``) name lipdp's classes without the package
+    prefix they are registered under (``"DP_Sequential"``, not ``"lipdp>DP_Sequential"``):
+    lipdp's and deel-lip's registered classes are passed by their bare names too, after
+    `custom_objects`' own.
+
     Returns:
         The model; for a DP model, ``lipdp.accounting.epsilon_spent(model)`` is the
         epsilon it was trained with.
     """
-    model = tf.keras.models.load_model(path, custom_objects=custom_objects, compile=compile,
-                                       **kwargs)
+    model = tf.keras.models.load_model(path, custom_objects=_with_bare_names(custom_objects),
+                                       compile=compile, **kwargs)
     if hasattr(model, "privacy_ledger"):
         delta = float(model.dp_parameters.delta)
         ledger = model.privacy_ledger
         logger.info("lipdp: %s was trained with %d private steps:\n%s", path, ledger.steps,
                     ledger.describe(delta))
     return model
+
+
+def _with_bare_names(custom_objects):
+    """`custom_objects` (or {}) with every class that lipdp and deel-lip register with Keras
+    also under its bare name (entries of `custom_objects` win)."""
+    bare = {name.split(">", 1)[1]: obj
+            for name, obj in tf.keras.saving.get_custom_objects().items()
+            if name.split(">", 1)[0] in ("lipdp", "deel-lip") and ">" in name}
+    return {**bare, **(custom_objects or {})}
 
 
 def save_model_atomically(model, path: str) -> str:

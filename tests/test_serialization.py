@@ -112,7 +112,10 @@ def test_layer_serialization_contract(name, tmp_path):
     assert (float(loaded.dp_loss.tau.numpy()), loaded.dp_loss.margin) == (4.0, 0.1)
 
 
-def test_dp_model_round_trip_and_training_resumes(tmp_path):
+@pytest.mark.parametrize("extension", [".keras", ".h5"])
+def test_dp_model_round_trip_and_training_resumes(tmp_path, extension):
+    """Also Keras' legacy HDF5 format, which names classes without their package prefix:
+    `lipdp.load_model` loads it (it raised "Unknown layer: 'DP_Model'"), ledger included."""
     inputs = tf.keras.Input(SHAPE)
     h = dp.DP_BoundedInput(4.0)(inputs)
     h = dp.DP_Flatten()(h)
@@ -127,9 +130,12 @@ def test_dp_model_round_trip_and_training_resumes(tmp_path):
     x = rng.normal(size=(32,) + SHAPE).astype("float32")
     y = np.eye(3, dtype="float32")[rng.integers(0, 3, 32)]
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    model.save(str(tmp_path / "m.keras"))
-    loaded = tf.keras.models.load_model(str(tmp_path / "m.keras"))
+    path = str(tmp_path / f"m{extension}")
+    model.save(path)
+    loaded = lipdp.load_model(path)
     assert type(loaded) is lipdp.DP_Model and loaded.dp_steps_taken == 4
+    assert loaded.privacy_ledger.describe(1e-5) == model.privacy_ledger.describe(1e-5)
+    assert lipdp.accounting.epsilon_spent(loaded) == lipdp.accounting.epsilon_spent(model)
     np.testing.assert_array_equal(model(x).numpy(), loaded(x).numpy())
     assert_same_gradient_bounds(gradient_bounds(loaded), gradient_bounds(model))
     loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # re-compiled from the saved config
