@@ -53,7 +53,7 @@ from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_boun
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
-from lipdp.noise import add_gaussian_noise, salted_seeds
+from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise
 from lipdp.operator_norms import host_work
 from lipdp.records import check_finite_arrays, check_finite_dataset
 
@@ -571,9 +571,10 @@ class _DPModelMixin:
         # Sum of bits - 1/2: sensitivity 1/2 under adding or removing one example. Under a
         # strategy: the replicas' sums are added, with the noise drawn once.
         local = tf.reduce_sum(below - 0.5)
-        noisy = _once_per_global_batch(lambda: local + tf.random.normal(
-            [], stddev=self._step_mechanism.quantile_noise_multiplier,
-            seed=salted_seeds(self._noise_salt())[1]), lambda: local)
+        with drawing_at_step(self._dp_steps):
+            noisy = _once_per_global_batch(lambda: local + gaussian_noise(
+                [local], [self._step_mechanism.quantile_noise_multiplier],
+                salt=self._noise_salt())[0], lambda: local)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             noisy = context.all_reduce(tf.distribute.ReduceOp.SUM, noisy)
@@ -633,19 +634,21 @@ class _DPModelMixin:
         """
         if self._step_mechanism is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
-        gradients, per_example, y_pred = tf.cond(
-            _batch_size(x) > 0, lambda: self._averaged_gradients(x, y),
-            self._empty_batch_gradients)
-        # A non-finite gradient (from a finite loss) would turn every weight into NaN: the
-        # step fails instead, checked where the noise is added (one pass for both).
-        messages = [f"Non-finite gradient of {v.name} in a private step"
-                    for v in self.trainable_variables]
-        sensitivities = self.sensitivities()
-        noisy = _once_per_global_batch(
-            lambda: add_gaussian_noise(gradients, self._noise_stddevs(sensitivities),
-                                       non_finite_messages=messages, salt=self._noise_salt()),
-            otherwise=lambda: [tf.debugging.check_numerics(g, m)
-                               for g, m in zip(gradients, messages)])
+        with drawing_at_step(self._dp_steps):  # the step's draws under XLA (lipdp.noise)
+            gradients, per_example, y_pred = tf.cond(
+                _batch_size(x) > 0, lambda: self._averaged_gradients(x, y),
+                self._empty_batch_gradients)
+            # A non-finite gradient (from a finite loss) would turn every weight into NaN:
+            # the step fails instead, checked where the noise is added (one pass for both).
+            messages = [f"Non-finite gradient of {v.name} in a private step"
+                        for v in self.trainable_variables]
+            sensitivities = self.sensitivities()
+            noisy = _once_per_global_batch(
+                lambda: add_gaussian_noise(gradients, self._noise_stddevs(sensitivities),
+                                           non_finite_messages=messages,
+                                           salt=self._noise_salt()),
+                otherwise=lambda: [tf.debugging.check_numerics(g, m)
+                                   for g, m in zip(gradients, messages)])
         return gradients, noisy, sensitivities, per_example, y_pred
 
     def _averaged_gradients(self, x, y):

@@ -35,14 +35,17 @@ secure (README, sharp edges).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import secrets
 from typing import Sequence
 
 import tensorflow as tf
 
 from lipdp import kernels
 
-__all__ = ["add_gaussian_noise", "gaussian_noise", "salted_seeds", "standard_normal"]
+__all__ = ["add_gaussian_noise", "drawing_at_step", "gaussian_noise", "salted_seeds",
+           "standard_normal"]
 
 
 def salted_seeds(salt=None):
@@ -62,13 +65,69 @@ def salted_seeds(salt=None):
     return seed, (int(seed2) * 1_000_003 + int(salt) + 1) % (2 ** 31 - 1)
 
 
+# The step counter of the private step being traced (`drawing_at_step`), for draws under XLA.
+_STEP_COUNTER = None
+
+
+@contextlib.contextmanager
+def drawing_at_step(counter):
+    """Within this context (while a private step is traced), noise drawn under XLA takes
+    `counter` (an integer tensor, e.g. the model's count of private steps, different at
+    every step) as its stateless draws' counter (`standard_normal`)."""
+    global _STEP_COUNTER
+    outer, _STEP_COUNTER = _STEP_COUNTER, counter
+    try:
+        yield
+    finally:
+        _STEP_COUNTER = outer
+
+
+def in_xla_context() -> bool:
+    """Whether the graph being traced is compiled by XLA (``jit_compile``)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
+
+
+def _xla_seed(seed):
+    """The seed of a stateless draw under XLA: a key folded with the step counter.
+
+    XLA compiles TensorFlow's stateful random ops to a generator whose state starts from the
+    op's seeds, and an unseeded op has seeds (0, 0) there: every process then draws the same
+    "random" noise, which a difference of two runs' released gradients cancels (an audit
+    recovered the noiseless difference of two neighbouring datasets to 1.9e-8). The key is
+    two 63-bit integers from the operating system's generator (`secrets`) when the trace
+    is made, in a program without a global seed (never stored: not in the model, its
+    checkpoints or its saved files), or the global seed and `seed` (the op's salted seed) in
+    a seeded one (which repeats its run, as outside XLA); the counter makes each step's draw
+    another one.
+    """
+    if _STEP_COUNTER is None:
+        raise RuntimeError(
+            "Noise drawn under XLA (jit_compile) needs the private step's counter "
+            "(lipdp.noise.drawing_at_step): outside a step it would repeat at every call.")
+    global_seed = tf.compat.v1.random.get_seed(None)[0]
+    if global_seed is None:
+        key = [secrets.randbits(63), secrets.randbits(63)]
+    else:
+        key = [int(global_seed), int(seed if seed is not None else 0)]
+    return tf.random.experimental.stateless_fold_in(
+        tf.constant(key, tf.int64), tf.cast(_STEP_COUNTER, tf.int64))
+
+
 def standard_normal(n, dtype=tf.float32, seed=None) -> tf.Tensor:
     """``n`` independent ``N(0, 1)`` samples (a 1-D tensor; `n` an int or a scalar tensor),
     in float32 (float64 for ``dtype=tf.float64``, from float64 uniforms); `seed` is the op
-    seed of ``tf.random.uniform``."""
+    seed of ``tf.random.uniform``. Under XLA the uniforms are a stateless draw keyed per
+    trace and per step (`_xla_seed`; inside `drawing_at_step` only)."""
     compute = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
     n = tf.cast(n, tf.int32)
-    uniforms = tf.random.uniform(tf.stack([2, (n + 1) // 2]), dtype=compute, seed=seed)
+    shape = tf.stack([2, (n + 1) // 2])
+    if in_xla_context():
+        uniforms = tf.random.stateless_uniform(shape, seed=_xla_seed(seed), dtype=compute)
+    else:
+        uniforms = tf.random.uniform(shape, dtype=compute, seed=seed)
     radius = tf.sqrt(-2.0 * tf.math.log1p(-uniforms[0]))  # u < 1: 1 - u in (0, 1]
     angle = (2.0 * math.pi) * uniforms[1]
     return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)[:n]

@@ -13,6 +13,8 @@ uniforms). Seeded, so each test's outcome is fixed; the thresholds are those of 
 a false-failure rate of 1e-6 had the draws been fresh."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ import tensorflow as tf
 from scipy import stats
 
 from lipdp import kernels
-from lipdp.noise import add_gaussian_noise, gaussian_noise, standard_normal
+from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, standard_normal
 from tests._stats import assert_gaussian_noise
 
 N = 2_000_001  # odd: the last Box–Muller pair is cut
@@ -195,11 +197,83 @@ def test_added_noise_runs_the_kernel_where_usable_and_falls_back_elsewhere():
     for n, t in zip(noisy, like):
         assert n.shape == t.shape and n.dtype == t.dtype
     assert_gaussian_noise(noisy[4].numpy(), 0.25, "float64 fallback", nb_tests=2)
-    xla = tf.function(lambda: add_gaussian_noise([tf.zeros([300, 200])], [2.0]),
-                      jit_compile=True)
+    counter = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function(jit_compile=True)
+    def xla():
+        with drawing_at_step(counter):
+            return add_gaussian_noise([tf.zeros([300, 200])], [2.0])
+
     assert "LipdpAddGaussianNoise" not in {
         op.type for op in xla.get_concrete_function().graph.get_operations()}
     assert_gaussian_noise(xla()[0].numpy(), 2.0, "XLA fallback", nb_tests=2)
+
+
+def _xla_step_draws(seed=None):
+    """Two steps' noise (counter 0 then 1) from one trace under XLA, then step 0's again from
+    a second trace, with `seed` as the global seed (None: an unseeded program)."""
+    tf.keras.utils.set_random_seed(seed) if seed is not None else tf.random.set_seed(None)
+    counter = tf.Variable(0, dtype=tf.int64)
+
+    def traced():
+        @tf.function(jit_compile=True)
+        def draw():
+            with drawing_at_step(counter):
+                return gaussian_noise([tf.zeros([1000])], [1.0])[0]
+        return draw
+
+    draw = traced()
+    first = draw().numpy()
+    counter.assign_add(1)
+    second = draw().numpy()
+    counter.assign(0)
+    again = traced()().numpy()
+    return first, second, again
+
+
+def test_noise_under_xla_is_drawn_anew_at_each_step_and_in_each_trace():
+    """XLA compiles TensorFlow's stateful random ops from their op seeds, (0, 0) in a program
+    without a global seed: every process drew the same noise (an audit cancelled it between
+    two runs on neighbouring datasets, `test_xla_noise_differs_between_processes`). Under
+    XLA the draw is stateless, keyed by 126 bits from the OS at each trace and folded with
+    the step counter; a seeded program repeats its draws, as outside XLA."""
+    first, second, again = _xla_step_draws()
+    assert _values_shared(first, second) <= 4 and _values_shared(first, again) <= 4
+    first_seeded, second_seeded, again_seeded = _xla_step_draws(seed=5)
+    assert _values_shared(first_seeded, second_seeded) <= 4
+    np.testing.assert_array_equal(first_seeded, again_seeded)
+    tf.random.set_seed(None)
+    with pytest.raises(RuntimeError, match="needs the private step's counter"):
+        tf.function(lambda: gaussian_noise([tf.zeros([3])], [1.0]), jit_compile=True)()
+
+
+_XLA_STEP = """
+import numpy as np, tensorflow as tf
+from lipdp.metadata import DatasetMetadata, DPParameters
+from lipdp.model import DP_Sequential
+model = DP_Sequential(
+    [tf.keras.layers.Input((4,)), tf.keras.layers.Dense(3, kernel_initializer="zeros")],
+    dp_parameters=DPParameters(1.0, 1e-5, mode="clipped", clipping="flat", l2_norm_clip=1.0,
+                               engine="{engine}"),
+    dataset_metadata=DatasetMetadata((4,), 3, 16, 16, 8, None, "shuffle"))
+model.compile(loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+              optimizer=tf.keras.optimizers.SGD(1.0), jit_compile=True)
+model.train_on_batch(np.zeros((8, 4), np.float32), np.eye(3, dtype=np.float32)[[0] * 8])
+print(" ".join(repr(float(v)) for v in model.get_weights()[0].ravel()))
+"""
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_xla_noise_differs_between_processes(engine):
+    """Classic DP-SGD compiled with XLA, no seed anywhere: two processes train one step from
+    the same zero weights on zero inputs (a zero kernel gradient), so the kernel after the
+    step is minus the noise. They were equal, bit for bit, before the stateless draw."""
+    runs = [subprocess.run([sys.executable, "-c", _XLA_STEP.format(engine=engine)],
+                           capture_output=True, text=True, timeout=300, check=True)
+            for _ in range(2)]
+    noise = [np.array([float(v) for v in r.stdout.split()]) for r in runs]
+    assert noise[0].shape == (12,) and np.all(noise[0] != 0) and np.all(noise[1] != 0)
+    assert _values_shared(noise[0], noise[1]) == 0
 
 
 @needs_kernels
