@@ -239,6 +239,56 @@ def test_non_finite_gradient_stops_the_step_before_the_update():
     assert model.dp_steps_taken == 0
 
 
+def test_inputs_of_another_shape_than_the_built_one_are_refused():
+    """Every bound is computed for the shape a model was built with (a convolution's
+    certified norm on its H x W torus, the sqrt(P) of a bias shared by P positions). A model
+    built with `model.build((None, 4, 4, 1))`, as compile's own message suggests, trained on
+    16 x 16 images: a global pooling hid the size from the rest, and the bias gradient
+    reached 4x its bound (found by an audit). The first layer pins the shape."""
+    metadata = lipdp.DatasetMetadata((4, 4, 1), 2, 16, 16, 4, 1.0, "shuffle")
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0), lipdp.layers.DP_QuickSpectralConv2D(2, 3),
+         lipdp.layers.DP_GlobalL2NormPooling2D()],
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5), dataset_metadata=metadata)
+    model.build((None, 4, 4, 1))
+    model.compile(loss=DP_MulticlassKR(), optimizer="sgd")
+    x, y = np.zeros((16, 16, 16, 1), np.float32), np.tile([[1.0, 0.0]], (16, 1))
+    for train in (lambda: model.fit(x, y, batch_size=4, epochs=1, verbose=0),
+                  lambda: model.train_on_batch(x[:4], y[:4]), lambda: model(x[:4])):
+        with pytest.raises(ValueError, match=r"expected shape=\(None, 4, 4, 1\)"):
+            train()
+    assert model.dp_steps_taken == 0
+
+
+@pytest.mark.parametrize("make, built, other", [
+    (lambda: lipdp.layers.DP_QuickSpectralConv2D(2, 3), (4, 4, 1), (16, 16, 1)),
+    (lambda: DP_QuickSpectralDense(3), (5, 4), (7, 4)),
+    (lambda: lipdp.layers.DP_AddBias(), (3, 3, 2), (6, 6, 2)),
+    (lambda: lipdp.layers.DP_Softplus(), (6,), (8,)),
+    (lambda: lipdp.layers.DP_LayerCentering(), (4, 2), (9, 2)),
+    (lambda: DP_BoundedInput(1.0), (4,), (9,)),
+], ids=["conv", "dense positions", "add bias", "softplus", "layer centering", "bounded input"])
+def test_layers_whose_bounds_depend_on_the_input_shape_pin_it(make, built, other):
+    layer = make()
+    layer(tf.zeros((2,) + built))
+    with pytest.raises(ValueError, match="is incompatible with the layer"):
+        layer(tf.zeros((2,) + other))
+
+
+def test_convolutions_are_channels_last_whatever_keras_global_image_data_format():
+    """`data_format=None` resolved to Keras' global format, channels_first where keras.json
+    says so, while the layer convolves NHWC: the bias bound counted the pixels of the wrong
+    axes (1.41x on a (6, 2, 6) input; found by an audit)."""
+    tf.keras.backend.set_image_data_format("channels_first")
+    try:
+        conv = lipdp.layers.DP_QuickSpectralConv2D(3, 1)
+        conv.build((None, 6, 2, 6))
+    finally:
+        tf.keras.backend.set_image_data_format("channels_last")
+    assert conv.data_format == "channels_last" and conv._output_pixels == 12
+    assert tuple(conv.kernel.shape) == (1, 1, 6, 3)
+
+
 class _SignFlip(tf.keras.layers.Layer, DPLayer):
     """Identity forward whose bound methods negate the cotangent bound: the error a second
     sign error cancels, leaving every reported variable bound positive and wrong."""

@@ -18,7 +18,7 @@ import math
 
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer
+from lipdp.layers.base import DPLayer, pin_input_shape
 from lipdp.rounding import comparison_error, elementwise_error
 
 
@@ -41,6 +41,7 @@ class _ElementwiseActivation(tf.keras.layers.Layer, DPLayer):
                              f"its output norm. Received: input_shape={input_shape}")
         self._units = int(math.prod(input_shape[1:]))
         super().build(input_shape)
+        pin_input_shape(self, input_shape)
 
     def compute_output_shape(self, input_shape):
         return input_shape

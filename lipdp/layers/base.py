@@ -349,6 +349,18 @@ def chain_forward(layers, input_bound):
     return input_bound
 
 
+def pin_input_shape(layer, input_shape):
+    """From now on `layer` refuses inputs of another shape than `input_shape` (the batch
+    axis aside; Keras checks its ``input_spec`` at every call, with a ValueError).
+
+    Its bounds were computed at build for this shape (a convolution's certified norm on its
+    H x W torus, the sqrt(P) of a bias shared by P positions, an input clip target): inputs
+    of another size would break them silently (an audit trained a model built for 4 x 4
+    images on 16 x 16 ones: a bias gradient 4x its bound)."""
+    layer.input_spec = tf.keras.layers.InputSpec(
+        shape=(None,) + tuple(tf.TensorShape(input_shape)[1:].as_list()))
+
+
 def check_positive(value, name) -> float:
     """``float(value)`` for a finite positive number; a ValueError naming `name` otherwise."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) \

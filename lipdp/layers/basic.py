@@ -10,7 +10,8 @@ from deel.lip.layers import GroupSort, ScaledL2NormPooling2D
 
 from lipdp import kernels
 from lipdp.layers._pair_sort import PAIRINGS, sort_pairs
-from lipdp.layers.base import DPLayer, as_bound, check_float32, check_positive
+from lipdp.layers.base import (DPLayer, as_bound, check_float32, check_positive,
+                               pin_input_shape)
 from lipdp.rounding import (UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error,
                             rescaling_error)
 
@@ -78,6 +79,7 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
         self._size = math.prod(shape.as_list()) if shape.is_fully_defined() else None
         self._target = clip_target(self.upper_bound, self._size)
         super().build(input_shape)
+        pin_input_shape(self, input_shape)  # every bound of the model follows from this shape
 
     @property
     def target(self) -> float:

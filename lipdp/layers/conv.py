@@ -11,7 +11,7 @@ from deel.lip.layers.convolutional import _compute_conv_lip_factor
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
 from lipdp.layers.base import (DPLayer, as_bound, bias_norm, certified_operator_norm,
-                               check_no_activation)
+                               check_no_activation, pin_input_shape)
 from lipdp.operator_norms import conv_frequency_grid, dense_spectral_norm_upper
 from lipdp.rounding import SMALLEST_NORMAL, addition_error, product_error
 
@@ -77,6 +77,9 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
                              f"Received: dilation_rate={kwargs['dilation_rate']!r}")
         if kwargs.get("groups", 1) != 1:
             raise ValueError(f"{name} does not support groups. Received: groups={kwargs['groups']!r}")
+        # None would resolve to Keras' global image data format, channels_first where a user's
+        # keras.json says so: the bounds would count channels and pixels on the wrong axes.
+        kwargs["data_format"] = "channels_last"
         self._pop_forbidden_kwargs(name, kwargs)
         if not isinstance(filters, int) or filters < 1:
             raise ValueError(
@@ -96,6 +99,7 @@ class DP_QuickSpectralConv2D(ProjectedKernelMixin, tf.keras.layers.Conv2D, DPLay
                 f"operator norm. Received: input_shape={input_shape}"
             )
         super().build(input_shape)
+        pin_input_shape(self, input_shape)
         self._input_hw = (int(input_shape[1]), int(input_shape[2]))
         out_shape = self.compute_output_shape(input_shape)
         self._output_pixels = int(out_shape[1]) * int(out_shape[2])

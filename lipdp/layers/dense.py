@@ -11,7 +11,7 @@ import tensorflow as tf
 from lipdp.layers._projection import (ProjectedKernelMixin, ReparametrizedKernelMixin,
                                       projection_config)
 from lipdp.layers.base import (DPLayer, as_bound, bias_norm, certified_operator_norm,
-                               check_no_activation)
+                               check_no_activation, pin_input_shape)
 from lipdp.rounding import addition_error, product_error
 
 _FORBIDDEN = ("kernel_constraint", "kernel_regularizer", "bias_regularizer", "activity_regularizer")
@@ -58,6 +58,7 @@ class _BoundedDense(tf.keras.layers.Dense, DPLayer):
                 "to bound its bias contribution."
             )
         self._positions = int(math.prod(input_shape[1:-1])) if input_shape.rank > 2 else 1
+        pin_input_shape(self, input_shape)
 
     def bounded_kernel(self):
         """The kernel the forward pass multiplies by (what S bounds)."""

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers.base import DPLayer, as_bound, check_positive, weight_norm
+from lipdp.layers.base import DPLayer, as_bound, check_positive, pin_input_shape, weight_norm
 from lipdp.rounding import UNDERFLOW, UNIT_ROUNDOFF, addition_error, gamma
 
 
@@ -52,6 +52,7 @@ class DP_LayerCentering(tf.keras.layers.Layer, DPLayer):
         sizes = [shape[a] for a in self.axis]
         self._group_size = math.prod(sizes) if None not in sizes else None
         super().build(input_shape)
+        pin_input_shape(self, input_shape)
 
     def call(self, inputs):
         return inputs - tf.reduce_mean(inputs, axis=self.axis, keepdims=True)
@@ -107,6 +108,7 @@ class DP_AddBias(tf.keras.layers.Layer, DPLayer):
         self.bias = self.add_weight(name="bias", shape=(int(input_shape[-1]),),
                                     initializer="zeros", trainable=True)
         super().build(input_shape)
+        pin_input_shape(self, input_shape)
 
     def call(self, inputs):
         return inputs + self.bias
