@@ -730,10 +730,16 @@ class BatchSampler:
             system's secret randomness when none was given.
         explicit_seed: whether the seed was given.
         next_step: int64 `tf.Variable` (Poisson), or None.
+        nb_samples, batch_size: the training set's size N and the (expected) batch size D
+            the pipeline samples with (rate q = D / N), which a DP model's `fit` checks
+            against its metadata; None when not given.
     """
 
-    def __init__(self, sampling: Sampling, seed: Optional[int]):
+    def __init__(self, sampling: Sampling, seed: Optional[int],
+                 nb_samples: Optional[int] = None, batch_size: Optional[int] = None):
         self.sampling = sampling
+        self.nb_samples = nb_samples
+        self.batch_size = batch_size
         self.explicit_seed = seed is not None
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
         self.next_step = None
@@ -940,7 +946,7 @@ def load_dataset(
 
     x_tr, y_tr = tf.constant(x_train), tf.constant(y_train)
     n = metadata.nb_samples_train
-    sampler = BatchSampler(sampling, seed)
+    sampler = BatchSampler(sampling, seed, nb_samples=n, batch_size=batch_size)
     if sampling is Sampling.POISSON:
         ds_train = _poisson_pipeline(x_tr, y_tr, metadata.steps_per_epoch,
                                      metadata.sampling_rate, sampler, transform)

@@ -371,6 +371,28 @@ def _poisson_warnings(record):
             if issubclass(w.category, lipdp.data.ShuffleSamplingWarning)]
 
 
+@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
+def test_a_pipeline_sampling_another_training_set_than_the_metadata_is_refused(sampling):
+    """Metadata of breast_cancer's 456 training examples, a load_dataset pipeline over 201
+    of them in batches of 200: its batch count (2 of 3) passed, and every example was drawn at
+    0.995 where the accountant counted 0.44 (epsilon 3.05 reported for 5.5-6.0; found by an
+    audit). The pipeline's sampler records N and D; fit compares them with the metadata."""
+    kwargs = dict(bound_clip_value=1.0, sampling=sampling)
+    own, _, metadata = lipdp.data.load_dataset("breast_cancer", 200, **kwargs)
+    subset, _, _ = lipdp.data.load_dataset("breast_cancer", 200, nb_samples_train=201, **kwargs)
+    assert metadata.nb_samples_train == 456 and int(subset.cardinality()) == 2
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=metadata.input_shape), DP_QuickSpectralDense(4),
+         DP_GroupSort(2), DP_QuickSpectralDense(2)],
+        dp_parameters=lipdp.DPParameters(2.0, 1e-5), dataset_metadata=metadata)
+    model.compile(loss=DP_TauCategoricalCrossentropy(2.0), optimizer="sgd")
+    with pytest.raises(ValueError, match="pipeline over 201 training examples in batches of 200"):
+        model.fit(subset, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+    model.fit(own, epochs=1, verbose=0)
+    assert model.dp_steps_taken == metadata.steps_per_epoch
+
+
 def test_a_dataset_that_lipdp_cannot_check_to_be_poisson_sampled_is_said_so(recwarn):
     """With metadata declaring Poisson sampling (the accountant's assumption), `fit` on a
     dataset of shuffled fixed batches used to train silently with a Poisson epsilon. It warns
