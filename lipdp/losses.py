@@ -334,17 +334,24 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
 
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_MeanAbsoluteError(tf.keras.losses.Loss, DP_Loss):
-    """``mean_k |y_pred_k - y_k|`` over the K outputs, for regression.
+    """``mean_k min(|y_pred_k - y_k|, 2^100)`` over the K outputs, for regression.
 
-    Gradient ``sign(y_pred - y) / K`` (0 where equal), of norm at most
-    ``sqrt(K) / K``: ``L = 1 / sqrt(K)``, whatever the targets.
+    Gradient ``sign(y_pred - y) / K`` (0 where equal or beyond the cap), of norm at most
+    ``sqrt(K) / K``: ``L = 1 / sqrt(K)``, whatever the targets. The cap keeps the loss of a
+    finite target finite, and a batch's sum of them below float32's range (for fewer than
+    2^27 examples): a target of 3e38 made it infinite, and the step stopped at the one
+    that sampled that record, which revealed when it was sampled.
     """
+
+    #: The largest error one output contributes (`call`).
+    ERROR_CAP = 2.0 ** 100
 
     def __init__(self, reduction=Reduction.AUTO, name="DP_MeanAbsoluteError"):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        return tf.reduce_mean(tf.abs(y_pred - target_labels(self, y_true, y_pred)), axis=-1)
+        errors = tf.abs(y_pred - target_labels(self, y_true, y_pred))
+        return tf.reduce_mean(tf.minimum(errors, self.ERROR_CAP), axis=-1)
 
     def lipschitz(self, nb_outputs):
         return 1.0 / math.sqrt(nb_outputs)

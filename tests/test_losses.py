@@ -174,3 +174,20 @@ def test_config_round_trip(name, make, k):
     logits, labels = rng.normal(size=(5, k)).astype("float32"), _labels(rng, 5, k)
     np.testing.assert_allclose(again.call(labels, logits).numpy(),
                                loss.call(labels, logits).numpy(), rtol=1e-6)
+
+
+def test_mean_absolute_error_of_finite_targets_is_finite_in_a_batch_sum():
+    """A target of 3e38 passes the records' finiteness check; its error overflowed the loss to
+    inf and the private step stopped at the step that sampled it (found by an audit). Errors
+    are capped at 2^100: finite losses, a finite batch sum, gradients within 1 / sqrt(K)."""
+    loss = DP_MeanAbsoluteError()
+    y_true = tf.constant([[3.0e38, -3.0e38], [1.0, 2.0]] * 64)
+    y_pred = tf.Variable(tf.zeros([128, 2]))
+    with tf.GradientTape() as tape:
+        values = loss.call(y_true, y_pred)
+        total = tf.reduce_sum(values)
+    gradient = tape.gradient(total, y_pred)
+    assert np.isfinite(float(total))
+    np.testing.assert_allclose(values.numpy()[:2], [2.0 ** 100, 1.5], rtol=1e-6)
+    norms = np.linalg.norm(gradient.numpy(), axis=1)
+    assert np.all(norms <= loss.lipschitz(2) * (1 + 1e-6))
