@@ -79,6 +79,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.accounting import epsilon_spent
+from lipdp.clipping.validation import per_example_loss
 from lipdp.evaluation import roc_auc
 
 __all__ = [
@@ -232,9 +233,9 @@ def _per_example_loss(model):
     if loss is None:
         raise ValueError("The model has no compiled loss to score examples with: compile it, or "
                          "pass a `score_fn(model, x, y)` returning one score per example.")
-    if isinstance(loss, tf.keras.losses.Loss):
-        return loss.call  # per-example values, no reduction
-    return tf.keras.losses.get(loss)  # Keras loss functions return per-example values
+    # Each example's loss from its own label and output (a label of shape (B,) broadcast
+    # against outputs (B, 1) scored every example with every label).
+    return per_example_loss(loss)
 
 
 def loss_scores(model, x, y, batch_size: int = 1024) -> np.ndarray:

@@ -219,6 +219,18 @@ def test_loss_scores_are_minus_the_tau_cross_entropy():
     assert np.allclose(audit.loss_scores(model, x[:50], one_hot), expected / TAU, atol=1e-5)
 
 
+def test_loss_scores_take_each_example_with_its_own_label():
+    """A Keras model compiled with "mse", one output, labels of shape (B,): the raw Keras
+    function broadcast the labels to (B, B) and scored each example with the mean error over
+    every label; each score is now minus the example's own squared error."""
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(3,))])
+    model.compile(loss="mse")
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(6, 3)).astype(np.float32), rng.normal(size=6).astype(np.float32)
+    expected = -(model(x).numpy()[:, 0] - y) ** 2
+    np.testing.assert_allclose(audit.loss_scores(model, x, y), expected, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- #
 # Membership inference on the same small data, with and without noise.
 # --------------------------------------------------------------------------- #

@@ -401,3 +401,142 @@ def test_batch_coupled_layers_and_bad_losses_are_refused():
     model.compile(loss=lambda y, p: tf.reduce_mean(tf.square(y - p)))
     with pytest.raises(ValueError, match="returned a scalar"):
         model.private_gradients(*_data(4, shape=(6,), k=3))
+
+
+def _single_output_layers(activation=None):
+    return lambda: [L.Input((4,)), L.Dense(3, activation="tanh"), L.Dense(1, activation=activation)]
+
+
+# name -> (loss given to compile, output activation, the same loss written out for one example,
+# label of example 0 (the other labels: standard normal, 0 for the binary loss), clipping
+# threshold C (some examples clipped, some not; measured norms 0.77 to 6239)).
+SHAPE_B_LOSSES = {
+    "mse": ("mse", None, lambda y, p: tf.square(y - p[:, 0]), 1e3, 12.0),
+    "binary_crossentropy": ("binary_crossentropy", "sigmoid",
+                            lambda y, p: tf.keras.losses.binary_crossentropy(y[:, None], p), 1.0,
+                            1.2),
+    "batch-mean target": (lambda y, p: tf.square(tf.reshape(p, [-1]) - tf.reduce_mean(y)), None,
+                          lambda y, p: tf.square(y - p[:, 0]), 1e3, 12.0),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("case", sorted(SHAPE_B_LOSSES))
+def test_each_loss_depends_on_its_own_example_with_labels_of_shape_batch(case, engine):
+    """Labels (B,) against predictions (B, 1): Keras' raw "mse" broadcasts them to (B, B), and
+    a loss may reduce over the batch (the batch-mean target); the clipped step evaluates each
+    example's loss on its own pair. Checked: the update is the example-by-example reference
+    (the loss written out for one example, one tape per example), and removing example 0 (an
+    outlier label) moves the noiseless update by at most the sensitivity C / D
+    (before the fix: 9.2x that for "mse", 2x for binary cross-entropy). Tolerances as above."""
+    loss, activation, reference_loss, label, clip = SHAPE_B_LOSSES[case]
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.normal(size=(6, 4)), tf.float32)
+    y = np.zeros(6, np.float32) if activation else rng.normal(size=6).astype(np.float32)
+    y[0] = label
+    y = tf.constant(y)
+    model = _compiled(_single_output_layers(activation), "flat", engine, loss, shape=(4,), k=1,
+                      clip=clip)
+    per_example = per_example_gradients(model, reference_loss, x, y)
+    expected, clipped = reference_update(per_example, "flat", clip, D)
+    assert any(clipped) and not all(clipped), clipped
+    expected_without_first, _ = reference_update(per_example[1:], "flat", clip, D)
+    for private_gradients in (model.private_gradients, tf.function(model.private_gradients)):
+        full = private_gradients(x, y)[0]
+        without_first = private_gradients(x[1:], y[1:])[0]
+        for c, e, v in zip(full + without_first, expected + expected_without_first,
+                           model.trainable_variables * 2):
+            np.testing.assert_allclose(c.numpy(), e, rtol=1e-5, atol=1e-7, err_msg=v.name)
+        moved = math.sqrt(sum(float(tf.reduce_sum(tf.square(a - b)))
+                              for a, b in zip(full, without_first)))
+        assert moved <= model._clipped_dpsgd.sensitivity * (1 + 1e-5)
+
+
+class _DenseBatchNormBlock(L.Layer):
+    """A 'Dense + BatchNormalization' block written as one layer: the BN is a sub-layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = L.Dense(4)
+        self.norm = L.BatchNormalization(name="hidden_norm")
+
+    def call(self, x, training=None):
+        return tf.nn.relu(self.norm(self.dense(x), training=training))
+
+
+class _RunningSum(L.Layer):
+    """Adds the sum of its training inputs into a non-trainable variable."""
+
+    def build(self, input_shape):
+        self.seen = self.add_weight(name="seen", shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            self.seen.assign_add(tf.reduce_sum(x))
+        return x
+
+
+class _CallCounter(L.Layer):
+    """Counts its training calls in a non-trainable variable: the same for every input."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(name="calls", shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            self.calls.assign_add(1.0)
+        return x
+
+
+HIDDEN_COUPLING = {
+    "BN inside a custom layer": (
+        lambda: [L.Input((4,)), _DenseBatchNormBlock(), L.Dense(1)],
+        "'hidden_norm' \\(BatchNormalization\\) normalises with batch statistics"),
+    "TimeDistributed(BN)": (
+        lambda: [L.Input((4,)), L.Reshape((1, 4)),
+                 L.TimeDistributed(L.BatchNormalization(name="wrapped_norm")), L.Flatten(),
+                 L.Dense(1)],
+        "'wrapped_norm' \\(BatchNormalization\\) normalises with batch statistics"),
+    "Lambda centring over the batch": (
+        lambda: [L.Input((4,)), L.Dense(3),
+                 L.Lambda(lambda t: t - tf.reduce_mean(t, axis=0, keepdims=True),
+                          name="batch_mean"), L.Dense(1)],
+        "other examples .* layer 'batch_mean' \\(Lambda\\) mixes the examples"),
+    "running sum of the inputs": (
+        lambda: [L.Input((4,)), L.Dense(3), _RunningSum(name="running"), L.Dense(1)],
+        "'running/seen:0' of layer 'running' \\(_RunningSum\\) .* depends on the input data"),
+}
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+@pytest.mark.parametrize("case", sorted(HIDDEN_COUPLING))
+def test_hidden_batch_coupling_and_data_written_state_are_refused_at_compile(case, engine):
+    """Batch statistics below the top level (a custom layer's sub-layer, a wrapped layer)
+    are found by type; a Lambda reducing over the batch axis by the probe (replacing example
+    0 moves the other examples' outputs: 9x the sensitivity through the ghost engine); state
+    written from the data in training by the probe (two batches give two values): released
+    without noise, by either engine."""
+    make_layers, message = HIDDEN_COUPLING[case]
+    with pytest.raises(BatchCouplingError, match=message):
+        _compiled(make_layers, "flat", engine, "mse", shape=(4,), k=1)
+
+
+def test_the_coupling_probe_accepts_per_example_models_and_has_no_side_effect():
+    """Input-independent state (a call counter, SpectralDense's power iteration, both updated
+    by a training pass), dropout (random: rows compared in inference mode) and a centring
+    over the feature axis pass; after compile every variable holds its value from before."""
+    from deel.lip.layers import SpectralDense
+
+    tf.keras.utils.set_random_seed(7)
+    model = DP_Sequential(
+        [L.Input((4,)), SpectralDense(5), _CallCounter(name="counter"), L.Dropout(0.5),
+         L.Lambda(lambda t: t - tf.reduce_mean(t, axis=-1, keepdims=True)), L.Dense(1)],
+        dp_parameters=_params(1.0, engine="vectorized"), dataset_metadata=_metadata((4,), 1))
+    before = [v.numpy().copy() for v in model.variables]
+    model.compile(loss="mse", optimizer=tf.keras.optimizers.SGD(0.1))
+    for b, v in zip(before, model.variables):
+        np.testing.assert_array_equal(b, v.numpy(), err_msg=v.name)
+    model(tf.ones((2, 4)), training=True)  # the state a training pass does move
+    assert model.get_layer("counter").calls.numpy() == 1.0
+    assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.variables)
+               if "spectral" in v.name)

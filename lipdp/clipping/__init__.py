@@ -21,7 +21,9 @@ layers (anything without batch statistics), DP layers too.
 * `mechanism`: `ClippedDPSGD`, what the model's ``private_gradients`` uses in
   clipped mode: the sum of clipped gradients (divided by D there) and the
   isotropic noise std ``sigma * C / D``.
-* `validation`: per-example losses and the refusal of batch-coupled layers.
+* `validation`: per-example losses (each example's loss from its own label and
+  output) and the refusal of batch-coupled layers and of non-trainable state
+  written from the data (moving statistics).
 """
 
 from lipdp.clipping.engine import ClippedBatch

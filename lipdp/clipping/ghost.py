@@ -7,8 +7,9 @@ One private step:
    (`lipdp.clipping.ghost_norms`: Dense, Conv2D, Embedding and lipdp's dense and
    RKO-conv layers) -- their ``call`` is wrapped for the duration of the pass;
 2. first backward pass: ``g = d(sum_i loss_i)/dz``. Row i of ``g`` is example i's
-   own cotangent since examples do not interact (batch-coupled layers are
-   refused at compile time);
+   own cotangent since examples do not interact: batch-coupled layers are
+   refused at compile time, and each ``loss_i`` is computed from example i's
+   label and output alone (`lipdp.clipping.validation.per_example_loss`);
 3. per-example squared norms: from ``(a, g)`` for those layers (no per-example
    gradient is formed); every other layer with trainable variables (the
    *fallback*) is recorded too, and its exact per-example gradients are

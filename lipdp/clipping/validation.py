@@ -3,22 +3,35 @@
 Per-example clipping is only meaningful when example i's loss depends on
 example i alone: then the gradient of the *sum* of losses splits into
 per-example gradients, each of which is clipped. Layers that mix the examples
-of a batch break this (and the sensitivity argument with it).
+of a batch break this (and the sensitivity argument with it), and so do losses
+that mix them (labels broadcast against the predictions of other examples, a
+normalisation by counts over the batch): `per_example_loss` evaluates the loss
+of each example as a batch of one. Training-mode state written from the data
+(moving statistics) is released with the model without noise: refused too.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import contextlib
+from typing import Callable, Dict, Iterator, List
 
+import numpy as np
 import tensorflow as tf
 
 # Layers whose training-mode output for one example depends on the other
 # examples of the batch (batch statistics).
 _BATCH_COUPLED = ("BatchNormalization", "SyncBatchNormalization", "BatchCentering")
 
+# The probe of `check_no_batch_coupling`: its batch size, and the relative tolerance of its
+# comparisons (float32 rounding of a deterministic forward pass is reproduced bitwise on CPU;
+# the tolerance absorbs non-deterministic GPU reductions, far below any coupling it looks for).
+_PROBE_BATCH = 4
+_PROBE_RTOL = 1e-5
+
 
 class BatchCouplingError(ValueError):
-    """Raised when a model contains a layer that mixes the examples of a batch."""
+    """Raised when a model contains a layer that mixes the examples of a batch, or that writes
+    training data into its non-trainable variables."""
 
 
 def leaf_layers(model: tf.keras.Model) -> Iterator[tf.keras.layers.Layer]:
@@ -30,16 +43,35 @@ def leaf_layers(model: tf.keras.Model) -> Iterator[tf.keras.layers.Layer]:
             yield layer
 
 
+def _all_layers(model: tf.keras.Model) -> List[tf.keras.layers.Layer]:
+    """Every layer inside `model` (not itself), parents before their sub-layers: nested
+    models, sub-layers of custom layers and of wrappers (TimeDistributed, Bidirectional)."""
+    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
+            if not isinstance(layer, tf.keras.layers.InputLayer)]
+
+
 def check_no_batch_coupling(model: tf.keras.Model) -> None:
-    """Refuse layers whose output for one example depends on the other examples.
+    """Refuse models whose output for one example depends on the other examples, or whose
+    non-trainable variables record the training data.
+
+    Two checks, both at compile time:
+
+    * by type: every layer, at any depth (`_all_layers`), that normalises with batch
+      statistics (BatchNormalization and its variants);
+    * by behaviour (`_probe`): a few eager forward passes of a small random batch shaped
+      like the model's input, all variables restored afterwards (no side effect).
+      (i) A non-trainable variable whose value after a training-mode pass differs
+      between two input batches is refused (state updated the same way for every input,
+      such as power-iteration vectors, passes). (ii) Replacing example 0 of the batch
+      must leave the outputs of the other examples unchanged, in training mode (in
+      inference mode when two training passes of one batch differ: random layers).
+
+    Coupling that the random probe does not trigger (data-dependent branches) is not seen.
 
     Raises:
-        BatchCouplingError: naming the first such layer (BatchNormalization and
-            its variants: its batch statistics mix examples, so per-example
-            gradients are undefined and one example moves every other one's
-            gradient, beyond the clipping threshold).
+        BatchCouplingError: naming the layer (and variable) found, and what to use instead.
     """
-    for layer in leaf_layers(model):
+    for layer in _all_layers(model):
         names = {cls.__name__ for cls in type(layer).__mro__}
         coupled = names.intersection(_BATCH_COUPLED)
         if coupled:
@@ -47,27 +79,167 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
                 f"Layer '{layer.name}' ({type(layer).__name__}) normalises with batch statistics: "
                 "its output for one example depends on the other examples of the batch, so "
                 "per-example gradients (and their clipping) are undefined and the sensitivity "
-                "bound fails. Remove it, or use a per-example normalisation such as "
-                "LayerNormalization or GroupNormalization."
+                "bound fails; its moving statistics are written from the training data and "
+                "released without noise (engine='vectorized' does not change that). Remove it, "
+                "or use a per-example normalisation such as LayerNormalization or "
+                "GroupNormalization."
             )
+    _probe(model)
+
+
+def _probe_batches(model: tf.keras.Model):
+    """Two independent random batches ``(a, b)`` shaped like the model's inputs (or, without
+    them, its build input shape, float32): float inputs standard normal, integer inputs
+    (token ids) 0 or 1, a size unknown other than the batch's 8."""
+    specs = getattr(model, "inputs", None)
+    if specs is not None and len(specs) == 1:
+        specs = specs[0]
+    if specs is None:
+        shape = getattr(model, "_build_input_shape", None)
+        if shape is None:
+            raise BatchCouplingError(
+                f"Model '{model.name}' has no known input shape: the batch-coupling check of "
+                "classic DP-SGD needs one. Give it an Input or build it before compile.")
+        specs = tf.nest.map_structure(lambda s: tf.TensorSpec(s, tf.float32), shape,
+                                      check_types=False)
+    rng = np.random.default_rng(0)
+
+    def draw(spec):
+        shape = [_PROBE_BATCH] + [8 if d is None else int(d) for d in spec.shape[1:]]
+        dtype = tf.as_dtype(spec.dtype)
+        if dtype.is_integer or dtype.is_bool:
+            return tf.constant(rng.integers(0, 2, shape), dtype)
+        return tf.constant(rng.normal(size=shape), dtype)
+
+    return (tf.nest.map_structure(draw, specs), tf.nest.map_structure(draw, specs))
+
+
+def _differs(a: np.ndarray, b: np.ndarray) -> bool:
+    """Beyond `_PROBE_RTOL` times the larger magnitude of the two (exact for non-floats)."""
+    if a.shape != b.shape:
+        return True
+    if not np.issubdtype(a.dtype, np.floating):
+        return not np.array_equal(a, b)
+    scale = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)))
+    return bool(np.any(np.abs(a.astype(np.float64) - b) > _PROBE_RTOL * scale))
+
+
+@contextlib.contextmanager
+def _recorded_outputs(layers):
+    """Wrap each layer's ``call`` to append ``(layer, outputs)`` to the yielded list when an
+    eager call returns (sub-layers before the layer containing them); restored on exit."""
+    records = []
+    saved = []
+    for layer in layers:
+        original, instance = layer.call, "call" in layer.__dict__
+
+        def wrapper(*args, _layer=layer, _original=original, **kwargs):
+            outputs = _original(*args, **kwargs)
+            if tf.executing_eagerly():  # not inside a call its layer traces
+                records.append((_layer, outputs))
+            return outputs
+
+        object.__setattr__(layer, "call", wrapper)
+        saved.append((layer, instance, original))
+    try:
+        yield records
+    finally:
+        for layer, instance, original in saved:
+            if instance:
+                object.__setattr__(layer, "call", original)
+            else:
+                object.__delattr__(layer, "call")
+
+
+def _probe(model: tf.keras.Model) -> None:
+    """The behavioural half of `check_no_batch_coupling` (its docstring)."""
+    variables = list({v.ref(): v for v in model.variables}.values())
+    state = [v for v in variables if not v.trainable]
+    owner: Dict[object, tf.keras.layers.Layer] = {}
+    for layer in _all_layers(model):  # parents first: the deepest layer holding v wins
+        for v in layer.weights:
+            owner[v.ref()] = layer
+
+    def forward(inputs, training):
+        """Outputs (flattened, numpy) and non-trainable values after one pass; every
+        variable is restored afterwards."""
+        snapshot = [tf.identity(v) for v in variables]  # resource variables copy on write
+        try:
+            outputs = [np.array(t) for t in tf.nest.flatten(model(inputs, training=training))]
+            after = [v.numpy() for v in state]
+        finally:
+            for v, value in zip(variables, snapshot):
+                v.assign(value)
+        return outputs, after
+
+    a, b = _probe_batches(model)
+    outputs_a, state_a = forward(a, True)
+    _, state_b = forward(b, True)
+    for v, value_a, value_b in zip(state, state_a, state_b):
+        if _differs(value_a, value_b):
+            layer = owner.get(v.ref())
+            where = f"layer '{layer.name}' ({type(layer).__name__})" if layer else "the model"
+            raise BatchCouplingError(
+                f"The non-trainable variable '{v.name}' of {where} takes a value that depends "
+                "on the input data in a training-mode forward pass (moving statistics, a "
+                "running average of the inputs): the training data is written into it "
+                "without noise and released with the model, outside the privacy guarantee. "
+                "engine='vectorized' does not help (it runs the same update). Remove that "
+                "state, or compute the statistic per example (LayerNormalization, "
+                "GroupNormalization instead of BatchNormalization).")
+    training = True
+    if any(_differs(o, p) for o, p in zip(outputs_a, forward(a, True)[0])):
+        training = False  # random layers: rows compared without their draws
+    replaced = tf.nest.map_structure(lambda t, u: tf.concat([u[:1], t[1:]], 0), a, b)
+    with _recorded_outputs(_all_layers(model)) as records_a:
+        outputs_a, _ = forward(a, training)
+    with _recorded_outputs(_all_layers(model)) as records_r:
+        outputs_r, _ = forward(replaced, training)
+    if not any(_differs(o[1:], p[1:]) for o, p in zip(outputs_a, outputs_r)):
+        return
+    culprit = None
+    for (layer, out_a), (_, out_r) in zip(records_a, records_r):
+        flat_a, flat_r = tf.nest.flatten(out_a), tf.nest.flatten(out_r)
+        if all(tf.is_tensor(t) and t.shape.rank and t.shape[0] == _PROBE_BATCH
+               for t in flat_a + flat_r) and any(
+                   _differs(np.array(o[1:]), np.array(p[1:])) for o, p in zip(flat_a, flat_r)):
+            culprit = layer
+            break
+    where = (f"layer '{culprit.name}' ({type(culprit).__name__})" if culprit is not None
+             else "a layer")
+    raise BatchCouplingError(
+        f"Replacing one example of a batch changed the model's outputs for the other examples "
+        f"({'training' if training else 'inference'}-mode forward pass of a random probe "
+        f"batch): {where} mixes the examples of a batch (batch statistics, or a reduction "
+        "over the batch axis in a Lambda or custom layer). Per-example gradients are then "
+        "undefined, and one example can move the clipped update beyond the sensitivity. "
+        "Compute it per example (reduce over the feature axes only; LayerNormalization or "
+        "GroupNormalization instead of batch statistics).")
 
 
 def per_example_loss(loss) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
-    """A function ``(y_true, y_pred) -> (batch,)`` of per-example losses.
+    """A function ``(y_true, y_pred) -> (batch,)`` whose entry i depends on
+    ``(y_true[i], y_pred[i])`` only, by construction: the loss is evaluated on each example
+    as a batch of one (inside `tf.vectorized_map`; directly when the batch is statically
+    one). Broadcasting (labels of shape ``(B,)`` against predictions ``(B, 1)``) and losses
+    normalised over the batch (class counts) therefore stay within one example.
 
     Accepted: a `tf.keras.losses.Loss` (its ``call``, which skips the batch
     reduction; DP losses included), a loss name or function resolved with
-    `tf.keras.losses.get` (Keras loss functions are per example). Values with
-    more than one axis (e.g. per-token losses) are averaged over the non-batch
-    axes, as Keras' own reduction would do within an example.
+    `tf.keras.losses.get`. As in Keras' ``compile``, labels of shape ``(B,)`` against
+    predictions ``(B, d)`` are given to the loss as ``(B, 1)``. Values with
+    more than one axis (e.g. per-token losses) are averaged over the non-batch axes, as
+    Keras' own reduction would do within an example.
 
     Raises:
         TypeError: no loss, or an object that is neither.
+        ValueError: (when called) the loss returns a scalar for a batch of one.
     """
     if loss is None:
         raise TypeError("A clipped DP model must be compiled with a loss that gives per-example "
                         "values (a tf.keras.losses.Loss, a Keras loss name or a function "
                         "(y_true, y_pred) -> (batch,)). Received: loss=None")
+    given = loss
     if isinstance(loss, (str, dict)):
         loss = tf.keras.losses.get(loss)
     if isinstance(loss, tf.keras.losses.Loss):
@@ -78,16 +250,29 @@ def per_example_loss(loss) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
         raise TypeError("Received an invalid value for `loss`, expected a tf.keras.losses.Loss, "
                         f"a loss name or a function. Received: loss={loss!r}")
 
-    def per_example(y_true, y_pred):
+    def batch_of_one(y_true, y_pred):
+        if tf.is_tensor(y_true) and tf.is_tensor(y_pred) and y_true.shape.rank == 1 \
+                and y_pred.shape.rank == 2:
+            y_true = tf.expand_dims(y_true, -1)  # Keras' compile: match_dtype_and_rank
         values = function(y_true, y_pred)
         rank = values.shape.rank
         if rank == 0:
             raise ValueError(
-                f"The loss {loss!r} returned a scalar: classic DP-SGD needs one value per "
+                f"The loss {given!r} returned a scalar: classic DP-SGD needs one value per "
                 "example. Pass a tf.keras.losses.Loss (its `call` is per example) or a function "
                 "returning shape (batch,).")
         if rank is not None and rank > 1:
             values = tf.reduce_mean(values, axis=list(range(1, rank)))
         return values
+
+    def per_example(y_true, y_pred):
+        if tf.nest.flatten(y_pred)[0].shape[:1] == [1]:
+            return batch_of_one(y_true, y_pred)
+
+        def one(example):
+            y_true_i, y_pred_i = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), example)
+            return tf.reshape(batch_of_one(y_true_i, y_pred_i), [])
+
+        return tf.vectorized_map(one, (y_true, y_pred))
 
     return per_example
