@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import hashlib
 import logging
 import math
 import os
@@ -661,10 +662,25 @@ def _mapped(feature_map, x: np.ndarray, batch_size: int = 1000) -> np.ndarray:
 _FEATURE_CACHE: Dict[Hashable, Tuple[np.ndarray, np.ndarray]] = {}
 
 
+def _fingerprint(*arrays) -> str:
+    """A digest of the arrays' shapes, dtypes and bytes (BLAKE2b): equal only for equal data."""
+    digest = hashlib.blake2b(digest_size=32)
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(repr((array.shape, array.dtype.str)).encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
+
+
 def _features(feature_map, x_train, x_test, key):
-    """The mapped train and test inputs; the last result is kept under `key` (if not None)."""
-    if key is not None and key in _FEATURE_CACHE:
-        return _FEATURE_CACHE[key]
+    """The mapped train and test inputs; the last result is kept under `key` (if not None)
+    and the data's `_fingerprint`, so that changed files are mapped again (an audit replaced
+    a record in the files and the cached features trained on the old one, with the new
+    label, in the same process)."""
+    if key is not None:
+        key = (key, _fingerprint(x_train, x_test))
+        if key in _FEATURE_CACHE:
+            return _FEATURE_CACHE[key]
     mapped = _mapped(feature_map, x_train), _mapped(feature_map, x_test)
     if key is not None:
         _FEATURE_CACHE.clear()  # one entry: features can take gigabytes
@@ -853,9 +869,10 @@ def load_dataset(
             feature vector is then a function of its example alone, and the privacy
             analysis of the model trained on the features is unchanged.
         feature_cache_key: a hashable naming `feature_map` (e.g. its configuration). The
-            features of the most recent call with the same key, dataset, ``data_dir`` and
-            ``nb_samples_train`` are reused (one entry, in this process): a sweep computes a
-            fixed front end once. The caller vouches that equal keys mean equal maps.
+            features of the most recent call with the same key, dataset, ``data_dir``,
+            ``nb_samples_train`` and data (a digest of the raw inputs) are reused (one entry,
+            in this process): a sweep computes a fixed front end once. The caller vouches
+            that equal keys mean equal maps.
         augmentation: training images only: ``"shift"``, ``"shift_flip"``
             (`lipdp.augmentation`, shifts of up to 2 pixels) or a function of a batch of
             images ``(B, H, W, C)`` in [0, 1] that transforms each image on its own.
@@ -931,6 +948,10 @@ def load_dataset(
         x_train, x_test = _features(feature_map, x_train, x_test,
                                     None if feature_cache_key is None else
                                     (feature_cache_key, name, data_dir, nb_samples_train))
+    if len(x_train) != len(y_train) or len(x_test) != len(raw.y_test):
+        raise ValueError(f"{name}: the feature map returned {len(x_train)} training and "
+                         f"{len(x_test)} test rows for {len(y_train)} and {len(raw.y_test)} "
+                         "labels: it must map each example to one row.")
 
     metadata = DatasetMetadata(
         input_shape=tuple(x_train.shape[1:]),

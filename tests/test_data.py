@@ -658,6 +658,34 @@ def test_feature_map_is_applied_per_example_and_cached_by_key():
     data._FEATURE_CACHE.clear()
 
 
+def test_feature_cache_maps_changed_files_again_and_rows_match_labels(tmp_path):
+    """The cache was keyed by (key, name, data_dir, nb_samples_train): a record replaced in
+    the files between two calls in one process kept its old features, paired with the new
+    label (found by an audit). The raw data's digest is part of the key; a map that does not
+    give one row per example is refused."""
+    from lipdp import data
+
+    def flat(x):
+        return tf.reshape(x, (tf.shape(x)[0], -1))
+
+    def train_rows(**kwargs):
+        ds, _, _ = data.load_dataset("mnist", 30, bound_clip_value=1e6, data_dir=str(tmp_path),
+                                     sampling="shuffle", drop_remainder=True, seed=0,
+                                     feature_map=flat, feature_cache_key="flat", **kwargs)
+        return {tuple(np.rint(r * 255).astype(int)) for r in next(iter(ds))[0].numpy()}
+
+    x_train, *_ = make_mnist_dir(str(tmp_path), n_train=30, n_test=10, seed=1)
+    first = train_rows()
+    replaced, *_ = make_mnist_dir(str(tmp_path), n_train=30, n_test=10, seed=2)
+    second = train_rows()
+    assert second == {tuple(r.reshape(-1).astype(int)) for r in replaced}
+    assert first == {tuple(r.reshape(-1).astype(int)) for r in x_train} != second
+    with pytest.raises(ValueError, match="must map each example to one row"):
+        data.load_dataset("mnist", 30, bound_clip_value=1e6, data_dir=str(tmp_path),
+                          feature_map=lambda x: flat(x)[:-1])
+    data._FEATURE_CACHE.clear()
+
+
 def test_input_bound_names_its_load_dataset_keyword():
     assert data.InputBound("clip", 3.0).load_dataset_keyword() == {"bound_clip_value": 3.0}
     assert data.InputBound("normalize", 2.0).load_dataset_keyword() == {"bound_normalize": 2.0}
