@@ -126,6 +126,31 @@ def _once_per_global_batch(noised, otherwise):
     return tf.cond(tf.equal(context.replica_id_in_sync_group, 0), noised, otherwise)
 
 
+@contextlib.contextmanager
+def _metric_state_left_out(model):
+    """Within this context the model's metrics hold their initial state; their values are put
+    back on exit.
+
+    Keras' `.keras` and `.weights.h5` files (and SavedModels) carry the state of
+    ``model.metrics``: after a `fit` whose last epoch was not validated, the training loss
+    and metric totals, computed on the training data without noise (an audit told two
+    datasets differing in one label apart from the saved file alone, every other value of it
+    identical). A model saved within this context holds none of it."""
+    # Under tf.distribute a metric variable is one per replica (synced on read): each
+    # replica's own value is kept and put back.
+    variables = [component for metric in model.metrics for v in metric.variables
+                 for component in (v.values if isinstance(v, tf.distribute.DistributedValues)
+                                   else (v,))]
+    values = [v.numpy() for v in variables]
+    for metric in model.metrics:
+        metric.reset_state()
+    try:
+        yield
+    finally:
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
+
 class _DPModelMixin:
     """Private training shared by `DP_Sequential` and `DP_Model`."""
 
@@ -508,6 +533,19 @@ class _DPModelMixin:
         self.compile(**config)
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
+
+    def save(self, *args, **kwargs):
+        """`tf.keras.Model.save`, with the metrics' state left out of the file (saved at its
+        initial values, and put back in the model after): it holds totals computed on the
+        training data outside the noisy gradient (`_metric_state_left_out`)."""
+        with _metric_state_left_out(self):
+            return super().save(*args, **kwargs)
+
+    def save_weights(self, *args, **kwargs):
+        """`tf.keras.Model.save_weights` (which `ModelCheckpoint` calls too), with the
+        metrics' state left out as in `save`."""
+        with _metric_state_left_out(self):
+            return super().save_weights(*args, **kwargs)
 
     def _check_every_variable_bounded(self, layers):
         bounded = {v.ref() for v, _ in backpropagate_bounds(layers, self._loss_lipschitz)}

@@ -8,6 +8,8 @@ Keras user passes (one-hot, integer of shape (B,) or (B, 1), float class
 indices, binary of shape (B,)) go through the same train step.
 """
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -351,6 +353,45 @@ def test_private_logs_only_omits_training_metrics(tmp_path):
     path = str(tmp_path / "private.keras")
     private.save(path)
     assert tf.keras.models.load_model(path).get_compile_config()["private_logs_only"] is True
+
+
+def _saved_metric_values(path):
+    """Every value stored under a 'metrics' group of a Keras weights file (or of the
+    weights file inside a .keras archive)."""
+    import zipfile
+
+    import h5py
+
+    if path.endswith(".keras"):
+        with zipfile.ZipFile(path) as archive:
+            archive.extract("model.weights.h5", os.path.dirname(path))
+        path = os.path.join(os.path.dirname(path), "model.weights.h5")
+    values = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: values.append(np.asarray(item))
+                     if isinstance(item, h5py.Dataset) and "metrics" in name.split("/") else None)
+    return values
+
+
+def test_saved_models_leave_out_the_training_metrics_state(tmp_path):
+    """After a fit whose last epoch was not validated, Keras' .keras and .weights.h5 files
+    held the training loss and accuracy totals, computed on the training data without
+    noise: an audit told two datasets differing in one label apart from the saved file
+    alone. They are saved at their initial values, and kept in the model."""
+    rng = np.random.default_rng(9)
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd", metrics=["accuracy"])
+    model.fit(*_arrays(rng), epochs=1, verbose=0)
+    before = [v.numpy() for m in model.metrics for v in m.variables]
+    assert any(np.any(b != 0) for b in before)
+    for name, save in [("m.keras", model.save), ("w.weights.h5", model.save_weights)]:
+        path = str(tmp_path / name)
+        save(path)
+        saved = _saved_metric_values(path)
+        assert saved and all(np.all(v == 0) for v in saved), name
+    after = [v.numpy() for m in model.metrics for v in m.variables]
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)
 
 
 # --------------------------------------------------------------------------- #
