@@ -411,3 +411,26 @@ def test_radii_shrink_negligibly_on_an_ordinary_model(input_bound, max_shrink):
     lost = [round(len(x_test) * (np.mean(correct & (before > r)) - accuracy[r]))
             for r in (0.1, 0.25)]
     assert lost[0] <= 2 and lost[1] <= 4, lost
+
+
+def test_no_radius_is_certified_for_arithmetic_other_than_float32_rounded_to_nearest(
+        monkeypatch):
+    """E's proof is for float32 arithmetic: a plain Keras model of DP layers with one float16
+    layer (which `compile` would refuse, but certification does not compile) had E = 4e-6 and
+    a radius of 6.8e-4 around an input whose float16 rounding made the margin, and a step 341
+    times smaller flipped the prediction (found by an audit). No radius now, nor under
+    oneDNN's bfloat16 products mode."""
+    model = tf.keras.Sequential([dp.DP_BoundedInput(10.0, input_shape=(2,)),
+                                 dp.DP_ReLU(dtype="float16"),
+                                 dp.DP_QuickSpectralDense(2, use_bias=False)])
+    model.layers[-1].kernel.assign(np.eye(2, dtype=np.float32))
+    x = np.array([[1.0, 1.000489]], np.float32)
+    step = np.array([[0.0, -2e-6]], np.float32)
+    assert np.argmax(model(x)) != np.argmax(model(x + step))  # the flip the radius allowed
+    assert certify.float_error_bound(model) == math.inf
+    assert certify.certified_radii(model, x)[0] == 0.0
+    float32 = tf.keras.Sequential([dp.DP_BoundedInput(10.0, input_shape=(2,)), dp.DP_ReLU(),
+                                   dp.DP_QuickSpectralDense(2, use_bias=False)])
+    assert math.isfinite(certify.float_error_bound(float32))
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    assert certify.float_error_bound(float32) == math.inf
