@@ -250,6 +250,7 @@ def joint_noise_multiplier(*noise_multipliers: float) -> float:
 # RDP curves from autodp.
 # --------------------------------------------------------------------------- #
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def _subsampled_gaussian(noise_multiplier: float, sampling_rate: float):
     """autodp's Poisson-subsampled Gaussian mechanism (one step)."""
     from autodp import mechanism_zoo, transformer_zoo  # heavy-ish import, done lazily
@@ -277,14 +278,22 @@ def _quiet():
 @functools.lru_cache(maxsize=512)
 def _rdp_curve(noise_multiplier: float, sampling_rate: float, high: bool) -> np.ndarray:
     """RDP of one step at `_BASE_ORDERS` (or `_HIGH_ORDERS` if `high`), read-only array."""
-    mechanism = _subsampled_gaussian(noise_multiplier, sampling_rate)
     orders = _HIGH_ORDERS if high else _BASE_ORDERS
     with _quiet():
-        values = np.array([float(mechanism.RenyiDP(float(a))) for a in orders])
+        values = np.array([_renyi_dp(noise_multiplier, sampling_rate, a) for a in orders])
     values = np.where(np.isnan(values), np.inf, values)
     values = np.maximum(values, 0.0)
     values.setflags(write=False)
     return values
+
+
+def _renyi_dp(noise_multiplier: float, sampling_rate: float, order) -> float:
+    """autodp's RDP of one step at `order`; inf (no bound) where its arithmetic fails: a
+    noise multiplier whose square underflows (1e-300) divided by zero there."""
+    try:
+        return float(_subsampled_gaussian(noise_multiplier, sampling_rate).RenyiDP(float(order)))
+    except (ZeroDivisionError, OverflowError):
+        return math.inf
 
 
 def _conversion_offset(orders: np.ndarray, delta: float) -> np.ndarray:

@@ -234,6 +234,9 @@ def test_edge_cases():
     assert compute_epsilon(0.0, 0.1, 0, 1e-5) == 0.0
     assert compute_epsilon(0.0, 0.1, 1, 1e-5) == math.inf
     assert compute_epsilon(0, 1.0, 100, 1e-5) == math.inf
+    # A noise multiplier whose square underflows: autodp divided by zero (the ledger and
+    # DP_Accountant raised ZeroDivisionError after training); no bound, so inf.
+    assert compute_epsilon(1e-300, 0.1, 1, 1e-5) == math.inf
     assert max_steps_for_budget(10.0, 0.0, 0.1, 1e-5) == 0
     assert compute_epsilon(np.float64(2.0), np.float32(0.25), np.int64(10), 1e-5) == compute_epsilon(2.0, 0.25, 10, 1e-5)
     assert isinstance(compute_epsilon(2.0, 0.1, 10, 1e-5), float)
