@@ -903,9 +903,15 @@ class _DPModelMixin:
         callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
-        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                           callbacks=callbacks, validation_data=validation_data,
-                           shuffle=shuffle, **kwargs)
+        try:
+            return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                               callbacks=callbacks, validation_data=validation_data,
+                               shuffle=shuffle, **kwargs)
+        finally:
+            # The History holds the epochs' values; the state left is the last epoch's
+            # training totals (without validation), which any saving path would write
+            # (`tf.keras.models.save_model` does not call `save`).
+            self.reset_metrics()
 
     def _check_workers_agree(self, x):
         """Under a multi-worker strategy, every worker must draw the same global batch and

@@ -377,11 +377,17 @@ def test_saved_models_leave_out_the_training_metrics_state(tmp_path):
     """After a fit whose last epoch was not validated, Keras' .keras and .weights.h5 files
     held the training loss and accuracy totals, computed on the training data without
     noise: an audit told two datasets differing in one label apart from the saved file
-    alone. They are saved at their initial values, and kept in the model."""
+    alone. fit leaves them reset, and save / save_weights write them at their initial
+    values, keeping the model's."""
     rng = np.random.default_rng(9)
     model = _model(3, sigma=1.0)
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd", metrics=["accuracy"])
-    model.fit(*_arrays(rng), epochs=1, verbose=0)
+    x, y = _arrays(rng)
+    model.fit(x, y, epochs=1, verbose=0)
+    assert all(np.all(v.numpy() == 0) for m in model.metrics for v in m.variables)  # reset
+    tf.keras.models.save_model(model, str(tmp_path / "f.keras"))  # does not call model.save
+    assert all(np.all(v == 0) for v in _saved_metric_values(str(tmp_path / "f.keras")))
+    model.train_on_batch(x[:BATCH], y[:BATCH], reset_metrics=False)  # a state to leave out
     before = [v.numpy() for m in model.metrics for v in m.variables]
     assert any(np.any(b != 0) for b in before)
     for name, save in [("m.keras", model.save), ("w.weights.h5", model.save_weights)]:
