@@ -161,6 +161,14 @@ def _sampler(metadata) -> str:
             "literature's heuristic, not a proof)")
 
 
+def _seed(seed) -> str:
+    """The sampling seed as the summary shows it: a given seed with what it costs."""
+    if seed is None:
+        return "seed secret (drawn from the system's randomness)"
+    return (f"seed {seed}, given: epsilon holds only while it stays secret (a published seed "
+            "tells which steps drew an example; lipdp.data.KnownSeedWarning)")
+
+
 def _radius_label(radius: float) -> str:
     """``0.1412 (36/255)`` for radii that are whole multiples of 1/255, else ``0.1``."""
     pixels = round(radius * 255)
@@ -362,7 +370,7 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
           + ("" if budget is None else f"  [budget {budget:g}]"))
     for line in model.privacy_ledger.describe(delta).splitlines()[:-1]:
         print(f"ledger             : {line}")
-    print(f"sampler            : {_sampler(metadata)}; seed {cfg['dataset']['seed']}")
+    print(f"sampler            : {_sampler(metadata)}; {_seed(cfg['dataset']['seed'])}")
     print("accountant         : RDP (autodp), Poisson-subsampled Gaussian, converted to "
           "(epsilon, delta)")
     print(f"test accuracy      : {accuracy:.4f} (final epoch)")

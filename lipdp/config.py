@@ -607,17 +607,35 @@ def validate_config(cfg: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key repeated in one mapping (PyYAML keeps the last one
+    silently: a second `privacy:` section dropped the first one's noise_multiplier and delta
+    for the defaults, found by an audit)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path=None, overrides: Sequence[str] = ()) -> Dict[str, Dict[str, Any]]:
     """Reads a YAML config (or only the defaults if `path` is None), applies overrides, validates.
 
     Raises:
-        ConfigError: unreadable file, invalid YAML, unknown key, invalid value.
+        ConfigError: unreadable file, invalid YAML (a key repeated in a mapping included),
+            unknown key, invalid value.
     """
     user = None
     if path is not None:
         try:
             with open(path, "r", encoding="utf-8") as f:
-                user = yaml.safe_load(f)
+                user = yaml.load(f, Loader=_UniqueKeyLoader)
         except OSError as e:
             raise ConfigError(f"Cannot read config file {path}: {e.strerror or e}") from None
         except yaml.YAMLError as e:

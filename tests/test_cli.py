@@ -409,6 +409,20 @@ def test_bad_config_exits_2_without_traceback(tmp_path, capsys):
     assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
 
 
+@pytest.mark.parametrize("text, key", [
+    ("privacy:\n  noise_multiplier: 8.0\n  delta: 1.0e-6\ndataset:\n  batch_size: 10\n"
+     "privacy:\n  epsilon_budget: 3.0\n", "privacy"),
+    ("privacy:\n  noise_multiplier: 8.0\n  noise_multiplier: 3.0\n", "noise_multiplier"),
+])
+def test_a_key_repeated_in_a_config_is_refused(tmp_path, text, key):
+    """PyYAML keeps the last of repeated keys: a second `privacy:` section dropped the first
+    one's noise multiplier and delta for the defaults, silently (found by an audit)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"key '{key}' appears twice"):
+        load_config(str(path))
+
+
 def test_missing_data_exits_1(no_download, capsys):
     path = write_yaml(no_download / "c.yaml", {"dataset": {"batch_size": 10}})
     assert cli.main(["train", path]) == 1
