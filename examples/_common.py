@@ -45,7 +45,7 @@ def run(args, build, name):
     """Trains `build(metadata)` privately and prints the report."""
     ds_train, ds_test, metadata = lipdp.data.load_dataset(
         "fashion_mnist", args.batch_size, bound_clip_value=args.input_bound, sampling="poisson",
-        data_dir=args.data_dir, nb_samples_train=args.train_examples, seed=0)
+        data_dir=args.data_dir, nb_samples_train=args.train_examples)  # a secret seed
     dp_parameters = lipdp.DPParameters(noise_multiplier=args.noise, delta=1e-5)
     model = build(dp_parameters, metadata)
     loss = lipdp.losses.DP_TauCategoricalCrossentropy(args.tau)

@@ -84,7 +84,9 @@ def main(argv=None):
     parser.add_argument("--clip", type=float, default=1.0, help="clipping threshold C")
     parser.add_argument("--clipping", default="flat", choices=["flat", "per-layer", "global"])
     parser.add_argument("--engine", default="ghost", choices=["ghost", "mixed-ghost", "vectorized"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="weights and batch sampling, the same for both runs (a known "
+                             "sampling seed: epsilon holds only while it is secret)")
     parser.add_argument("--verbose", action="store_true", help="Keras progress per epoch")
     args = parser.parse_args(argv)
 
