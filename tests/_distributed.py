@@ -264,6 +264,13 @@ def _worker_training(strategy, mode):
         results["unseeded_refused"] = None
     except ValueError as error:
         results["unseeded_refused"] = str(error)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    own_seed, _, _ = lipdp.data.load_dataset("digits", 128, bound_clip_value=8.0, seed=3 + task)
+    try:
+        model.fit(own_seed, epochs=1, verbose=0)
+        results["own_seeds_refused"] = None
+    except ValueError as error:
+        results["own_seeds_refused"] = str(error)
     model.fit(ds_train, epochs=2, verbose=0, callbacks=[lipdp.DP_Accountant()])
     results.update(weights=[w.tolist() for w in model.get_weights()],
                    ledger=lipdp.ledger.segment_rows(model._dp_ledger.numpy()).tolist(), steps=model.dp_steps_taken,
