@@ -79,6 +79,11 @@ def _refuse_batch_iterators(x):
     """`fit` takes arrays (cut into batches of the declared size) or a `tf.data.Dataset`
     (checked batch by batch); a `keras.utils.Sequence` or an iterator yields batches whose
     number and size lipdp cannot check against the metadata before training."""
+    if isinstance(x, tf.distribute.DistributedDataset):
+        raise ValueError(
+            "DP models train on the tf.data.Dataset itself (fit distributes it over the "
+            "strategy's replicas); a DistributedDataset hides the pipeline and its sampler, "
+            "which lipdp checks against dataset_metadata. Pass the dataset you distributed.")
     if isinstance(x, tf.keras.utils.Sequence) or (
             hasattr(x, "__next__") and not hasattr(x, "__len__")):
         raise ValueError(

@@ -577,4 +577,8 @@ def test_a_keras_sequence_or_a_generator_is_refused_with_what_to_use():
         with pytest.raises(ValueError, match=f"received a {type(data).__name__}.*"
                                              "from_generator"):
             model.fit(data, epochs=1, verbose=0)
+    distributed = tf.distribute.MirroredStrategy(["/cpu:0"]).experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    with pytest.raises(ValueError, match="DistributedDataset hides the pipeline"):
+        model.fit(distributed, epochs=1, verbose=0)  # was a TypeError: "has no len()"
     assert model.dp_steps_taken == 0
