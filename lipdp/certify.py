@@ -107,7 +107,7 @@ def float_error_bound(model) -> float:
     with operator_norm_cache():
         error = chain_rounding_error(layers, tf.constant(float("inf")), 0.0)
     error = float(error)
-    return error * (1.0 + _BOUND_SLACK) if math.isfinite(error) else math.inf
+    return error * (1.0 + _BOUND_SLACK) if math.isfinite(error) and error >= 0 else math.inf
 
 
 def _lipschitz_constant(model) -> float:

@@ -54,7 +54,7 @@ from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_boun
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
-from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise
+from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, in_xla_context
 from lipdp.operator_norms import host_work
 from lipdp.records import check_finite_arrays, check_finite_dataset
 
@@ -155,6 +155,16 @@ def _metric_state_left_out(model):
     finally:
         for variable, value in zip(variables, values):
             variable.assign(value)
+
+
+_XLA_REFUSAL = (
+    "jit_compile=True is not supported by DP models: XLA drops the private step's run-time "
+    "checks (TensorFlow assertions: a batch larger than the sampling the accountant assumes, "
+    "the ledger's segment, non-finite gradients; an audit trained 64-example batches under "
+    "Poisson metadata of 2, epsilon 1.52 accounted for 10.8), and in clipless mode the "
+    "certified operator norms are computed on the host (tf.numpy_function), which XLA cannot "
+    "compile. (On CPU XLA does not speed up lipdp's layers anyway: benchmarks/results.md, "
+    "breakdown tables.)")
 
 
 class _DPModelMixin:
@@ -262,6 +272,10 @@ class _DPModelMixin:
             self._warn_if_a_seeded_pipeline_is_behind()
         result = super().train_on_batch(*args, **kwargs)
         self._note_ledger()
+        if kwargs.get("reset_metrics", args[4] if len(args) > 4 else True):
+            # The returned values are this batch's; the state left would be saved by
+            # `tf.keras.models.save_model` (which does not call `save`): training totals.
+            self.reset_metrics()
         return result
 
     def _warn_if_a_seeded_pipeline_is_behind(self):
@@ -427,12 +441,8 @@ class _DPModelMixin:
                 "input shape at compile time. Give its first layer an input shape (e.g. "
                 "DP_BoundedInput(bound, input_shape=(28, 28, 1))) or an Input, or call "
                 "`model.build((None, ...))` before `compile`.")
-        if kwargs.get("jit_compile") and self.dp_parameters.mode is not DPMode.CLIPPED:
-            raise ValueError(
-                "jit_compile=True is not supported in clipless mode: the certified operator "
-                "norms are computed in float64 on the host (lipdp.gram_certificates, through "
-                "tf.numpy_function), which XLA cannot compile. (On CPU XLA does not speed up "
-                "lipdp's layers anyway: benchmarks/results.md, breakdown tables.)")
+        if kwargs.get("jit_compile"):
+            raise ValueError(_XLA_REFUSAL)
         self._compile_dp(optimizer, loss, metrics, loss_weights, **kwargs)
         self._bind_certifiable_metrics(metrics)
         if not self.trainable_variables:
@@ -782,6 +792,8 @@ class _DPModelMixin:
         return self.train_function
 
     def train_step(self, data):
+        if in_xla_context():  # compile refuses jit_compile; Keras' setter or a user's jit not
+            raise ValueError(_XLA_REFUSAL)
         self._check_compiled()
         self._open_segment()
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)

@@ -282,10 +282,9 @@ def test_a_trained_and_reloaded_model_bounds_its_gradients_with_fresh_certificat
     assert _bound(hidden) == scratch
 
 
-def test_classic_dp_sgd_projects_without_certifying_and_compiles_with_xla():
-    """Classic DP-SGD's privacy rests on clipping, and its step may be compiled with XLA,
-    which has no host calls: its projections do not certify (the caches go stale at the
-    first step), and the step compiles."""
+def test_classic_dp_sgd_projects_without_certifying():
+    """Classic DP-SGD's privacy rests on clipping: its projections do not certify (the caches
+    go stale at the first step; no host call in its step)."""
     tf.keras.utils.set_random_seed(0)
     model = DP_Sequential(
         [DP_BoundedInput(1.0, input_shape=(64,)), DP_QuickSpectralDense(48, use_bias=False),
@@ -294,7 +293,7 @@ def test_classic_dp_sgd_projects_without_certifying_and_compiles_with_xla():
                                    l2_norm_clip=1.0),
         dataset_metadata=DatasetMetadata((64,), 10, 64, 16, 32, 1.0, "shuffle"))
     model.compile(loss=DP_TauCategoricalCrossentropy(10.0),
-                  optimizer=tf.keras.optimizers.SGD(0.1), jit_compile=True)
+                  optimizer=tf.keras.optimizers.SGD(0.1))
     assert _fresh(model.layers[1])  # built eagerly: certified
     rng = np.random.default_rng(0)
     x = rng.uniform(size=(64, 64)).astype(np.float32) / 8.0

@@ -434,3 +434,17 @@ def test_no_radius_is_certified_for_arithmetic_other_than_float32_rounded_to_nea
     assert math.isfinite(certify.float_error_bound(float32))
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
     assert certify.float_error_bound(float32) == math.inf
+
+
+def test_a_negative_rounding_bound_certifies_no_radius():
+    """A layer whose `rounding_error` has a sign error made E negative and every radius larger
+    than the distance to the decision boundary (found by an audit): E is inf instead."""
+
+    class SignErrorDense(dp.DP_QuickSpectralDense):
+        def rounding_error(self, input_bound):
+            return -10.0 * abs(super().rounding_error(input_bound)) - 0.3
+
+    model = tf.keras.Sequential([dp.DP_BoundedInput(1.0, input_shape=(2,)),
+                                 SignErrorDense(2, use_bias=False)])
+    assert certify.float_error_bound(model) == math.inf
+    assert certify.certified_radii(model, np.array([[0.3, 0.1]], np.float32))[0] == 0.0

@@ -505,7 +505,18 @@ HIDDEN_COUPLING = {
     "running sum of the inputs": (
         lambda: [L.Input((4,)), L.Dense(3), _RunningSum(name="running"), L.Dense(1)],
         "'running/seen:0' of layer 'running' \\(_RunningSum\\) .* depends on the input data"),
+    "Normalization adapted on the data": (
+        lambda: [L.Input((4,)), _adapted_normalization(), L.Dense(1)],
+        "'adapted' \\(Normalization\\) was adapted on data"),
 }
+
+
+def _adapted_normalization():
+    """A Normalization whose mean and variance `adapt` computed from (training) data: saved
+    with the model without noise (found by an audit), and no forward pass changes them."""
+    layer = L.Normalization(name="adapted")
+    layer.adapt(np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32))
+    return layer
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vectorized"])

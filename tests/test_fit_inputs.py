@@ -387,6 +387,8 @@ def test_saved_models_leave_out_the_training_metrics_state(tmp_path):
     assert all(np.all(v.numpy() == 0) for m in model.metrics for v in m.variables)  # reset
     tf.keras.models.save_model(model, str(tmp_path / "f.keras"))  # does not call model.save
     assert all(np.all(v == 0) for v in _saved_metric_values(str(tmp_path / "f.keras")))
+    model.train_on_batch(x[:BATCH], y[:BATCH])  # its values returned, its state reset
+    assert all(np.all(v.numpy() == 0) for m in model.metrics for v in m.variables)
     model.train_on_batch(x[:BATCH], y[:BATCH], reset_metrics=False)  # a state to leave out
     before = [v.numpy() for m in model.metrics for v in m.variables]
     assert any(np.any(b != 0) for b in before)

@@ -257,17 +257,20 @@ model = DP_Sequential(
                                engine="{engine}"),
     dataset_metadata=DatasetMetadata((4,), 3, 16, 16, 8, None, "shuffle"))
 model.compile(loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
-              optimizer=tf.keras.optimizers.SGD(1.0), jit_compile=True)
-model.train_on_batch(np.zeros((8, 4), np.float32), np.eye(3, dtype=np.float32)[[0] * 8])
-print(" ".join(repr(float(v)) for v in model.get_weights()[0].ravel()))
+              optimizer=tf.keras.optimizers.SGD(1.0))
+noisy = tf.function(lambda x, y: model.private_gradients(x, y)[1][0], jit_compile=True)(
+    tf.zeros((8, 4)), tf.one_hot([0] * 8, 3))
+print(" ".join(repr(float(v)) for v in noisy.numpy().ravel()))
 """
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vectorized"])
 def test_xla_noise_differs_between_processes(engine):
-    """Classic DP-SGD compiled with XLA, no seed anywhere: two processes train one step from
-    the same zero weights on zero inputs (a zero kernel gradient), so the kernel after the
-    step is minus the noise. They were equal, bit for bit, before the stateless draw."""
+    """Classic DP-SGD's noisy gradients under XLA (a user's jit-compiled function: `fit`
+    refuses jit_compile, whose step loses its assertions), no seed anywhere: two processes,
+    zero inputs (a zero kernel gradient), so the noisy kernel gradient is the noise. With
+    `compile(jit_compile=True)`, when it was allowed, they were equal, bit for bit, before the
+    stateless draw."""
     runs = [subprocess.run([sys.executable, "-c", _XLA_STEP.format(engine=engine)],
                            capture_output=True, text=True, timeout=300, check=True)
             for _ in range(2)]

@@ -66,7 +66,9 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
       must leave the outputs of the other examples unchanged, in training mode (in
       inference mode when two training passes of one batch differ: random layers).
 
-    Coupling that the random probe does not trigger (data-dependent branches) is not seen.
+    Preprocessing layers adapted on data (`adapt`: a Normalization's mean and variance) are
+    refused too. Coupling that the random probe does not trigger (data-dependent branches)
+    is not seen.
 
     Raises:
         BatchCouplingError: naming the layer (and variable) found, and what to use instead.
@@ -84,6 +86,13 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
                 "or use a per-example normalisation such as LayerNormalization or "
                 "GroupNormalization."
             )
+        if getattr(layer, "is_adapted", False):
+            raise BatchCouplingError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) was adapted on data "
+                "(`adapt`): its statistics were computed without noise and are released with "
+                "the model, outside the privacy guarantee (an audit told two datasets "
+                "differing in one record apart from the saved means). Give it public "
+                "statistics instead (e.g. Normalization(mean=..., variance=...)).")
     _probe(model)
 
 

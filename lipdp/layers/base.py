@@ -180,7 +180,8 @@ class DPLayer(abc.ABC):
         most ``Lip ||x^ - x||`` from x to x^, and ``||x^|| <= input_bound + input_error``.
         """
         moved = float(self.lipschitz_bound()) * input_error if input_error else 0.0
-        return moved + self.rounding_error(float(input_bound) + input_error)
+        own = self.rounding_error(float(input_bound) + input_error)
+        return moved + own if own >= 0 else math.inf  # a negative (or NaN) one is wrong
 
     def project(self, orthogonalise=True):
         """Enforce the layer's weight constraints in place (no-op by default).
@@ -315,13 +316,16 @@ def chain_rounding_error(layers, input_bound, input_error):
     `input_bound` bounds the norm of the chain's exact input and `input_error` the
     distance of its float32 value to it; each layer's `DPLayer.propagate_error`
     maps them to its output. Returns inf once a norm bound plus its error exceeds
-    `lipdp.rounding.ACTIVATION_RANGE`, where overflow is no longer excluded.
+    `lipdp.rounding.ACTIVATION_RANGE`, where overflow is no longer excluded, or once a
+    layer's error bound is negative or NaN (a wrong `rounding_error`: a radius would grow).
     """
     for layer in layers:
         input_error = layer.propagate_error(input_bound, input_error)
         input_bound = layer.propagate_inputs(input_bound)
         bounds = input_bound if isinstance(input_bound, tuple) else (input_bound,)
         errors = input_error if isinstance(input_error, tuple) else (input_error,)
+        if not all(e >= 0 for e in errors):  # a wrong rounding bound (NaN fails too)
+            return math.inf
         if not all(float(x) + e <= ACTIVATION_RANGE for x, e in zip(bounds, errors)):
             return math.inf
     return input_error
