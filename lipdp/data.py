@@ -766,13 +766,17 @@ class BatchSampler:
         nb_samples, batch_size: the training set's size N and the (expected) batch size D
             the pipeline samples with (rate q = D / N), which a DP model's `fit` checks
             against its metadata; None when not given.
+        data_digest: a digest of the training examples (with an explicit seed), which the
+            workers of a multi-worker `fit` compare; None when not given.
     """
 
     def __init__(self, sampling: Sampling, seed: Optional[int],
-                 nb_samples: Optional[int] = None, batch_size: Optional[int] = None):
+                 nb_samples: Optional[int] = None, batch_size: Optional[int] = None,
+                 data_digest: Optional[str] = None):
         self.sampling = sampling
         self.nb_samples = nb_samples
         self.batch_size = batch_size
+        self.data_digest = data_digest
         self.explicit_seed = seed is not None
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
         self.next_step = None
@@ -986,7 +990,8 @@ def load_dataset(
 
     x_tr, y_tr = tf.constant(x_train), tf.constant(y_train)
     n = metadata.nb_samples_train
-    sampler = BatchSampler(sampling, seed, nb_samples=n, batch_size=batch_size)
+    sampler = BatchSampler(sampling, seed, nb_samples=n, batch_size=batch_size,
+                           data_digest=None if seed is None else _fingerprint(x_train, y_train))
     if sampling is Sampling.POISSON and sampler.explicit_seed:
         warnings.warn(_KNOWN_SEED_WARNING.format(seed=seed), KnownSeedWarning, stacklevel=2)
     if sampling is Sampling.POISSON:

@@ -957,7 +957,8 @@ class _DPModelMixin:
         if len(set(digests)) > 1:
             raise ValueError(
                 "The workers' lipdp.data.load_dataset pipelines differ (seed, training set "
-                "size, batch size or sampling): each would draw its own global batch, and an "
+                "size, batch size, sampling or the training examples themselves): each would "
+                "draw its own global batch, or index other records, and an "
                 "example could enter the step through two workers' shares. Give every worker "
                 "the same pipeline and seed (a secret shared outside the code).")
         policy = x.options().experimental_distribute.auto_shard_policy
@@ -966,12 +967,13 @@ class _DPModelMixin:
                              "each example would count once per worker.")
 
     def _workers_sampler_digests(self, sampler):
-        """One 56-bit BLAKE2b digest of each worker replica's sampler (seed, N, D, sampling;
-        0 for no sampler or a seed drawn per process), gathered across the cluster: the seed
-        itself does not travel."""
+        """One 56-bit BLAKE2b digest of each worker replica's sampler (seed, N, D, sampling, the
+        training data's digest; 0 for no sampler or a seed drawn per process), gathered across
+        the cluster: the seed and the data themselves do not travel."""
         digest = 0
         if sampler is not None and sampler.explicit_seed:
-            key = (sampler.seed, sampler.nb_samples, sampler.batch_size, sampler.sampling.value)
+            key = (sampler.seed, sampler.nb_samples, sampler.batch_size, sampler.sampling.value,
+                   getattr(sampler, "data_digest", None))
             digest = 1 + int.from_bytes(
                 hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "big")
         strategy = self.distribute_strategy

@@ -271,6 +271,14 @@ def _worker_training(strategy, mode):
         results["own_seeds_refused"] = None
     except ValueError as error:
         results["own_seeds_refused"] = str(error)
+    other_data, _, _ = lipdp.data.load_dataset(  # same seed, N and D; other examples
+        "digits", 128, bound_clip_value=8.0, seed=3,
+        feature_map=lambda x, scale=1.0 + task: tf.reshape(x, (-1, 64)) * scale)
+    try:
+        model.fit(other_data, epochs=1, verbose=0)
+        results["other_data_refused"] = None
+    except ValueError as error:
+        results["other_data_refused"] = str(error)
     model.fit(ds_train, epochs=2, verbose=0, callbacks=[lipdp.DP_Accountant()])
     results.update(weights=[w.tolist() for w in model.get_weights()],
                    ledger=lipdp.ledger.segment_rows(model._dp_ledger.numpy()).tolist(), steps=model.dp_steps_taken,

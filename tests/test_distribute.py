@@ -193,6 +193,7 @@ def test_workers_refuse_a_pipeline_without_a_common_seed(workers):
     for worker in workers:
         assert "same S on every worker" in worker["unseeded_refused"]
         assert "pipelines differ" in worker["own_seeds_refused"]
+        assert "pipelines differ" in worker["other_data_refused"]  # same seed, other records
 
 
 # ------------------------------------------------- the sampler's step counter
