@@ -47,6 +47,7 @@ from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
 from lipdp.data import ShuffleSamplingWarning, seeded_poisson_samplers
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
+from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
                                with_pass_slack)
@@ -54,7 +55,7 @@ from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_boun
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
-from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, in_xla_context
+from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise
 from lipdp.operator_norms import host_work
 from lipdp.records import check_finite_arrays, check_finite_dataset
 
@@ -973,7 +974,7 @@ class _DPModelMixin:
         digest = 0
         if sampler is not None and sampler.explicit_seed:
             key = (sampler.seed, sampler.nb_samples, sampler.batch_size, sampler.sampling.value,
-                   getattr(sampler, "data_digest", None))
+                   sampler.data_digest)
             digest = 1 + int.from_bytes(
                 hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "big")
         strategy = self.distribute_strategy

@@ -82,14 +82,6 @@ def drawing_at_step(counter):
         _STEP_COUNTER = outer
 
 
-def in_xla_context() -> bool:
-    """Whether the graph being traced is compiled by XLA (``jit_compile``)."""
-    from tensorflow.python.ops import control_flow_util
-
-    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
-
-
 def _xla_seed(seed):
     """The seed of a stateless draw under XLA: a key folded with the step counter.
 
@@ -124,7 +116,7 @@ def standard_normal(n, dtype=tf.float32, seed=None) -> tf.Tensor:
     compute = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
     n = tf.cast(n, tf.int32)
     shape = tf.stack([2, (n + 1) // 2])
-    if in_xla_context():
+    if kernels.in_xla_context():
         uniforms = tf.random.stateless_uniform(shape, seed=_xla_seed(seed), dtype=compute)
     else:
         uniforms = tf.random.uniform(shape, dtype=compute, seed=seed)

@@ -154,16 +154,21 @@ def usable_for(tensor) -> bool:
     traced: a float32 tensor, kernels loaded, no GPU visible (the kernels are CPU only) and no
     XLA compilation (``jit_compile``: XLA cannot compile a custom op)."""
     import tensorflow as tf
-    from tensorflow.python.ops import control_flow_util
 
     if tensor.dtype != tf.float32 or fused_ops() is None:
         return False
     if tf.config.list_logical_devices("GPU"):
         return False
-    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
-            tf.compat.v1.get_default_graph()):
-        return False
-    return True
+    return not in_xla_context()
+
+
+def in_xla_context() -> bool:
+    """Whether the graph being traced is compiled by XLA (``jit_compile``)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
 
 
 def layers_may_fuse() -> bool:
