@@ -77,7 +77,7 @@ from lipdp import kernels
 from lipdp.clipping.engine import ClippedBatch, checked, squared_norms_of, weighted_sum
 from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
 from lipdp.clipping.rules import ClippingRule
-from lipdp.clipping.validation import leaf_layers
+from lipdp.clipping.validation import leaf_layers, wrapped_calls
 
 
 _LOGGER = logging.getLogger("lipdp")
@@ -278,34 +278,26 @@ def _recording(ghost_layers: Sequence[tf.keras.layers.Layer],
     `other_layers` are recorded as they are.
     """
     records: Dict[int, List[_Call]] = {id(layer): [] for layer in [*ghost_layers, *other_layers]}
-    saved = []
-    for layer in [*ghost_layers, *other_layers]:
-        original = layer.call
-        had_instance_call = "call" in layer.__dict__
+
+    def wrap(layer, original):
         split = any(layer is g for g in ghost_layers)
 
-        def wrapper(inputs, *args, _layer=layer, _original=original, _split=split, **kwargs):
-            activation = _layer.__dict__.get("activation", _MISSING) if _split else _MISSING
+        def wrapper(inputs, *args, **kwargs):
+            activation = layer.__dict__.get("activation", _MISSING) if split else _MISSING
             if activation is not _MISSING:
-                object.__setattr__(_layer, "activation", None)
+                object.__setattr__(layer, "activation", None)
             try:
-                outputs = _original(inputs, *args, **kwargs)
+                outputs = original(inputs, *args, **kwargs)
             finally:
                 if activation is not _MISSING:
-                    object.__setattr__(_layer, "activation", activation)
-            records[id(_layer)].append(_Call(inputs, args, kwargs, outputs))
+                    object.__setattr__(layer, "activation", activation)
+            records[id(layer)].append(_Call(inputs, args, kwargs, outputs))
             return outputs if activation in (_MISSING, None) else activation(outputs)
 
-        object.__setattr__(layer, "call", tf.autograph.experimental.do_not_convert(wrapper))
-        saved.append((layer, had_instance_call, original))
-    try:
+        return tf.autograph.experimental.do_not_convert(wrapper)
+
+    with wrapped_calls([*ghost_layers, *other_layers], wrap):
         yield records
-    finally:
-        for layer, had_instance_call, original in saved:
-            if had_instance_call:
-                object.__setattr__(layer, "call", original)
-            else:
-                object.__delattr__(layer, "call")
 
 
 def _replayable(call: _Call) -> bool:

@@ -134,34 +134,45 @@ def _differs(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 @contextlib.contextmanager
-def _recorded_outputs(layers, held=()):
-    """Wrap each layer's ``call`` to append ``(layer, outputs)`` to the yielded list when an
-    eager call returns (sub-layers before the layer containing them); restored on exit. The
-    layers of `held` run in inference mode (``training=False``): their random draws held."""
-    records = []
+def wrapped_calls(layers, wrap):
+    """Within this context each layer's ``call`` is ``wrap(layer, call)`` (set on the
+    instance, so Keras' ``__call__`` runs it); on exit the layer's own ``call`` is back, an
+    instance attribute if it had one, else the class' method."""
     saved = []
-    held = {id(layer) for layer in held}
     for layer in layers:
         original, instance = layer.call, "call" in layer.__dict__
-
-        def wrapper(*args, _layer=layer, _original=original, **kwargs):
-            if id(_layer) in held and "training" in kwargs:
-                kwargs["training"] = False
-            outputs = _original(*args, **kwargs)
-            if tf.executing_eagerly():  # not inside a call its layer traces
-                records.append((_layer, outputs))
-            return outputs
-
-        object.__setattr__(layer, "call", wrapper)
+        object.__setattr__(layer, "call", wrap(layer, original))
         saved.append((layer, instance, original))
     try:
-        yield records
+        yield
     finally:
         for layer, instance, original in saved:
             if instance:
                 object.__setattr__(layer, "call", original)
             else:
                 object.__delattr__(layer, "call")
+
+
+@contextlib.contextmanager
+def _recorded_outputs(layers, held=()):
+    """Wrap each layer's ``call`` to append ``(layer, outputs)`` to the yielded list when an
+    eager call returns (sub-layers before the layer containing them); restored on exit. The
+    layers of `held` run in inference mode (``training=False``): their random draws held."""
+    records = []
+    held = {id(layer) for layer in held}
+
+    def wrap(layer, original):
+        def wrapper(*args, **kwargs):
+            if id(layer) in held and "training" in kwargs:
+                kwargs["training"] = False
+            outputs = original(*args, **kwargs)
+            if tf.executing_eagerly():  # not inside a call its layer traces
+                records.append((layer, outputs))
+            return outputs
+        return wrapper
+
+    with wrapped_calls(layers, wrap):
+        yield records
 
 
 def _training_mode_without_draws(model, batch, forward):
