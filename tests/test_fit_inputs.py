@@ -227,18 +227,24 @@ class _NaNBackward(tf.keras.layers.Layer, DPLayer):
         return gradient_bound
 
 
+def _assert_fit_stops_before_the_update(model, rng, match):
+    """`fit` raises InvalidArgumentError matching `match` with every weight and the step count
+    as they were."""
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+        model.fit(*_arrays(rng), epochs=1, verbose=0)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert model.dp_steps_taken == 0
+
+
 def test_non_finite_gradient_stops_the_step_before_the_update():
     """Today's code only checked the loss: a NaN gradient was noised and applied, and every
     weight became NaN."""
     rng = np.random.default_rng(6)
     model = _model(3, [DP_QuickSpectralDense(8), _NaNBackward(), DP_QuickSpectralDense(3)], 1.0)
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
-    before = [v.numpy() for v in model.trainable_variables]
-    with pytest.raises(tf.errors.InvalidArgumentError, match="Non-finite gradient"):
-        model.fit(*_arrays(rng), epochs=1, verbose=0)
-    for v, b in zip(model.trainable_variables, before):
-        np.testing.assert_array_equal(v.numpy(), b)
-    assert model.dp_steps_taken == 0
+    _assert_fit_stops_before_the_update(model, rng, "Non-finite gradient")
 
 
 def test_inputs_of_another_shape_than_the_built_one_are_refused():
@@ -325,12 +331,7 @@ def test_a_negative_bound_from_a_layer_is_refused():
         model.compile(loss=loss, optimizer="sgd")
     finally:
         _SignFlip.backpropagate_inputs = saved
-    before = [v.numpy() for v in model.trainable_variables]
-    with pytest.raises(tf.errors.InvalidArgumentError, match="flip_b.backpropagate_inputs"):
-        model.fit(*_arrays(rng), epochs=1, verbose=0)
-    for v, b in zip(model.trainable_variables, before):
-        np.testing.assert_array_equal(v.numpy(), b)
-    assert model.dp_steps_taken == 0
+    _assert_fit_stops_before_the_update(model, rng, "flip_b.backpropagate_inputs")
 
 
 # --------------------------------------------------------------------------- #
