@@ -24,7 +24,7 @@ import tensorflow as tf
 from lipdp.layers.base import (DPLayer, as_bound, cached_operator_norm, chain_backward,
                                chain_lipschitz, check_positive, operator_norm_cache,
                                recording_signs, sign_checked, with_pass_slack)
-from lipdp.layers.basic import DP_BoundedInput
+from lipdp.layers.basic import DP_BoundedActivation, DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
 from lipdp.metadata import DPMode
 from lipdp.operator_norms import certified_norms, without_projection_certificate
@@ -133,9 +133,12 @@ def _certified_leaves(layers):
 
 
 def certified_norm_requests(layers):
-    """What the bound pass asks `lipdp.operator_norms.certified_norms` to certify for the
-    chain `layers`, one request per certified layer."""
-    return [layer.certified_norm_request() for layer in _certified_leaves(layers)]
+    """What the private step's bound pass asks `lipdp.operator_norms.certified_norms` to
+    certify for the chain `layers`, one request per certified layer whose norm a gradient
+    bound reads (`norms_no_gradient_bound_reads`)."""
+    unread = norms_no_gradient_bound_reads(list(layers))
+    return [layer.certified_norm_request() for layer in _certified_leaves(layers)
+            if not any(layer is u for u in unread)]
 
 
 def check_single_use(layers: Sequence[tf.keras.layers.Layer]):
@@ -197,8 +200,37 @@ def _check_chain(layers: Sequence[tf.keras.layers.Layer]):
             )
 
 
+def norms_no_gradient_bound_reads(layers) -> List[DPLayer]:
+    """The certified layers of the chain `layers` whose operator norm enters no per-example
+    gradient bound: at most one, the first layer with trainable variables, when only layers
+    without variables or certified norms (activations, reshapes) lie between it and a
+    `DP_BoundedActivation` after it.
+
+    Its norm would enter (i) the input bounds of the layers after it, which the
+    `DP_BoundedActivation` replaces by its own radius before any layer with variables
+    reads them, and (ii) the cotangent bound passed to the layers before it, none of which
+    has variables. So its norm may be taken as +inf in `backpropagate_bounds` without
+    changing a bound. Were this wrong, some bound would be inf or NaN: the step stops (it
+    calibrates noise to finite bounds only), and a test says so."""
+    for i, layer in enumerate(layers):
+        if isinstance(layer, (DP_SplitResidual, DP_WrappedResidual, DP_MergeResidual)):
+            return []
+        if layer.trainable_weights:
+            if not hasattr(layer, "certified_norm_request"):
+                return []
+            for later in layers[i + 1:]:
+                if isinstance(later, DP_BoundedActivation):
+                    return [layer]
+                if (later.weights or hasattr(later, "certified_norm_request")
+                        or isinstance(later, (DP_SplitResidual, DP_WrappedResidual,
+                                              DP_MergeResidual))):
+                    return []
+            return []
+    return []
+
+
 @contextlib.contextmanager
-def _bound_pass(layers, projection_certificates=False):
+def _bound_pass(layers, projection_certificates=False, unread_norms=()):
     """One pass over `layers` at fixed weights: each certified operator norm is computed
     once, and all of them in one host call (`lipdp.operator_norms.certified_norms`).
 
@@ -207,9 +239,13 @@ def _bound_pass(layers, projection_certificates=False):
     certifying_bjorck`: no Gram matrix in the step, up to 0.35% looser); without, every norm
     is certified from the kernel alone, so that what is reported for a trained model (its
     Lipschitz constant, its certified radii) depends on its weights only and is the same
-    after it is saved and loaded."""
+    after it is saved and loaded. The layers in `unread_norms` (`norms_no_gradient_bound_reads`)
+    are not certified: their norm is +inf in this pass."""
     with operator_norm_cache():
-        certified = _certified_leaves(layers)
+        for layer in unread_norms:
+            cached_operator_norm(layer, lambda: as_bound(float("inf")))
+        certified = [layer for layer in _certified_leaves(layers)
+                     if not any(layer is unread for unread in unread_norms)]
         if certified:
             requests = [layer.certified_norm_request() for layer in certified]
             if not projection_certificates:
@@ -226,7 +262,9 @@ def backpropagate_bounds(layers: Sequence[DPLayer], loss_lipschitz) -> List[Tupl
 
     Inputs are unbounded here: the first layer, `DP_BoundedInput`, bounds them.
     """
-    with _bound_pass(layers, projection_certificates=True), recording_signs() as record:
+    unread = norms_no_gradient_bound_reads(list(layers))
+    with _bound_pass(layers, projection_certificates=True, unread_norms=unread), \
+            recording_signs() as record:
         bounds = chain_backward(list(layers), as_bound(float("inf")),
                                 as_bound(loss_lipschitz))[0]
     checked = sign_checked(record, [b for _, b in bounds])

@@ -108,3 +108,21 @@ def test_bjorck_every_is_validated_saved_and_read_from_configs(tmp_path):
     with pytest.raises(ConfigError, match="bjorck_every"):
         load_config(None, ["training.bjorck_every=0"])
 
+
+
+def test_fit_returns_orthogonal_kernels_whatever_step_it_ended_on():
+    """bjorck_every=3 over 8 steps (the last one, index 7, without Björck): the kernels fit
+    returns are orthogonal (every singular value within 1e-2 of 1), as the last refresh left
+    them; the callback saw the last step's kernel before that (not orthogonal)."""
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(64, 24)).astype("float32"), one_hot_labels(rng, 64, 4)
+    model = _model(DP_QuickSpectralDense, seed=5)
+    model.compile(loss=LOSS, optimizer=tf.keras.optimizers.SGD(0.5), bjorck_every=3)
+    record = _Singular()
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0,
+              callbacks=[record])
+    assert record.steps[-1][0] == 7 and record.steps[-1][1][-1] < 0.97
+    for layer in (la for la in model.layers if hasattr(la, "bounded_kernel")):
+        singular = np.linalg.svd(np.asarray(layer.bounded_kernel(), np.float64),
+                                 compute_uv=False)
+        assert np.max(np.abs(singular - 1)) < 1e-2, (layer.name, singular)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lipdp.layers import (DP_AddBias, DP_BoundedInput, DP_ClipGradient, DP_Flatten,
+from lipdp.layers import (DP_AddBias, DP_BoundedActivation, DP_BoundedInput, DP_ClipGradient, DP_Flatten,
                           DP_GlobalL2NormPooling2D, DP_GroupSort, DP_LayerCentering, DP_MaxPool2D,
                           DP_Patches, DP_Permute, DP_QuickFrobeniusDense, DP_QuickSpectralConv2D,
                           DP_QuickSpectralDense, DP_ReLU, DP_Reshape, DP_ScaledL2NormPooling2D,
@@ -120,6 +120,7 @@ PARAM_LAYERS = [
 
 FREE_LAYERS = [
     ("bounded input", lambda: DP_BoundedInput(1.0), (4, 4, 2)),
+    ("bounded activation", lambda: DP_BoundedActivation(1.0), (12,)),
     ("flatten", lambda: DP_Flatten(), (4, 4, 2)),
     ("groupsort2", lambda: DP_GroupSort(2), (6, 6, 4)),
     ("groupsort2 interleaved", lambda: DP_GroupSort(2, pairing="interleaved"), (6, 6, 4)),

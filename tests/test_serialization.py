@@ -23,6 +23,7 @@ SHAPE = (6, 6, 2)
 # name -> (layers before, the layer under test, layers after); the head maps to 3 logits.
 CASES = {
     "DP_AddBias": ([], lambda: dp.DP_AddBias(0.7), []),
+    "DP_BoundedActivation": ([], lambda: dp.DP_BoundedActivation(1.5), []),
     "DP_BoundedInput": ([], lambda: dp.DP_BoundedInput(1.5), []),
     "DP_ClipGradient": ([], lambda: dp.DP_ClipGradient(0.3), []),
     "DP_Flatten": ([], lambda: dp.DP_Flatten(), []),

@@ -2,7 +2,8 @@
 
 from lipdp.layers.activations import DP_ReLU, DP_Sigmoid, DP_Softplus, DP_Tanh
 from lipdp.layers.base import DPLayer
-from lipdp.layers.basic import DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_ScaledL2NormPooling2D
+from lipdp.layers.basic import (DP_BoundedActivation, DP_BoundedInput, DP_Flatten, DP_GroupSort,
+                               DP_ScaledL2NormPooling2D)
 from lipdp.layers.conv import DP_QuickSpectralConv2D, DP_SpectralConv2D
 from lipdp.layers.dense import DP_QuickFrobeniusDense, DP_QuickSpectralDense, DP_SpectralDense
 from lipdp.layers.gradient_clipping import DP_ClipGradient
@@ -16,6 +17,7 @@ from lipdp.layers.scattering import DP_MultiscaleScattering, DP_Scattering
 __all__ = [
     "DPLayer",
     "DP_AddBias",
+    "DP_BoundedActivation",
     "DP_BoundedInput",
     "DP_ClipGradient",
     "DP_Flatten",

@@ -137,6 +137,34 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
+class DP_BoundedActivation(DP_BoundedInput):
+    """Clips every example's activations to an L2 ball, inside the network.
+
+    The projection of `DP_BoundedInput` (``f(z) = z min(1, t / ||z||_2)``, 1-Lipschitz, the
+    float32 output of norm <= `upper_bound`), placed after a layer instead of first:
+
+    - ``propagate_inputs(X) = min(X, upper_bound)``: the bound pass restarts from
+      `upper_bound`, whatever the layers before it propagate;
+    - ``backpropagate_inputs(X, G) = G``.
+
+    So the spectral norm of the first trainable layer's kernel enters no gradient bound
+    when only parameter-free layers lie between it and this layer (nothing before it is
+    trained, and its output's bound is replaced here): the private step then certifies no
+    norm of that kernel (`lipdp.bounds.backpropagate_bounds`), and between two Björck
+    refreshes (``compile(bjorck_every=k)``) the kernel is only spectrally normalised by its
+    power-iteration estimate, an error this layer absorbs. The model's certified Lipschitz
+    constant (`lipdp.certify`) still certifies every kernel.
+
+    Choose `upper_bound` as the bound the layers before it have with kernels of norm 1
+    (after a bias-free dense layer: the input bound X0): it then only moves an example whose
+    activation an estimate below the true norm let past it.
+
+    Args:
+        upper_bound: the L2 radius (> 0) of every example's activations after this layer.
+    """
+
+
+@tf.keras.utils.register_keras_serializable("lipdp")
 class DP_Flatten(tf.keras.layers.Flatten, DPLayer):
     """Flatten: a reshape, so norms and cotangent norms are unchanged (and no rounding)."""
 
