@@ -52,6 +52,10 @@ Schema (defaults shown)::
       maxiter_spectral: null   # power iterations per projection, from the last step's vector,
                                #   before Björck (null: lipdp's 10; the certificate, never this
                                #   estimate, enters the bounds; README, Speed)
+      bounded_activation: false  # mlp, bias-free: DP_BoundedActivation(X0) after the first
+                               #   dense layer; its kernel's norm then enters no gradient
+                               #   bound, and the steps between Björck refreshes
+                               #   (training.bjorck_every) certify nothing for it (README, Speed)
     loss:
       name: tau_cce            # tau_cce | tau_bce | hinge | kr | hkr
       tau: 10.0                # temperature of tau_cce / tau_bce
@@ -102,7 +106,8 @@ Schema (defaults shown)::
 Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
 
 - ``mlp``: ``DP_BoundedInput(X0), DP_Flatten, [DP_QuickSpectralDense(w), DP_GroupSort(2)]
-  for w in widths, DP_QuickSpectralDense(nb_classes)``.
+  for w in widths, DP_QuickSpectralDense(nb_classes)``; with ``bounded_activation``,
+  ``DP_BoundedActivation(X0)`` between the first dense layer and its GroupSort.
 - ``cnn`` (the paper's network with the defaults): ``DP_BoundedInput(X0),
   [DP_QuickSpectralConv2D(f, 3x3), DP_GroupSort(2), DP_ScaledL2NormPooling2D(2)]
   for f in conv_filters, DP_Flatten, DP_QuickSpectralDense(dense_width),
@@ -203,6 +208,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "head": "lipschitz",
         "maxiter_bjorck": None,
         "maxiter_spectral": None,
+        "bounded_activation": False,
     },
     "loss": {"name": "tau_cce", "tau": 10.0, "margin": 0.0, "min_margin": 1.0, "alpha": 10.0},
     "optimizer": {"name": "adam", "learning_rate": 0.001, "momentum": 0.9, "ema_momentum": None,
@@ -392,6 +398,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "head": _choice("lipschitz", "plain"),
         "maxiter_bjorck": _optional_positive_int,
         "maxiter_spectral": _optional_positive_int,
+        "bounded_activation": _bool,
     },
     "loss": {
         "name": _choice("tau_cce", "tau_bce", "hinge", "kr", "hkr"),
@@ -570,6 +577,16 @@ def _check_mode(model, privacy):
         raise ConfigError("model.architecture='tanh_cnn' is made of plain Keras layers, whose "
                           "gradients lipdp cannot bound: train it with privacy.mode='clipped' "
                           "and privacy.l2_norm_clip. Received: privacy.mode='clipless'")
+    if model["bounded_activation"] and (model["architecture"] != "mlp"
+                                        or model["head"] != "lipschitz" or model["use_bias"]
+                                        or not model["widths"]):
+        raise ConfigError("model.bounded_activation clips the first hidden layer's activations "
+                          "to the input bound, the bound they have with a kernel of norm 1 and "
+                          "no bias: it needs model.architecture='mlp', model.head='lipschitz', "
+                          "model.use_bias=false and at least one hidden width. Received: "
+                          f"model.architecture={model['architecture']!r}, "
+                          f"model.head={model['head']!r}, model.use_bias={model['use_bias']!r}, "
+                          f"model.widths={model['widths']!r}")
 
 
 def validate_config(cfg: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -666,9 +683,11 @@ def build_model(model_cfg: Dict[str, Any], metadata, dp_parameters):
                                                upper_bound=metadata.max_norm)]
     if model_cfg["architecture"] in ("mlp", "scatternet"):  # scatternet: the head
         stack.append(layers.DP_Flatten())
-        for width in model_cfg["widths"]:
-            stack += [layers.DP_QuickSpectralDense(width, use_bias=use_bias, **projection),
-                      layers.DP_GroupSort(2)]
+        for i, width in enumerate(model_cfg["widths"]):
+            stack.append(layers.DP_QuickSpectralDense(width, use_bias=use_bias, **projection))
+            if i == 0 and model_cfg["bounded_activation"]:
+                stack.append(layers.DP_BoundedActivation(metadata.max_norm))
+            stack.append(layers.DP_GroupSort(2))
     else:
         if len(metadata.input_shape) != 3:
             raise ConfigError("model.architecture='cnn' needs image inputs (H, W, C); dataset "

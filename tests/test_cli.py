@@ -782,6 +782,7 @@ def test_configs_that_mirror_the_main_job_build_its_model(name):
     for section in ("dataset", "loss", "optimizer"):
         different = {k for k in main[section] if cfg[section].get(k) != main[section][k]}
         assert different <= {"name"}, (section, different)
+    assert cfg["training"]["bjorck_every"] == main["training"]["bjorck_every"]
 
 
 def test_scattering_padding_reaches_every_scattering_layer_and_its_constant():
