@@ -211,7 +211,7 @@ SILENT_SHAPE, SILENT_CLASSES, X0_SILENT = (8, 8, 1), 4, 3.0
 def _real_layer_models():
     """Four small models that hold every trainable and free layer of `lipdp.layers` (the
     residual layers are in the zoo's ResNet and MLP-Mixer below)."""
-    from lipdp.layers import (DP_AddBias, DP_ClipGradient, DP_Flatten, DP_GlobalL2NormPooling2D,
+    from lipdp.layers import (DP_AddBias, DP_BoundedActivation, DP_ClipGradient, DP_Flatten, DP_GlobalL2NormPooling2D,
                               DP_GroupSort, DP_LayerCentering, DP_MaxPool2D, DP_Patches,
                               DP_Permute, DP_QuickFrobeniusDense, DP_QuickSpectralConv2D,
                               DP_MultiscaleScattering, DP_ReLU, DP_Reshape,
@@ -227,7 +227,8 @@ def _real_layer_models():
         DP_QuickFrobeniusDense(8), DP_Sigmoid(), DP_SpectralDense(8), DP_Softplus(),
         DP_QuickSpectralDense(SILENT_CLASSES), DP_ClipGradient(0.5)]
     tokens = [  # 8x8x1 -> 16 patches of 4 -> ... -> 4 logits
-        DP_Patches(2), DP_QuickSpectralDense(6), DP_GroupSort(None),  # (16, 6)
+        DP_Patches(2), DP_QuickSpectralDense(6), DP_BoundedActivation(X0_SILENT),
+        DP_GroupSort(None),  # (16, 6); the first kernel left uncertified by the step
         DP_Permute((2, 1)), DP_SpectralDense(16), DP_Permute((2, 1)),  # (16, 6)
         DP_LayerCentering((1, 2)), DP_Reshape((4, 4, 6)), DP_GlobalL2NormPooling2D(),
         DP_QuickSpectralDense(SILENT_CLASSES)]
