@@ -183,6 +183,20 @@ def maximize_gradient_norm(model, loss, x0, y, variable, max_norm, steps=60, lr=
     return projected_ascent(objective, [x0], [max_norm], [lr] * steps)[0]
 
 
+def adversarial_gradient_norms(model, loss, rng, shape, bound, k, ascent_steps=30):
+    """`per_example_gradient_norms` on `adversarial_inputs` (nine: inside, on and 50x beyond
+    `bound`, constant and one-pixel inputs) and, for every trainable variable, four inputs
+    found by `maximize_gradient_norm` on that variable's gradient (labels one-hot of k)."""
+    inputs = adversarial_inputs(rng, shape, bound, n=9)
+    labels = one_hot_labels(rng, len(inputs), k)
+    for variable in model.trainable_variables:
+        ascended = maximize_gradient_norm(model, loss, inputs[:4], labels[:4], variable, bound,
+                                          steps=ascent_steps)
+        inputs = np.concatenate([inputs, ascended])
+        labels = np.concatenate([labels, labels[:4]])
+    return per_example_gradient_norms(model, loss, inputs, labels)
+
+
 # --------------------------------------------------------------------------- #
 # Lipschitz lower bounds.
 # --------------------------------------------------------------------------- #
