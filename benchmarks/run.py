@@ -831,12 +831,14 @@ def _paired_table(model_name, batch_sizes, configs, paired) -> str:
     if scheduled:
         notes.add((f"clipless{SCHEDULED} x twin{SCHEDULED} (same schedule), by batch",
                    ", ".join(scheduled)))
-    under_probe = [f"{batch}: {_ratio(fastest[1], CERTIFIED_FLOOR)}" for batch in batch_sizes
-                   for fastest in [_fastest_tf_privacy(paired[(model_name, batch)]["configs"])]
-                   if fastest and CERTIFIED_FLOOR in fastest[1].get("ratio_to", {})]
-    every_step = [f"{batch}: {_ratio(fastest[1], 'clipless')}" for batch in batch_sizes
-                  for fastest in [_fastest_tf_privacy(paired[(model_name, batch)]["configs"])]
-                  if fastest and "clipless" in fastest[1].get("ratio_to", {})]
+    def tf_privacy_ratios(ref):
+        """``"batch: ratio"`` of the fastest tf-privacy step to `ref`'s, where both ran."""
+        return [f"{batch}: {_ratio(fastest[1], ref)}" for batch in batch_sizes
+                for fastest in [_fastest_tf_privacy(paired[(model_name, batch)]["configs"])]
+                if fastest and ref in fastest[1].get("ratio_to", {})]
+
+    under_probe = tf_privacy_ratios(CERTIFIED_FLOOR)
+    every_step = tf_privacy_ratios("clipless")
     if every_step:
         notes.add(("tf-privacy fastest / clipless (Björck every step, paired), by batch",
                    ", ".join(every_step)))

@@ -128,8 +128,10 @@ def _leaves(layers):
             yield layer
 
 
-def _certified_leaves(layers):
-    return [layer for layer in _leaves(layers) if hasattr(layer, "certified_norm_request")]
+def _certified_leaves(layers, excluded=()):
+    """The certified layers of the chain, branches expanded, but for those in `excluded`."""
+    return [layer for layer in _leaves(layers) if hasattr(layer, "certified_norm_request")
+            and not any(layer is other for other in excluded)]
 
 
 def certified_norm_requests(layers):
@@ -137,8 +139,7 @@ def certified_norm_requests(layers):
     certify for the chain `layers`, one request per certified layer whose norm a gradient
     bound reads (`norms_no_gradient_bound_reads`)."""
     unread = norms_no_gradient_bound_reads(list(layers))
-    return [layer.certified_norm_request() for layer in _certified_leaves(layers)
-            if not any(layer is u for u in unread)]
+    return [layer.certified_norm_request() for layer in _certified_leaves(layers, unread)]
 
 
 def check_single_use(layers: Sequence[tf.keras.layers.Layer]):
@@ -212,8 +213,9 @@ def norms_no_gradient_bound_reads(layers) -> List[DPLayer]:
     has variables. So its norm may be taken as +inf in `backpropagate_bounds` without
     changing a bound. Were this wrong, some bound would be inf or NaN: the step stops (it
     calibrates noise to finite bounds only), and a test says so."""
+    sections = (DP_SplitResidual, DP_WrappedResidual, DP_MergeResidual)
     for i, layer in enumerate(layers):
-        if isinstance(layer, (DP_SplitResidual, DP_WrappedResidual, DP_MergeResidual)):
+        if isinstance(layer, sections):
             return []
         if layer.trainable_weights:
             if not hasattr(layer, "certified_norm_request"):
@@ -222,8 +224,7 @@ def norms_no_gradient_bound_reads(layers) -> List[DPLayer]:
                 if isinstance(later, DP_BoundedActivation):
                     return [layer]
                 if (later.weights or hasattr(later, "certified_norm_request")
-                        or isinstance(later, (DP_SplitResidual, DP_WrappedResidual,
-                                              DP_MergeResidual))):
+                        or isinstance(later, sections)):
                     return []
             return []
     return []
@@ -244,8 +245,7 @@ def _bound_pass(layers, projection_certificates=False, unread_norms=()):
     with operator_norm_cache():
         for layer in unread_norms:
             cached_operator_norm(layer, lambda: as_bound(float("inf")))
-        certified = [layer for layer in _certified_leaves(layers)
-                     if not any(layer is unread for unread in unread_norms)]
+        certified = _certified_leaves(layers, unread_norms)
         if certified:
             requests = [layer.certified_norm_request() for layer in certified]
             if not projection_certificates:
