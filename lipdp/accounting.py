@@ -250,7 +250,6 @@ def joint_noise_multiplier(*noise_multipliers: float) -> float:
 # RDP curves from autodp.
 # --------------------------------------------------------------------------- #
 @functools.lru_cache(maxsize=64)
-@functools.lru_cache(maxsize=64)
 def _subsampled_gaussian(noise_multiplier: float, sampling_rate: float):
     """autodp's Poisson-subsampled Gaussian mechanism (one step)."""
     from autodp import mechanism_zoo, transformer_zoo  # heavy-ish import, done lazily
