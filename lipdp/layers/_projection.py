@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 from deel.lip.normalizers import (
@@ -99,6 +100,12 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, cert
     (deel-lip's iterates, to float32 rounding) and its result comes with a certified
     spectral norm.
 
+    Inside a traced function, the projection is a call of a graph function shared by every
+    kernel of the same shape, dtype and projection settings in the process
+    (`_traced_projection`): it is traced once, not once per layer and per traced step. The
+    function is pure (the kernel and the power-iteration vector in, the projection out; the
+    caller writes the variables), so sharing it changes no value.
+
     Returns:
         ``(projected kernel with the input's shape, new power-iteration vector,
         certificate)``: the certificate is a float32 scalar tensor ``>= ||projected||_2``
@@ -106,19 +113,54 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, cert
         None when this projection does not certify.
     """
     import tensorflow as tf
-    from deel.lip.normalizers import spectral_normalization
 
-    from lipdp.layers._bjorck import (GRAM_SPACE_MIN_ASPECT, certifying_bjorck,
-                                      normalised_gram_space_bjorck, runs_certifying_bjorck)
-    from lipdp.layers._bjorck import orthogonalise as orthogonalise_bjorck
+    from lipdp.layers._bjorck import runs_certifying_bjorck
     from lipdp.operator_norms import float32_products_rounded_to_nearest
 
-    matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
-    rows, cols = matrix.shape
+    rows, cols = math.prod(kernel.shape[:-1]), kernel.shape[-1]
     every_step = config.eps_bjorck is not None and orthogonalise is True
     certified = (certify and every_step
                  and runs_certifying_bjorck(rows, cols, config.maxiter_bjorck)
                  and float32_products_rounded_to_nearest(device_products=True))
+    if tf.executing_eagerly():  # at build: one projection, run op by op
+        return _projected(kernel, u, config, maxiter_spectral, orthogonalise, certified)
+    scheduled = not isinstance(orthogonalise, bool)
+    projection = _traced_projection(
+        tuple(kernel.shape), tf.as_dtype(kernel.dtype).name, tuple(config.get_config().items()),
+        maxiter_spectral, None if scheduled else orthogonalise, certified)
+    schedule = (tf.convert_to_tensor(orthogonalise, tf.bool),) if scheduled else ()
+    return projection(tf.convert_to_tensor(kernel), tf.convert_to_tensor(u), *schedule)
+
+
+@functools.lru_cache(maxsize=256)
+def _traced_projection(shape, dtype, config_items, maxiter_spectral, orthogonalise, certified):
+    """The graph function of `_projected` for kernels of `shape` and `dtype`, with these
+    settings (``orthogonalise=None``: a schedule's boolean tensor is its third argument).
+    Every static choice the graph depends on is in the arguments: the projection settings,
+    and `certified`, decided by the caller from the module settings in force."""
+    import tensorflow as tf
+
+    config = ProjectionConfig(**dict(config_items))
+
+    def projection(kernel, u, *schedule):
+        return _projected(kernel, u, config, maxiter_spectral,
+                          schedule[0] if orthogonalise is None else orthogonalise, certified)
+
+    return tf.function(projection, autograph=False)
+
+
+def _projected(kernel, u, config, maxiter_spectral, orthogonalise, certified):
+    """`project_kernel`, with whether Björck certifies its result (`certified`) decided."""
+    import tensorflow as tf
+    from deel.lip.normalizers import spectral_normalization
+
+    from lipdp.layers._bjorck import (GRAM_SPACE_MIN_ASPECT, certifying_bjorck,
+                                      normalised_gram_space_bjorck)
+    from lipdp.layers._bjorck import orthogonalise as orthogonalise_bjorck
+
+    matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
+    rows, cols = matrix.shape
+    every_step = config.eps_bjorck is not None and orthogonalise is True
 
     def bjorck(w):
         if certified:
