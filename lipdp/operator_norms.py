@@ -274,13 +274,16 @@ def conv_operator_norm_power(conv_fn, input_shape, iterations=200, seed=0):
     """
     rng = np.random.default_rng(seed)
     x = tf.constant(rng.normal(size=(1,) + tuple(input_shape)), tf.float32)
-    sigma = 0.0
-    for _ in range(iterations):
+
+    @tf.function(autograph=False)  # one trace; the iterations run as a graph, not op by op
+    def iteration(x):
         x = x / tf.norm(x)
         with tf.GradientTape() as tape:
             tape.watch(x)
-            y = conv_fn(x)
-            half_sq = 0.5 * tf.reduce_sum(tf.square(y))
-        sigma = float(tf.sqrt(2.0 * half_sq))
-        x = tape.gradient(half_sq, x)  # = A^T A x
-    return sigma
+            half_sq = 0.5 * tf.reduce_sum(tf.square(conv_fn(x)))
+        return tf.sqrt(2.0 * half_sq), tape.gradient(half_sq, x)  # (||A x||, A^T A x)
+
+    sigma = 0.0
+    for _ in range(iterations):
+        sigma, x = iteration(x)
+    return float(sigma)
