@@ -140,7 +140,7 @@ def _onto(t, radius, sphere):
     return t * (radius / norms if sphere else tf.minimum(1.0, radius / norms))
 
 
-def projected_ascent(objective, starts, radii, step_sizes, sphere=False):
+def projected_ascent(objective, starts, radii, step_sizes, sphere=False, one_at_a_time=False):
     """Projected normalised gradient ascent on ``objective(*variables)``.
 
     Each start is a batch (first axis: independent examples); at step t each example of
@@ -148,39 +148,54 @@ def projected_ascent(objective, starts, radii, step_sizes, sphere=False):
     for every variable) along its own normalised gradient, and is projected back onto the
     ball (or, where `sphere` is true, the sphere) of its radius. The objective must be a sum
     over examples, so that examples do not interact. Returns the final points (numpy).
+
+    With `one_at_a_time`, the examples ascend one after the other through one traced step
+    on batches of one: the objective is called as ``objective(*variables, example=i)``, `i`
+    the example's index (a scalar int32 tensor). Its graph is built once instead of holding
+    one copy per example (what a per-example objective, such as a per-example gradient,
+    otherwise needs), for the same points.
     """
-    variables = [tf.Variable(tf.cast(s, tf.float32)) for s in starts]
+    batches = ([[s[i:i + 1] for s in starts] for i in range(len(starts[0]))] if one_at_a_time
+               else [starts])
+    variables = [tf.Variable(tf.cast(s, tf.float32)) for s in batches[0]]
+    example = tf.Variable(0, dtype=tf.int32)
     spheres = sphere if isinstance(sphere, (list, tuple)) else [sphere] * len(variables)
 
     @tf.function  # traced once per call: eager nested tapes would dominate the test time
     def step(lrs):
         with tf.GradientTape() as tape:
-            value = objective(*variables)
+            value = (objective(*variables, example=example.read_value()) if one_at_a_time
+                     else objective(*variables))
         for j, (v, d) in enumerate(zip(variables, tape.gradient(value, variables))):
             if d is not None:  # None: the objective does not depend on v (e.g. a bias gradient)
                 v.assign(_onto(v + lrs[j] * radii[j] * _unit(d), radii[j], spheres[j]))
 
-    for lr in step_sizes:
-        lrs = lr if isinstance(lr, (list, tuple)) else [lr] * len(variables)
-        step(tf.constant(lrs, tf.float32))
-    return [v.numpy() for v in variables]
+    points = []
+    for i, batch in enumerate(batches):
+        example.assign(i)
+        for v, s in zip(variables, batch):
+            v.assign(tf.cast(s, tf.float32))
+        for lr in step_sizes:
+            lrs = lr if isinstance(lr, (list, tuple)) else [lr] * len(variables)
+            step(tf.constant(lrs, tf.float32))
+        points.append([v.numpy() for v in variables])
+    return [np.concatenate(p) for p in zip(*points)]
 
 
 def maximize_gradient_norm(model, loss, x0, y, variable, max_norm, steps=60, lr=0.5):
     """Inputs (inside the ball of radius `max_norm`) maximising ``||grad_variable loss||``,
-    by projected gradient ascent from `x0`, each example on its own."""
+    by projected gradient ascent from `x0`, each example on its own (one traced step, on
+    batches of one, serves them all)."""
     fn = _loss_fn(loss)
+    labels = tf.constant(np.asarray(y))
 
-    def objective(x):
-        total = 0.0
-        for i in range(len(x0)):  # one example at a time: its own per-example gradient
-            with tf.GradientTape() as inner:
-                value = tf.reduce_sum(fn(y[i:i + 1], model(x[i:i + 1], training=True)))
-            g = inner.gradient(value, variable)
-            total += tf.reduce_sum(tf.square(g)) if g is not None else 0.0
-        return total
+    def objective(x, example):
+        with tf.GradientTape() as inner:  # the example's own gradient
+            value = tf.reduce_sum(fn(tf.gather(labels, [example]), model(x, training=True)))
+        g = inner.gradient(value, variable)
+        return tf.reduce_sum(tf.square(g)) if g is not None else tf.zeros(())
 
-    return projected_ascent(objective, [x0], [max_norm], [lr] * steps)[0]
+    return projected_ascent(objective, [x0], [max_norm], [lr] * steps, one_at_a_time=True)[0]
 
 
 def adversarial_gradient_norms(model, loss, rng, shape, bound, k, ascent_steps=30):
