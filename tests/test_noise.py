@@ -247,35 +247,51 @@ def test_noise_under_xla_is_drawn_anew_at_each_step_and_in_each_trace():
         tf.function(lambda: gaussian_noise([tf.zeros([3])], [1.0]), jit_compile=True)()
 
 
+XLA_ENGINES = ("ghost", "vectorized")
+
+# One model per engine, each engine's noisy kernel gradient printed on a line of its own.
 _XLA_STEP = """
 import numpy as np, tensorflow as tf
 from lipdp.metadata import DatasetMetadata, DPParameters
 from lipdp.model import DP_Sequential
-model = DP_Sequential(
-    [tf.keras.layers.Input((4,)), tf.keras.layers.Dense(3, kernel_initializer="zeros")],
-    dp_parameters=DPParameters(1.0, 1e-5, mode="clipped", clipping="flat", l2_norm_clip=1.0,
-                               engine="{engine}"),
-    dataset_metadata=DatasetMetadata((4,), 3, 16, 16, 8, None, "shuffle"))
-model.compile(loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
-              optimizer=tf.keras.optimizers.SGD(1.0))
-noisy = tf.function(lambda x, y: model.private_gradients(x, y)[1][0], jit_compile=True)(
-    tf.zeros((8, 4)), tf.one_hot([0] * 8, 3))
-print(" ".join(repr(float(v)) for v in noisy.numpy().ravel()))
-"""
+for engine in %r:
+    model = DP_Sequential(
+        [tf.keras.layers.Input((4,)), tf.keras.layers.Dense(3, kernel_initializer="zeros")],
+        dp_parameters=DPParameters(1.0, 1e-5, mode="clipped", clipping="flat",
+                                   l2_norm_clip=1.0, engine=engine),
+        dataset_metadata=DatasetMetadata((4,), 3, 16, 16, 8, None, "shuffle"))
+    model.compile(loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.SGD(1.0))
+    noisy = tf.function(lambda x, y: model.private_gradients(x, y)[1][0], jit_compile=True)(
+        tf.zeros((8, 4)), tf.one_hot([0] * 8, 3))
+    print(engine, " ".join(repr(float(v)) for v in noisy.numpy().ravel()))
+""" % (XLA_ENGINES,)
 
 
-@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
-def test_xla_noise_differs_between_processes(engine):
+@pytest.fixture(scope="module")
+def xla_noise_of_two_processes():
+    """``{engine: [noise of process 1, noise of process 2]}``: two fresh interpreters, each
+    running every engine's step in turn (one interpreter start per process, not per engine)."""
+    runs = [subprocess.run([sys.executable, "-c", _XLA_STEP], capture_output=True, text=True,
+                           timeout=300, check=True) for _ in range(2)]
+    noise = {engine: [] for engine in XLA_ENGINES}
+    for run in runs:
+        for line in run.stdout.splitlines():
+            engine, *values = line.split()
+            noise[engine].append(np.array([float(v) for v in values]))
+    return noise
+
+
+@pytest.mark.parametrize("engine", XLA_ENGINES)
+def test_xla_noise_differs_between_processes(xla_noise_of_two_processes, engine):
     """Classic DP-SGD's noisy gradients under XLA (a user's jit-compiled function: `fit`
     refuses jit_compile, whose step loses its assertions), no seed anywhere: two processes,
     zero inputs (a zero kernel gradient), so the noisy kernel gradient is the noise. With
     `compile(jit_compile=True)`, when it was allowed, they were equal, bit for bit, before the
     stateless draw."""
-    runs = [subprocess.run([sys.executable, "-c", _XLA_STEP.format(engine=engine)],
-                           capture_output=True, text=True, timeout=300, check=True)
-            for _ in range(2)]
-    noise = [np.array([float(v) for v in r.stdout.split()]) for r in runs]
-    assert noise[0].shape == (12,) and np.all(noise[0] != 0) and np.all(noise[1] != 0)
+    noise = xla_noise_of_two_processes[engine]
+    assert len(noise) == 2 and noise[0].shape == (12,)
+    assert np.all(noise[0] != 0) and np.all(noise[1] != 0)
     assert _values_shared(noise[0], noise[1]) == 0
 
 
