@@ -268,6 +268,8 @@ class _DPModelMixin:
     def train_on_batch(self, *args, **kwargs):
         """Keras `train_on_batch` (one private step, recorded in the ledger)."""
         self._build_optimizer()
+        self._build_metrics(args[0] if args else kwargs.get("x"),
+                            args[1] if len(args) > 1 else kwargs.get("y"))
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
             self._resume_ledger()
             self._warn_if_a_seeded_pipeline_is_behind()
@@ -278,6 +280,12 @@ class _DPModelMixin:
             # `tf.keras.models.save_model` (which does not call `save`): training totals.
             self.reset_metrics()
         return result
+
+    def evaluate(self, x=None, y=None, *args, **kwargs):
+        """Keras `evaluate`, its compiled metrics built before Keras traces its step
+        (`_build_metrics`: the step is then traced once, not twice)."""
+        self._build_metrics(x, y)
+        return super().evaluate(x, y, *args, **kwargs)
 
     def _warn_if_a_seeded_pipeline_is_behind(self):
         """`fit` starts a `lipdp.data.load_dataset` Poisson pipeline at the model's step;
@@ -312,6 +320,29 @@ class _DPModelMixin:
                 and not getattr(optimizer, "_built", False)):
             with self.distribute_strategy.scope():
                 optimizer.build(self.trainable_variables)
+
+    def _build_metrics(self, x, y):
+        """Create the compiled metrics' variables before Keras traces the training step, for
+        the reason `_build_optimizer` gives: Keras builds them at the step's first call, and
+        with ``metrics=[...]`` the private step was traced twice per `fit` (measured: 2
+        traces before, 1 after). Keras picks each metric's form ('accuracy': binary,
+        categorical or sparse) from the shapes of the labels and outputs; a one-example
+        batch of zeros of those shapes gets the same form. Labels or outputs whose shape is
+        not known before the first batch (nested, ragged, unknown dimensions) are left to
+        Keras' own build."""
+        metrics = getattr(self, "compiled_metrics", None)
+        if metrics is None or metrics.built or not self.built:
+            return
+        labels = _label_spec(x, y)
+        try:
+            outputs = tf.TensorShape(self.output_shape)
+        except (AttributeError, TypeError, ValueError):  # not built, or several outputs
+            return
+        if labels is None or not outputs[1:].is_fully_defined():
+            return
+        with self.distribute_strategy.scope():
+            metrics.build(tf.zeros([1] + outputs[1:].as_list(), self.compute_dtype),
+                          tf.zeros([1] + labels.shape[1:].as_list(), labels.dtype))
 
     def _ledger_state(self):
         return int(self._dp_steps.numpy()), self._dp_ledger.numpy()
@@ -934,6 +965,7 @@ class _DPModelMixin:
         callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
+        self._build_metrics(x, y)
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
@@ -1084,6 +1116,24 @@ class _DPModelMixin:
         metadata = config.pop("dataset_metadata", None)
         return (config, DPParameters.from_config(config.pop("dp_parameters")),
                 None if metadata is None else DatasetMetadata.from_config(metadata))
+
+
+def _label_spec(x, y):
+    """The `tf.TensorSpec` of the training labels `fit` will see (``x`` a dataset of
+    ``(inputs, labels)`` pairs, or ``y`` one array), with a known shape after the batch
+    dimension; None otherwise."""
+    if isinstance(x, tf.data.Dataset):
+        element = x.element_spec
+        spec = element[1] if isinstance(element, tuple) and len(element) > 1 else None
+    elif isinstance(y, (np.ndarray, tf.Tensor)):
+        dtype = tf.as_dtype(y.dtype)
+        spec = tf.TensorSpec(y.shape, tf.keras.backend.floatx() if dtype.is_floating else dtype)
+    else:
+        return None
+    if not isinstance(spec, tf.TensorSpec) or spec.shape.rank is None or spec.shape.rank < 1 \
+            or not spec.shape[1:].is_fully_defined():
+        return None
+    return spec
 
 
 class _EpochSizeCheck(tf.keras.callbacks.Callback):

@@ -320,16 +320,27 @@ def _clipped_mlp():
 
 @pytest.mark.parametrize("model_fn", [mlp, _clipped_mlp], ids=["clipless", "clipped"])
 def test_fit_traces_the_private_step_once(model_fn):
-    """Keras 2.15 builds the optimizer inside the first call of the training step, and a
-    `tf.function` that creates variables is traced twice; lipdp builds it before `fit`."""
-    model = model_fn()
-    model.compile(loss=DP_TauCategoricalCrossentropy(5.0),
-                  optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9))
+    """Keras 2.15 builds the optimizer and the compiled metrics inside the first call of the
+    training (and evaluation) step, and a `tf.function` that creates variables is traced
+    twice; lipdp builds them before `fit`, `train_on_batch` and `evaluate`. The metrics are
+    those Keras would have built ('accuracy' on one-hot labels: categorical accuracy)."""
     x, y = _mlp_data()
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert model.train_tf_function.experimental_get_tracing_count() == 1
-    assert model.dp_steps_taken == 12
+    for metrics in ([], ["accuracy", tf.keras.metrics.AUC(name="auc")]):
+        model = model_fn()
+        model.compile(loss=DP_TauCategoricalCrossentropy(5.0),
+                      optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9), metrics=metrics)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+        model.fit(batches, epochs=1, verbose=0)  # the batch shape of the arrays above
+        model.train_on_batch(x[:16], y[:16])
+        assert model.train_tf_function.experimental_get_tracing_count() == 1
+        assert model.dp_steps_taken == 13
+    fresh = model_fn()
+    fresh.compile(loss=DP_TauCategoricalCrossentropy(5.0), metrics=["accuracy"])
+    logs = fresh.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert fresh.test_function.experimental_get_tracing_count() == 1
+    predicted = np.argmax(fresh.predict(x, verbose=0), axis=1)
+    assert logs["accuracy"] == pytest.approx(np.mean(predicted == np.argmax(y, axis=1)))
 
 
 @pytest.mark.parametrize("model_fn", [mlp, _clipped_mlp], ids=["clipless", "clipped"])
