@@ -142,8 +142,8 @@ FREE_LAYERS = [
     ("layer centering (all axes)", lambda: DP_LayerCentering((1, 2, 3)), (3, 3, 2)),
     ("clip gradient below G", lambda: DP_ClipGradient(1.0), (10,)),
     ("clip gradient above G", lambda: DP_ClipGradient(5.0), (10,)),
-    ("scattering J=2, order weights", lambda: DP_Scattering(J=2, order_weights=(0.5, 1.0, 4.0)),
-     (8, 8, 1)),
+    ("scattering J=2, order weights",  # 4 angles: test_scattering.py holds kymatio's 8
+     lambda: DP_Scattering(J=2, angles=4, order_weights=(0.5, 1.0, 4.0)), (8, 8, 1)),
 ]
 
 

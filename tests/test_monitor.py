@@ -232,9 +232,12 @@ def _real_layer_models():
         DP_Permute((2, 1)), DP_SpectralDense(16), DP_Permute((2, 1)),  # (16, 6)
         DP_LayerCentering((1, 2)), DP_Reshape((4, 4, 6)), DP_GlobalL2NormPooling2D(),
         DP_QuickSpectralDense(SILENT_CLASSES)]
-    scattering = [DP_Scattering(J=2, order_weights=(0.5, 1.0, 2.0)), DP_Flatten(),
+    # 4 angles: these cases hold the scattering layers' classes (kymatio's default of 8
+    # builds a graph 3.4x as large; tests/test_scattering.py holds 8)
+    scattering = [DP_Scattering(J=2, angles=4, order_weights=(0.5, 1.0, 2.0)), DP_Flatten(),
                   DP_QuickSpectralDense(SILENT_CLASSES)]
-    multiscale = [DP_MultiscaleScattering(scales=(2, 1), order_weights=(0.5, 1.0, 2.0)),
+    multiscale = [DP_MultiscaleScattering(scales=(2, 1), angles=4,
+                                          order_weights=(0.5, 1.0, 2.0)),
                   DP_QuickSpectralDense(SILENT_CLASSES)]
     return {"convolutions": convolutions, "tokens": tokens, "scattering": scattering,
             "multiscale": multiscale}

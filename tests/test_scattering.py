@@ -124,12 +124,16 @@ def test_output_matches_kymatio_and_is_channels_last():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_order,weights,padding", [
-    (2, (1.0, 1.0, 1.0), "reflect"), (2, (0.3, 2.0, 12.0), "reflect"), (1, (1.0, 1.0), "reflect"),
-    (2, (0.3, 2.0, 12.0), "zero")])
+@pytest.mark.parametrize("max_order,weights,padding,angles", [
+    (2, (1.0, 1.0, 1.0), "reflect", 8), (2, (0.3, 2.0, 12.0), "reflect", 4),
+    (1, (1.0, 1.0), "reflect", 8), (2, (0.3, 2.0, 12.0), "zero", 4)])
 def test_lipschitz_constant_holds_against_gradient_ascent_and_power_iteration(max_order, weights,
-                                                                              padding):
-    layer = DP_Scattering(J=2, max_order=max_order, order_weights=weights, padding=padding)
+                                                                              padding, angles):
+    """The order weights and the padding enter the constant whatever the number of angles:
+    their cases run 4 (a graph 3.4x cheaper to build than 8's); 8 angles with those weights
+    and zero padding are held by the multiscale tests below."""
+    layer = DP_Scattering(J=2, angles=angles, max_order=max_order, order_weights=weights,
+                          padding=padding)
     layer(_images(1, 0))
     bound = layer.lipschitz_constant
     # Gradient ascent on the difference quotient, from random pairs (small and large gaps).
