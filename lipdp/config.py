@@ -35,6 +35,7 @@ Schema (defaults shown)::
       scattering_order_weights: [1.0, 1.0, 1.0]  # scatternet: weights of orders 0, 1, 2
       scattering_padding: reflect  # scatternet: reflect (kymatio's) | zero (half the
                                #   Lipschitz constant on 28x28: each pixel in the padded grid once)
+      scattering_angles: 8     # scatternet: orientations L of the Morlet wavelets (kymatio's 8)
       scattering_scale_weights: null  # scatternet, several J, no normalisation: a factor per
                                #   scale on its order weights (null: all 1)
       feature_bound: 3.0       # scatternet: L2 bound of the scattering features
@@ -113,8 +114,9 @@ Architectures (all layers from `lipdp.layers`, every one 1-Lipschitz):
   for f in conv_filters, DP_Flatten, DP_QuickSpectralDense(dense_width),
   DP_GroupSort(2), DP_QuickSpectralDense(nb_classes)``. Needs image inputs.
 - ``scatternet`` (Tramèr & Boneh's ScatterNet features, a Lipschitz head): the fixed front end
-  ``DP_BoundedInput(X0), DP_Scattering(scattering_J, order_weights=...)`` (no variables, no
-  data: its Lipschitz constant is computed, `lipdp.layers.scattering`) is applied once to
+  ``DP_BoundedInput(X0), DP_Scattering(scattering_J, scattering_angles, order_weights=...)``
+  (no variables, no data: its Lipschitz constant is computed, `lipdp.layers.scattering`;
+  fewer angles make fewer paths and a smaller graph to build) is applied once to
   every image by `lipdp.data.load_dataset(feature_map=...)`; the DP model trained is the head
   ``DP_BoundedInput(feature_bound), DP_Flatten, [DP_QuickSpectralDense(w), DP_GroupSort(2)]
   for w in widths, DP_QuickSpectralDense(nb_classes)`` on the features. Certified radii are
@@ -201,6 +203,7 @@ DEFAULT_CONFIG: Dict[str, Dict[str, Any]] = {
         "scattering_J": 2,
         "scattering_order_weights": [1.0, 1.0, 1.0],
         "scattering_padding": "reflect",
+        "scattering_angles": 8,
         "scattering_scale_weights": None,
         "feature_bound": 3.0,
         "feature_normalization": "none",
@@ -391,6 +394,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "scattering_J": _scales,
         "scattering_order_weights": _order_weights,
         "scattering_padding": _choice("reflect", "zero"),
+        "scattering_angles": _positive_int,
         "scattering_scale_weights": lambda k, v: None if v is None else _positive_list(k, v),
         "feature_bound": _POSITIVE,
         "feature_normalization": _choice("none", "group"),
@@ -762,11 +766,12 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
     try:
         if isinstance(model_cfg["scattering_J"], list):  # certified: one DP layer
             scattering = layers.DP_MultiscaleScattering(
-                scales=model_cfg["scattering_J"], order_weights=weights,
-                scale_weights=model_cfg["scattering_scale_weights"],
+                scales=model_cfg["scattering_J"], angles=model_cfg["scattering_angles"],
+                order_weights=weights, scale_weights=model_cfg["scattering_scale_weights"],
                 padding=model_cfg["scattering_padding"])
         else:
             scattering = layers.DP_Scattering(J=model_cfg["scattering_J"],
+                                              angles=model_cfg["scattering_angles"],
                                               max_order=len(weights) - 1, order_weights=weights,
                                               padding=model_cfg["scattering_padding"])
         stack = [layers.DP_BoundedInput(input_bound), scattering]
@@ -800,7 +805,8 @@ def _multiscale_front_end(model_cfg: Dict[str, Any], input_bound: float):
     try:
         for J, groups in zip(model_cfg["scattering_J"], model_cfg["feature_groups"]):
             max_order = min(len(weights) - 1, J)
-            branches.append([layers.DP_Scattering(J=J, max_order=max_order,
+            branches.append([layers.DP_Scattering(J=J, angles=model_cfg["scattering_angles"],
+                                                  max_order=max_order,
                                                   order_weights=weights[:max_order + 1],
                                                   padding=model_cfg["scattering_padding"]),
                              _group_normalization(groups), tf.keras.layers.Flatten()])
@@ -964,6 +970,7 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
         m = cfg["model"]
         key = ("scatternet", d["input_bound"], _hashable(m["scattering_J"]),
                tuple(m["scattering_order_weights"]), m["scattering_padding"],
+               m["scattering_angles"],
                _hashable(m["scattering_scale_weights"]), m["feature_normalization"],
                _hashable(m["feature_groups"]))
         # everything build_front_end reads

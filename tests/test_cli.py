@@ -516,12 +516,13 @@ def test_train_stops_at_the_budget(fake_fashion, tmp_path, capsys):
 def test_train_scatternet_end_to_end(fake_fashion, tmp_path, capsys):
     cfg = load_config(None, [
         "dataset.batch_size=10", "dataset.nb_samples_train=40", "dataset.input_bound=28.0",
-        "model.architecture=scatternet", "model.widths=[]",
+        "model.architecture=scatternet", "model.widths=[]", "model.scattering_angles=4",
         "model.scattering_order_weights=[0.5, 1.0, 4.0]", "model.feature_bound=2.0",
         "training.epochs=1", "privacy.epsilon_budget=null"])
     model, _, ds_test, metadata, _ = config.build_from_config(cfg)
-    # The DP model is the head, on 7 x 7 x 81 scattering features bounded by feature_bound.
-    assert metadata.input_shape == (7, 7, 81) and metadata.max_norm == 2.0
+    # The DP model is the head, on 7 x 7 x 25 scattering features (J = 2, 4 angles: 1 + 8 + 16
+    # paths) bounded by feature_bound.
+    assert metadata.input_shape == (7, 7, 25) and metadata.max_norm == 2.0
     assert [type(layer).__name__ for layer in model.layers] == [
         "DP_BoundedInput", "DP_Flatten", "DP_QuickSpectralDense"]
     network, images = config.certification_target(cfg, model, ds_test)
@@ -662,17 +663,18 @@ def test_certified_multiscale_scatternet_trains_and_certifies_in_pixel_space(fak
         "model.architecture=scatternet", "model.widths=[]", "model.use_bias=true",
         "model.scattering_J=[2, 1]", "model.scattering_order_weights=[0.3, 1.0, 4.0]",
         "model.scattering_scale_weights=[1.0, 0.5]", "model.scattering_padding=zero",
-        "privacy.mode=clipped", "privacy.l2_norm_clip=1.0", "training.epochs=1",
-        "privacy.epsilon_budget=null"])
+        "model.scattering_angles=4", "privacy.mode=clipped", "privacy.l2_norm_clip=1.0",
+        "training.epochs=1", "privacy.epsilon_budget=null"])
     front = config.build_front_end(cfg["model"], 28.0)
     from lipdp import layers
 
     assert isinstance(front.layers[1], layers.DP_MultiscaleScattering)
     x = tf.random.stateless_uniform([2, 28, 28, 1], seed=[5, 3])
     features = front(x).numpy()
-    assert features.shape == (2, 81 * 7 * 7 + 9 * 14 * 14)
-    fine = layers.DP_Scattering(J=1, max_order=1, order_weights=(0.15, 0.5), padding="zero")
-    np.testing.assert_array_equal(features[:, 81 * 7 * 7:], fine(x).numpy().reshape(2, -1))
+    assert features.shape == (2, 25 * 7 * 7 + 5 * 14 * 14)  # 4 angles: 25 and 5 paths
+    fine = layers.DP_Scattering(J=1, angles=4, max_order=1, order_weights=(0.15, 0.5),
+                                padding="zero")
+    np.testing.assert_array_equal(features[:, 25 * 7 * 7:], fine(x).numpy().reshape(2, -1))
     coarse, fine_constant = (s.lipschitz_constant for s in front.layers[1].scatterings)
     assert fine_constant == pytest.approx(fine.lipschitz_constant)
     assert front.layers[1].lipschitz_constant == pytest.approx(np.hypot(coarse, fine_constant))
@@ -783,6 +785,37 @@ def test_configs_that_mirror_the_main_job_build_its_model(name):
         different = {k for k in main[section] if cfg[section].get(k) != main[section][k]}
         assert different <= {"name"}, (section, different)
     assert cfg["training"]["bjorck_every"] == main["training"]["bjorck_every"]
+
+
+def test_scattering_angles_reach_every_scattering_layer_and_the_feature_cache(fake_fashion):
+    """``model.scattering_angles`` (kymatio's L, default 8) builds every scattering of the
+    single, certified multiscale and normalised multiscale front ends; the features cached
+    for one setting are not served to another (they have 1 + 2 L + L^2 paths at J = 2)."""
+    from lipdp import layers
+
+    assert load_config(None)["model"]["scattering_angles"] == 8
+    cfg = load_config(None, ["model.architecture=scatternet", "model.scattering_angles=4"])
+    assert config.build_front_end(cfg["model"], 28.0).layers[1].angles == 4
+    certified = config.build_front_end({**cfg["model"], "scattering_J": [2, 1]}, 28.0)
+    assert isinstance(certified.layers[1], layers.DP_MultiscaleScattering)
+    assert [s.angles for s in certified.layers[1].scatterings] == [4, 4]
+    grouped = config.build_front_end({**cfg["model"], "scattering_J": [2, 1],
+                                      "feature_groups": [5, 5],
+                                      "feature_normalization": "group"}, 28.0)
+    assert [branch[0].angles for branch in grouped.branches] == [4, 4]
+    for bad in ["0", "2.5", "four"]:
+        with pytest.raises(ConfigError, match="scattering_angles"):
+            load_config(None, [f"model.scattering_angles={bad}"])
+    shapes = []
+    for angles in (8, 4, 8):
+        small = load_config(None, ["dataset.batch_size=10", "dataset.nb_samples_train=40",
+                                   "model.architecture=scatternet", "model.widths=[]",
+                                   f"model.scattering_angles={angles}",
+                                   "privacy.epsilon_budget=null", "training.epochs=1"])
+        _, ds_train, _, metadata, _ = config.build_from_config(small)
+        shapes.append((metadata.input_shape, next(iter(ds_train))[0].shape[1:]))
+    assert shapes == [((7, 7, 81), (7, 7, 81)), ((7, 7, 25), (7, 7, 25)),
+                      ((7, 7, 81), (7, 7, 81))]
 
 
 def test_scattering_padding_reaches_every_scattering_layer_and_its_constant():
