@@ -835,6 +835,16 @@ def _hashable(value):
     return tuple(value) if isinstance(value, list) else value
 
 
+def _front_end_key(model_cfg: Dict[str, Any], input_bound: float):
+    """The feature cache's name for the front end `build_front_end` builds: the input bound
+    and every option it reads (each ``scattering_*`` one, the normalisation and its groups),
+    derived rather than listed, so that a new ``scattering_*`` option cannot be left out and
+    have one setting's cached features served to another."""
+    names = sorted(k for k in model_cfg if k.startswith("scattering_"))
+    names += ["feature_normalization", "feature_groups"]
+    return ("scatternet", input_bound) + tuple((k, _hashable(model_cfg[k])) for k in names)
+
+
 def _bound_argument(dataset_cfg: Dict[str, Any], max_norm: float) -> Dict[str, float]:
     """`lipdp.data.load_dataset`'s keyword for the ``dataset.bound`` mode, set to max_norm."""
     from lipdp.data import InputBound
@@ -968,14 +978,8 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     front = build_front_end(cfg["model"], d["input_bound"])
     if front is not None:
         m = cfg["model"]
-        key = ("scatternet", d["input_bound"], _hashable(m["scattering_J"]),
-               tuple(m["scattering_order_weights"]), m["scattering_padding"],
-               m["scattering_angles"],
-               _hashable(m["scattering_scale_weights"]), m["feature_normalization"],
-               _hashable(m["feature_groups"]))
-        # everything build_front_end reads
         bound = {**_bound_argument(d, m["feature_bound"]), "feature_map": front,
-                 "feature_cache_key": key}
+                 "feature_cache_key": _front_end_key(m, d["input_bound"])}
     try:
         ds_train, ds_test, metadata = load_dataset(
             d["name"], d["batch_size"], sampling=d["sampling"], seed=d["seed"],
