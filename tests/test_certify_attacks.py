@@ -19,9 +19,9 @@ Attacks. The model is handed to ART's `TensorFlowV2Classifier` (as a `tf.functio
 model's inference call, for speed; flips are then judged by the model itself, eagerly, as
 `certified_radii` evaluates it; CW's per-example class gradients are taken in one pass
 instead of ART's one per class, checked equal to ART's). PGD (norm 2) maximises the config's
-tau-cross-entropy (stronger here than plain cross-entropy: with 40 untargeted steps at 2x the radius it
-flipped 10/60 zoo predictions where cross-entropy flipped 0), untargeted and targeted at the
-runner-up class, with a per-example budget ``eps_i = 0.99 r_i`` (ART's array ``eps``), 50
+tau-cross-entropy (stronger here than plain cross-entropy: with 40 untargeted steps at 2x
+the radius it flipped 10/60 zoo predictions where cross-entropy flipped 0), untargeted and
+targeted at the runner-up class, with a per-example budget ``eps_i = 0.99 r_i`` (ART's array ``eps``), 50
 steps of ``eps_i / 8``; ART draws random starts only for a scalar L2 budget, so a third run
 groups the examples by radius and uses the smallest ``0.99 r`` of each group, from 2 random
 starts (30 steps). PGD runs without ART's box constraint (the certificate covers any raw
