@@ -21,11 +21,12 @@ model's inference call, for speed; flips are then judged by the model itself, ea
 instead of ART's one per class, checked equal to ART's). PGD (norm 2) maximises the config's
 tau-cross-entropy (stronger here than plain cross-entropy: with 40 untargeted steps at 2x
 the radius it flipped 10/60 zoo predictions where cross-entropy flipped 0), untargeted and
-targeted at the runner-up class, with a per-example budget ``eps_i = 0.99 r_i`` (ART's array ``eps``), 50
-steps of ``eps_i / 8``; ART draws random starts only for a scalar L2 budget, so a third run
-groups the examples by radius and uses the smallest ``0.99 r`` of each group, from 2 random
-starts (30 steps). PGD runs without ART's box constraint (the certificate covers any raw
-input); CW L2 optimises in ART's tanh box, set to [-1, 2] (wider than the pixels' [0, 1]).
+targeted at the runner-up class, with a per-example budget ``eps_i = 0.99 r_i`` (ART's array
+``eps``), 50 steps of ``eps_i / 8``; ART draws random starts only for a scalar L2 budget, so
+a third run groups the examples by radius and uses the smallest ``0.99 r`` of each group,
+from 2 random starts (30 steps). PGD runs without ART's box constraint (the certificate
+covers any raw input); CW L2 optimises in ART's tanh box, set to [-1, 2] (wider than the
+pixels' [0, 1]).
 
 That the attacks are real is checked, not assumed: the same PGD at a larger budget flips
 most certified predictions, and CW finds an adversarial example for most inputs. Measured
