@@ -17,16 +17,15 @@ median ~1.5, zoo: ~0.45 in L2 on [0, 1] pixels). No data files are read.
 
 Attacks. The model is handed to ART's `TensorFlowV2Classifier` (as a `tf.function` of the
 model's inference call, for speed; flips are then judged by the model itself, eagerly, as
-`certified_radii` evaluates it; CW's per-example class gradients are taken in one pass
-instead of ART's one per class, checked equal to ART's). PGD (norm 2) maximises the config's
-tau-cross-entropy (stronger here than plain cross-entropy: with 40 untargeted steps at 2x
-the radius it flipped 10/60 zoo predictions where cross-entropy flipped 0), untargeted and
-targeted at the runner-up class, with a per-example budget ``eps_i = 0.99 r_i`` (ART's array
-``eps``), 50 steps of ``eps_i / 8``; ART draws random starts only for a scalar L2 budget, so
-a third run groups the examples by radius and uses the smallest ``0.99 r`` of each group,
-from 2 random starts (30 steps). PGD runs without ART's box constraint (the certificate
-covers any raw input); CW L2 optimises in ART's tanh box, set to [-1, 2] (wider than the
-pixels' [0, 1]).
+`certified_radii` evaluates it; its gradients as traced functions, `_GraphGradients`,
+checked equal to ART's). PGD (norm 2) maximises the config's tau-cross-entropy (stronger
+here than plain cross-entropy: with 40 untargeted steps at 2x the radius it flipped 10/60
+zoo predictions where cross-entropy flipped 0), untargeted and targeted at the runner-up
+class, with a per-example budget ``eps_i = 0.99 r_i`` (ART's array ``eps``), 50 steps of
+``eps_i / 8``; ART draws random starts only for a scalar L2 budget, so a third run groups
+the examples by radius and uses the smallest ``0.99 r`` of each group, from 2 random starts
+(30 steps). PGD runs without ART's box constraint (the certificate covers any raw input); CW
+L2 optimises in ART's tanh box, set to [-1, 2] (wider than the pixels' [0, 1]).
 
 That the attacks are real is checked, not assumed: the same PGD at a larger budget flips
 most certified predictions, and CW finds an adversarial example for most inputs. Measured
@@ -130,25 +129,20 @@ def _predict(model, x):
     return np.argmax(model(np.asarray(x, np.float32), training=False).numpy(), axis=1)
 
 
-def _classifier(model, loss, clip_values=None, kind=TensorFlowV2Classifier):
-    infer = tf.function(lambda inputs, training=False: model(inputs, training=False),
-                        reduce_retracing=True)
-    return kind(infer, nb_classes=int(model.output_shape[-1]),
-                input_shape=tuple(model.input_shape[1:]), loss_object=loss,
-                clip_values=clip_values)
-
-
-class _OnePassClassGradients(TensorFlowV2Classifier):
-    """ART's classifier whose `class_gradient` for one label per example takes one forward
-    and one backward pass of the batch. ART's takes one of each per distinct label (10 for
-    10 classes), and Carlini-Wagner asks for two such gradients per iteration; the examples
-    do not interact (inference mode), so the gradient of ``sum_i logits[i, label_i]`` is each
-    example's own. `test_carlini_wagner_finds_no_adversarial_example_inside_the_radius`
-    checks it against ART's before the attack; the attack itself is ART's."""
+class _GraphGradients(TensorFlowV2Classifier):
+    """ART's classifier with its two gradients computed as one traced function each, for
+    the same values. `class_gradient` for one label per example: one forward and one
+    backward pass of the batch, where ART takes one of each per distinct label (10 for 10
+    classes; Carlini-Wagner asks for two such gradients per iteration) -- the examples do
+    not interact (inference mode), so the gradient of ``sum_i logits[i, label_i]`` is each
+    example's own. `loss_gradient` (what PGD asks for): ART's tape around the model and
+    the loss, traced instead of run op by op. `_classifier` checks both against ART's
+    before every attack; the attacks are ART's."""
 
     def __init__(self, model, **kwargs):
         super().__init__(model, preprocessing=None, **kwargs)  # ART's default: x * 1 + 0
         self._picked_gradients = tf.function(self._picked_gradient, reduce_retracing=True)
+        self._loss_gradients = tf.function(self._loss_gradient, reduce_retracing=True)
 
     def _picked_gradient(self, x, label):
         with tf.GradientTape() as tape:
@@ -156,13 +150,43 @@ class _OnePassClassGradients(TensorFlowV2Classifier):
             picked = tf.gather(self.model(x, training=False), label, batch_dims=1)
         return tape.gradient(picked, x)
 
+    def _loss_gradient(self, x, y):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = self._loss_object(y, self.model(x, training=False))
+        return tape.gradient(loss, x)
+
     def class_gradient(self, x, label=None, training_mode=False, **kwargs):
-        if (label is None or np.ndim(label) == 0 or training_mode
-                or self.preprocessing_operations):
+        if label is None or np.ndim(label) == 0 or training_mode:
             return super().class_gradient(x, label, training_mode, **kwargs)
         gradients = self._picked_gradients(tf.convert_to_tensor(x, tf.float32),
                                            tf.convert_to_tensor(np.asarray(label), tf.int64))
         return gradients.numpy()[:, None]
+
+    def loss_gradient(self, x, y, training_mode=False, **kwargs):
+        if training_mode or self._reduce_labels:
+            return super().loss_gradient(x, y, training_mode, **kwargs)
+        gradients = self._loss_gradients(tf.convert_to_tensor(x, tf.float32),
+                                         tf.convert_to_tensor(y, tf.float32))
+        return gradients.numpy() if isinstance(x, np.ndarray) else gradients
+
+
+def _classifier(model, loss, x, clip_values=None):
+    """A `_GraphGradients` classifier of the model's inference call, its class and loss
+    gradients on ``x`` checked equal to those of ART's own `TensorFlowV2Classifier`."""
+    infer = tf.function(lambda inputs, training=False: model(inputs, training=False),
+                        reduce_retracing=True)
+    options = dict(nb_classes=int(model.output_shape[-1]),
+                   input_shape=tuple(model.input_shape[1:]), loss_object=loss,
+                   clip_values=clip_values)
+    graph, art = _GraphGradients(infer, **options), TensorFlowV2Classifier(infer, **options)
+    labels = np.arange(len(x)) % options["nb_classes"]  # every class, as CW's runner-ups
+    one_hot = np.eye(options["nb_classes"], dtype=np.float32)[labels]
+    for ours, theirs in ((graph.class_gradient(x, label=labels),
+                          art.class_gradient(x, label=labels)),
+                         (graph.loss_gradient(x, one_hot), art.loss_gradient(x, one_hot))):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.max(np.abs(theirs)))
+    return graph
 
 
 def _distances(x_adv, x):
@@ -174,7 +198,7 @@ def pgd_attack(model, loss, x, pred, budgets, restarts=True):
     budget, `PGD_STEPS` steps of budget / 8; then (``restarts``) from 2 random starts, per group
     of 20 examples of similar budgets at the group's smallest budget, `RESTART_STEPS` steps.
     Returns the adversarial candidates of each run, ``(runs, n) + input_shape``."""
-    classifier = _classifier(model, loss)
+    classifier = _classifier(model, loss, x)
     nb_classes = int(model.output_shape[-1])
     runner_up = np.argsort(model(x, training=False).numpy(), axis=1)[:, -2]
     eps = np.asarray(budgets, np.float32).reshape((-1,) + (1,) * (x.ndim - 1))
@@ -231,13 +255,8 @@ def test_pgd_is_a_real_attack_above_the_radius(trained):
 def test_carlini_wagner_finds_no_adversarial_example_inside_the_radius(trained):
     kind, model, loss, x, pred, radii = trained
     x, pred, radii = x[:N_CW], pred[:N_CW], radii[:N_CW]
-    loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
-    classifier = _classifier(model, loss, clip_values=(-1.0, 2.0), kind=_OnePassClassGradients)
-    labels = np.arange(len(x)) % int(model.output_shape[-1])  # every class, as CW's runner-ups
-    np.testing.assert_allclose(  # the one-pass gradients are ART's
-        classifier.class_gradient(x, label=labels),
-        _classifier(model, loss, clip_values=(-1.0, 2.0)).class_gradient(x, label=labels),
-        rtol=1e-5, atol=1e-6)
+    classifier = _classifier(model, tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+                             x, clip_values=(-1.0, 2.0))
     attack = CarliniL2Method(classifier, confidence=0.0, learning_rate=0.05,
                              binary_search_steps=4, max_iter=15, initial_const=1.0,
                              max_halving=2, max_doubling=2, batch_size=len(x), verbose=False)
