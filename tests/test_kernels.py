@@ -11,6 +11,8 @@ have second-order gradients; and the loader falls back, with a warning, when it 
 compile.
 """
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -268,7 +270,10 @@ def test_without_a_compiler_the_layers_fall_back_with_a_warning(tmp_path):
     assert "FUSED False" in out and "no C++ compiler found" in out
     assert "NOISE_FUSED False" in out
     assert "fused GroupSort2 / L2-norm pooling / noise kernels are unavailable" in err
-    fused_out, _ = _run_python(_FALLBACK_CHECK)
+    fused = io.StringIO()  # the same check in this process, whose kernels are loaded
+    with contextlib.redirect_stdout(fused):
+        exec(textwrap.dedent(_FALLBACK_CHECK), {})
+    fused_out = fused.getvalue()
     assert "FUSED True" in fused_out and "NOISE_FUSED True" in fused_out
     value = [line for line in out.splitlines() if line.startswith("VALUE")]
     assert value == [line for line in fused_out.splitlines() if line.startswith("VALUE")]
@@ -285,26 +290,30 @@ def test_a_failed_compilation_falls_back_and_the_switch_disables_silently(tmp_pa
 
 
 def test_a_saved_model_that_ran_the_kernels_loads_once_they_are_loaded(tmp_path):
-    """A SavedModel holds the custom ops: another process loads it after
-    lipdp.kernels.fused_ops() (not after `import lipdp` alone, which loads nothing)."""
+    """A SavedModel holds the custom ops: another process refuses it after `import lipdp`
+    alone (which loads nothing) and loads it once lipdp.kernels.fused_ops() has run."""
     model = tf.keras.Sequential([tf.keras.layers.Input((6, 6, 4)), DP_GroupSort(2),
                                  DP_ScaledL2NormPooling2D(2)])
     tf.saved_model.save(model, str(tmp_path / "model"))
     x = tf.random.stateless_normal((2, 6, 6, 4), seed=(14, 15))
     np.save(tmp_path / "x.npy", x.numpy())
-    load = f"""
+    out, _ = _run_python(f"""
         import numpy as np, tensorflow as tf
         import lipdp
-        {{}}
-        try:
-            loaded = tf.saved_model.load({str(tmp_path / "model")!r})
-            y = loaded.signatures["serving_default"](tf.constant(np.load({str(tmp_path / "x.npy")!r})))
-            np.save({str(tmp_path / "y.npy")!r}, list(y.values())[0].numpy())
-            print("LOADED")
-        except Exception as error:
-            print("REFUSED", type(error).__name__)
-    """
-    out, _ = _run_python(load.format("pass"))
-    assert "REFUSED" in out
-    out, _ = _run_python(load.format("lipdp.kernels.fused_ops()"))
-    assert "LOADED" in out and _same(np.load(tmp_path / "y.npy"), model(x))
+
+        def load(when):
+            try:
+                loaded = tf.saved_model.load({str(tmp_path / "model")!r})
+                y = loaded.signatures["serving_default"](
+                    tf.constant(np.load({str(tmp_path / "x.npy")!r})))
+                np.save({str(tmp_path / "y.npy")!r}, list(y.values())[0].numpy())
+                print(when, "LOADED")
+            except Exception as error:
+                print(when, "REFUSED", type(error).__name__)
+
+        load("IMPORTED")
+        lipdp.kernels.fused_ops()
+        load("FUSED_OPS")
+    """)  # one process: the refusal, then the load once the kernels are loaded
+    assert "IMPORTED REFUSED" in out and "IMPORTED LOADED" not in out
+    assert "FUSED_OPS LOADED" in out and _same(np.load(tmp_path / "y.npy"), model(x))
