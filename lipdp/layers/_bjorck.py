@@ -216,13 +216,16 @@ def _from_gram(w, gram, eps, beta, maxiter):
         return tf.logical_and(distance >= eps, iteration < maxiter)
 
     def iterate(iteration, increment, deviation, square, distance):
-        deviation = _symmetric((1.0 - 2.0 * beta) * deviation
-                               + (2.0 * beta - beta * beta) * square
-                               + beta * beta * tf.matmul(square, deviation))
+        # Each sum has two terms with a product between them: Grappler's AddOpsRewrite turns a
+        # sum of three same-shape terms into an AddN, and its memory optimizer may turn that
+        # AddN into a TemporaryVariable, which fails in a loop's second iteration
+        # (AlreadyExistsError; tensorflow/tensorflow#23780).
+        deviation = _symmetric((1.0 - 2.0 * beta) * deviation + tf.matmul(
+            square, (2.0 * beta - beta * beta) * eye + beta * beta * deviation))
         if wide:  # P_{k+1} = M_k P_k for the left factor
-            increment = increment + beta * deviation + beta * tf.matmul(deviation, increment)
+            increment = increment + beta * (deviation + tf.matmul(deviation, increment))
         else:
-            increment = increment + beta * deviation + beta * tf.matmul(increment, deviation)
+            increment = increment + beta * (deviation + tf.matmul(increment, deviation))
         distance, square = moved(deviation)
         return iteration + 1, increment, deviation, square, distance
 
