@@ -40,44 +40,43 @@ def _optimized(concrete_function):
     return tf_optimizer.OptimizeGraph(config, meta_graph)
 
 
-def sums_of_more_than_two_in_loops(concrete_function):
-    """Names of the ``AddN`` nodes of more than two inputs that Grappler leaves inside a loop
-    frame of `concrete_function`'s graph."""
+def loops_and_sums(concrete_function):
+    """``(loops, sums)`` of `concrete_function`'s graph as Grappler leaves it: the number of
+    ``Enter`` nodes (one per loop variable of each loop) and the names of the ``AddN`` nodes of
+    more than two inputs inside a loop frame."""
     graph = _optimized(concrete_function)
     consumers = collections.defaultdict(list)
     for node in graph.node:
         for name in node.input:
             consumers[name.lstrip("^").split(":")[0]].append(node)
-    in_loop, frontier = set(), [n for n in graph.node if n.op == "Enter"]
+    enters = [n for n in graph.node if n.op == "Enter"]
+    in_loop, frontier = set(), list(enters)
     while frontier:
         node = frontier.pop()
         if node.name in in_loop or node.op == "Exit":
             continue
         in_loop.add(node.name)
         frontier.extend(consumers[node.name])
-    return sorted(n.name for n in graph.node if n.op == "AddN" and n.name in in_loop
-                  and sum(not i.startswith("^") for i in n.input) > 2)
-
-
-def _loop_count(concrete_function):
-    return sum(n.op == "Enter" for n in _optimized(concrete_function).node)
+    return len(enters), sorted(n.name for n in graph.node if n.op == "AddN"
+                               and n.name in in_loop
+                               and sum(not i.startswith("^") for i in n.input) > 2)
 
 
 @pytest.mark.parametrize("shape", [(3136, 512), (64, 600)])
 @pytest.mark.parametrize("beta", [0.5, 0.4])
 def test_gram_space_bjorck_loop_has_no_sum_of_three(shape, beta):
     function = tf.function(lambda w: gram_space_bjorck(w, 1e-6, beta, 15))
-    concrete = function.get_concrete_function(tf.TensorSpec(shape))
-    assert _loop_count(concrete) > 0  # the check sees the loop
-    assert sums_of_more_than_two_in_loops(concrete) == []
+    loops, sums = loops_and_sums(function.get_concrete_function(tf.TensorSpec(shape)))
+    assert loops > 0  # the check sees the loop
+    assert sums == []
 
 
 def test_normalised_gram_space_bjorck_loop_has_no_sum_of_three():
     function = tf.function(lambda w, u: normalised_gram_space_bjorck(w, u, 1e-3, 10, 1e-6,
                                                                      0.5, 15)[0])
-    concrete = function.get_concrete_function(tf.TensorSpec([3136, 512]),
-                                              tf.TensorSpec([1, 512]))
-    assert sums_of_more_than_two_in_loops(concrete) == []
+    _, sums = loops_and_sums(function.get_concrete_function(tf.TensorSpec([3136, 512]),
+                                                            tf.TensorSpec([1, 512])))
+    assert sums == []
 
 
 def test_the_check_finds_a_sum_of_three_in_a_loop():
@@ -93,10 +92,8 @@ def test_the_check_finds_a_sum_of_three_in_a_loop():
 
         return tf.function(function).get_concrete_function(tf.TensorSpec([300, 64]))
 
-    assert len(sums_of_more_than_two_in_loops(
-        loop(lambda q, d: q + 0.5 * d + 0.5 * tf.matmul(q, d)))) == 1
-    assert sums_of_more_than_two_in_loops(
-        loop(lambda q, d: q + 0.5 * (d + tf.matmul(q, d)))) == []
+    assert len(loops_and_sums(loop(lambda q, d: q + 0.5 * d + 0.5 * tf.matmul(q, d)))[1]) == 1
+    assert loops_and_sums(loop(lambda q, d: q + 0.5 * (d + tf.matmul(q, d))))[1] == []
 
 
 def test_the_papers_cnn_ghost_step_has_no_sum_of_three_in_a_loop():
@@ -118,7 +115,7 @@ def test_the_papers_cnn_ghost_step_has_no_sum_of_three_in_a_loop():
     model.compile(loss=DP_TauCategoricalCrossentropy(8.0),
                   optimizer=tf.keras.optimizers.Adam(1e-3))
     step = tf.function(lambda x, y: model.train_step((x, y)))
-    concrete = step.get_concrete_function(tf.TensorSpec([batch, 28, 28, 1]),
-                                          tf.TensorSpec([batch, 10]))
-    assert _loop_count(concrete) > 10
-    assert sums_of_more_than_two_in_loops(concrete) == []
+    loops, sums = loops_and_sums(step.get_concrete_function(
+        tf.TensorSpec([batch, 28, 28, 1]), tf.TensorSpec([batch, 10])))
+    assert loops > 10
+    assert sums == []
