@@ -11,11 +11,16 @@ import pytest
 import tensorflow as tf
 from deel.lip.normalizers import bjorck_normalization, spectral_normalization
 
-from lipdp.layers._bjorck import (GRAM_SPACE_MIN_ASPECT, gram_space_bjorck,
-                                  normalised_gram_space_bjorck, orthogonalise)
+from lipdp.layers._bjorck import (GRAM_BLOCKS_MIN_SIDE, GRAM_SPACE_MIN_ASPECT,
+                                  gram_space_bjorck, kernel_space_bjorck,
+                                  normalised_gram_space_bjorck, orthogonalise, symmetric_gram)
 from lipdp.layers._projection import ProjectionConfig, project_kernel
 
 SHAPES = [(600, 96), (96, 600), (300, 40), (40, 300), (3136, 64)]
+# Square-ish kernels (deel-lip's loop in their own space), Gram matrices below and above the
+# side computed in blocks (not a multiple of the block count: uneven blocks).
+NEAR_SQUARE = [(40, 40), (60, 50), (GRAM_BLOCKS_MIN_SIDE + 1, 600), (600, GRAM_BLOCKS_MIN_SIDE + 1),
+               (500, 500)]
 
 
 def _near_orthogonal(shape, seed, step=1e-3):
@@ -162,7 +167,7 @@ def test_divergence_is_reported_as_deel_lips_and_the_projection_recovers():
 
 
 def test_dispatch_by_aspect_ratio(monkeypatch):
-    """Elongated kernels take the Gram-space form, square-ish ones deel-lip's loop."""
+    """Elongated kernels take the Gram-space form, square-ish ones deel-lip's iteration."""
     import lipdp.layers._bjorck as bjorck
 
     calls = []
@@ -172,3 +177,49 @@ def test_dispatch_by_aspect_ratio(monkeypatch):
     for shape in [(long_side, 20), (20, long_side), (long_side - 1, 20), (40, 40)]:
         orthogonalise(tf.constant(_spread(shape, seed=3)), eps=1e-3, beta=0.5, maxiter=15)
     assert calls == [(long_side, 20), (20, long_side)]
+
+
+@pytest.mark.parametrize("shape", [(GRAM_BLOCKS_MIN_SIDE - 1, 700), (GRAM_BLOCKS_MIN_SIDE, 700),
+                                   (700, GRAM_BLOCKS_MIN_SIDE + 2), (500, 500)])
+def test_symmetric_gram_is_the_gram_matrix_to_float32_rounding(shape):
+    """Computed in blocks or not, every entry is a float32 dot product of length n: within
+    ``n u sum_k |a_k b_k|`` (u = 2^-24, the classic bound ``gamma_n``) of the exact one, and
+    the matrix is exactly symmetric; a block placed or mirrored wrongly is off by O(1)."""
+    w = _spread(shape, seed=sum(shape)).astype(np.float32)
+    for wide in (True, False):
+        v = w.astype(np.float64) if wide else w.T.astype(np.float64)
+        gram = symmetric_gram(tf.constant(w), wide).numpy()
+        assert gram.shape == (v.shape[0],) * 2
+        np.testing.assert_array_equal(gram, gram.T)
+        bound = v.shape[1] * 2.0 ** -24 * (np.abs(v) @ np.abs(v).T)
+        assert np.all(np.abs(gram - v @ v.T) <= bound)
+
+
+@pytest.mark.parametrize("shape", NEAR_SQUARE)
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_kernel_space_bjorck_matches_deel_lip(shape, iterations):
+    """Square-ish kernels: deel-lip's iterates to float32 rounding, each of its Gram
+    matrices computed in blocks from `GRAM_BLOCKS_MIN_SIDE` rows on."""
+    for make in (_near_orthogonal, _spread):
+        w = tf.constant(make(shape, seed=iterations))
+        expected = bjorck_normalization(w, eps=1e-30, beta=0.5, maxiter=iterations).numpy()
+        got = kernel_space_bjorck(w, eps=1e-30, beta=0.5, maxiter=iterations).numpy()
+        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", NEAR_SQUARE)
+def test_kernel_space_stopping_rule_matches_deel_lip(shape):
+    """deel-lip's stopping rule, as `test_stopping_rule_matches_deel_lip` checks it for the
+    Gram-space form: tolerances 0.8 and 1.25 times each distance moved."""
+    w = tf.constant(_near_orthogonal(shape, seed=0, step=3e-3))
+    fixed = [w.numpy()] + [bjorck_normalization(w, eps=1e-30, beta=0.5, maxiter=k).numpy()
+                           for k in (1, 2, 3)]
+    moved = [np.linalg.norm(after - before) for before, after in zip(fixed, fixed[1:])]
+    for count, eps in [(1, 1.25 * moved[0]), (2, 0.8 * moved[0]), (2, 1.25 * moved[1]),
+                       (3, 0.8 * moved[1])]:
+        expected = bjorck_normalization(w, eps=eps, beta=0.5, maxiter=15).numpy()
+        np.testing.assert_array_equal(expected, fixed[count])
+        margin = min(np.linalg.norm(expected - fixed[k]) for k in (count - 1, count + 1)
+                     if 1 <= k <= 2 and k != count)
+        got = kernel_space_bjorck(w, eps=eps, beta=0.5, maxiter=15).numpy()
+        assert np.linalg.norm(got - expected) <= 0.1 * margin, (count, eps, margin)

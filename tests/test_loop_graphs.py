@@ -22,7 +22,8 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.grappler import tf_optimizer
 
-from lipdp.layers._bjorck import gram_space_bjorck, normalised_gram_space_bjorck
+from lipdp.layers._bjorck import (gram_space_bjorck, kernel_space_bjorck,
+                                  normalised_gram_space_bjorck)
 
 REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "fashion_mnist_cnn.yaml")
@@ -68,6 +69,16 @@ def test_gram_space_bjorck_loop_has_no_sum_of_three(shape, beta):
     function = tf.function(lambda w: gram_space_bjorck(w, 1e-6, beta, 15))
     loops, sums = loops_and_sums(function.get_concrete_function(tf.TensorSpec(shape)))
     assert loops > 0  # the check sees the loop
+    assert sums == []
+
+
+@pytest.mark.parametrize("shape", [(784, 1024), (1024, 784), (64, 60)])
+def test_kernel_space_bjorck_loop_has_no_sum_of_three(shape):
+    """The square-ish kernels' loop, its Gram matrix in blocks (the main job's 784 x 1024
+    kernel) or in one product."""
+    function = tf.function(lambda w: kernel_space_bjorck(w, 1e-6, 0.5, 15))
+    loops, sums = loops_and_sums(function.get_concrete_function(tf.TensorSpec(shape)))
+    assert loops > 0
     assert sums == []
 
 
