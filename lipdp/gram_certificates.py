@@ -26,10 +26,11 @@ LAPACK; ``gamma_n = n u / (1 - n u)``; complex arithmetic is covered by taking
    ``||dM||_2 <= gamma_{k+1} ||R||_F^2 <= gamma_{k+1} tr|M^| / (1 - gamma_{k+1}) =: e_C``
    and ``M^ >= -e_C I``. So ``t^2 I - G >= -(e_C + e_D + e_G) I``: ``lambda_max(G)
    <= t^2 + e_C + e_D + e_G``. The shifts tried are ``t^2 = l (1 + s)``, s in
-   ``CHOLESKY_SHIFTS``, l an estimate of ``lambda_max(G^)`` (Lanczos for one matrix,
-   from a fixed vector or from a caller's guess of the top eigenvector, e.g. the
-   layer's cached power-iteration vector: the estimate only picks the shift, never
-   enters the bound; for a batch, power iteration ranks the matrices and the
+   ``CHOLESKY_SHIFTS``, l an estimate of ``lambda_max(G^)`` (for one matrix, LAPACK's
+   eigenvalues when it has at most `EIGVALSH_ESTIMATE_MAX_SIDE` rows, else Lanczos from a
+   fixed vector or from a caller's guess of the top eigenvector, e.g. the layer's cached
+   power-iteration vector: the estimate only picks the shift, never enters the bound;
+   for a batch, power iteration ranks the matrices and the
    eigenvalues of the eight best ranked decide, and when the first test fails the
    eigenvalues of every matrix decide instead: on clustered spectra the ranking can
    miss the top matrix, and the shift ladder alone then certified 0.8% above the norm
@@ -82,6 +83,11 @@ CHOLESKY_SHIFTS = (1e-6, 3e-4, 3e-3, 3e-2, 1.0)
 NEAR_MULTIPLE_OF_IDENTITY = 1e-4
 EIG_RELATIVE_MARGIN = 1e-9
 LANCZOS_STEPS = 30
+#: Up to this many rows a single Gram matrix's top eigenvalue is estimated by LAPACK's
+#: ``eigvalsh`` rather than Lanczos: exact to rounding, and faster (one thread: 0.007
+#: against 0.13 ms at 10 rows, the main job's 1024 x 10 output layer, certified at every
+#: step; 0.14 against 0.39 ms at 64, 0.58 against 0.60 at 128, 2.3 against 0.63 at 256).
+EIGVALSH_ESTIMATE_MAX_SIDE = 96
 # Ten batched iterations rank the frequency matrices well enough for eight candidates to hold
 # the largest eigenvalue (20 and 4 before: the same estimates on trained, perturbed, Gaussian
 # and orthogonal 3x3x32x64 kernels, in 0.7x the time; 10 and 4 missed on a Gaussian 64->32).
@@ -152,6 +158,14 @@ def _lanczos_estimate(gram, start=None) -> float:
     return float(np.linalg.eigvalsh(tridiagonal)[-1])
 
 
+def _top_eigenvalue_estimate(gram, start=None) -> float:
+    """An estimate (not a bound) of ``lambda_max`` of one symmetric matrix: LAPACK's up to
+    `EIGVALSH_ESTIMATE_MAX_SIDE` rows (`start` unused), `_lanczos_estimate`'s above."""
+    if gram.shape[0] <= EIGVALSH_ESTIMATE_MAX_SIDE:
+        return float(np.linalg.eigvalsh(gram)[-1])
+    return _lanczos_estimate(gram, start)
+
+
 def _power_estimate(grams) -> float:
     """An estimate (not a bound) of the largest ``lambda_max`` over a batch: Rayleigh
     quotients after `POWER_ITERATIONS` batched power iterations rank the matrices;
@@ -189,7 +203,7 @@ def max_eigenvalue_upper(grams, gram_error, complex_arithmetic=False, start=None
         spread = float(np.linalg.norm(deviation)) * (1.0 + gamma64(k * k + 4))
         if spread <= NEAR_MULTIPLE_OF_IDENTITY * centre:
             return centre + spread + gram_error
-        estimate = _lanczos_estimate(gram, start)
+        estimate = _top_eigenvalue_estimate(gram, start)
     else:
         estimate = _power_estimate(grams)
     largest_diagonal = float(np.max(np.real(grams[:, diagonal_index, diagonal_index])))
