@@ -14,7 +14,8 @@ deviation from orthogonality ``D_k = I - W_k^T W_k`` (so ``M_k = I + b D_k``, a 
 - deel-lip's stopping quantity ``||W_{k+1} - W_k||_F = b ||W_k D_k||_F``, whose square is
   ``b^2 tr(D_k (I - D_k) D_k) = b^2 (||D_k||_F^2 - <D_k^2, D_k>)``.
 
-So one Gram matrix ``W_0^T W_0`` (m n^2 multiply-adds) and its square start the loop, each
+So one Gram matrix ``W_0^T W_0`` (m n^2 multiply-adds; 2/3 of them from
+`GRAM_BLOCKS_MIN_SIDE` columns on, `symmetric_gram`) and its square start the loop, each
 iteration after the first costs three n x n products (n^3 each), and ``W_0 + W_0 Q_K`` (m n^2)
 ends it: for K iterations ``2 m n^2 + (3K - 2) n^3`` against deel-lip's ``2 K m n^2``. On the
 paper's CNN the dense kernel is 3136 x 512 and deel-lip runs two or three iterations a step:
@@ -30,7 +31,9 @@ certifies its result (`certifying_bjorck`): ``W_K = fl(V P^)`` with V the last i
 arithmetic ``||V p(G)||^2 = max_i f(lambda_i(G))`` with ``f(l) = l (a - b l)^2``, at most 1
 when ``lambda_max(G) <= 4`` (a = 1.5, b = 0.5), and the rounding of each step is bounded from
 a few statistics of V, G^ and P^ (`lipdp.gram_certificates.bjorck_step_norm_upper`). The bound
-pass uses that certificate for as long as the kernel is exactly the one it certifies.
+pass uses that certificate for as long as the kernel is exactly the one it certifies. A squarer
+kernel orthogonalised without a certificate (on a `bjorck_every` schedule) runs deel-lip's
+iterates in its own space with `symmetric_gram` (`kernel_space_bjorck`).
 
 Privacy never rests on this projection: the bounds use the norms certified on the kernel the
 forward pass uses (`lipdp.gram_certificates`).
@@ -62,8 +65,9 @@ GRAM_BLOCKS = 3
 
 
 def symmetric_gram(w, wide):
-    """``W W^T`` (`wide`) or ``W^T W``: every entry the dot product of two rows (columns) of
-    `w` in float32, as one product computes it, and exactly symmetric. From
+    """``W W^T`` (`wide`) or ``W^T W``: every entry a float32 dot product of two rows
+    (columns) of `w`, as in a single product (within ``gamma_n`` of the exact one), and the
+    matrix exactly symmetric. From
     `GRAM_BLOCKS_MIN_SIDE` rows on, only the blocks on and above the diagonal of a
     `GRAM_BLOCKS` x `GRAM_BLOCKS` split are computed and the others mirrored:
     ``(GRAM_BLOCKS + 1) / (2 GRAM_BLOCKS)`` of the multiply-adds."""
