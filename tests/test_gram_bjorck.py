@@ -45,23 +45,30 @@ def _deviation(w):
     return np.linalg.norm(gram - np.eye(gram.shape[0]))
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+# Each form on its kernels: Gram space for elongated ones, their own space for square-ish ones
+# (each Gram matrix in blocks from `GRAM_BLOCKS_MIN_SIDE` rows on).
+FORMS = ([pytest.param(gram_space_bjorck, shape, id=f"gram-{shape}") for shape in SHAPES]
+         + [pytest.param(kernel_space_bjorck, shape, id=f"kernel-{shape}")
+            for shape in NEAR_SQUARE])
+
+
+@pytest.mark.parametrize("bjorck, shape", FORMS)
 @pytest.mark.parametrize("iterations", [1, 2, 3, 5])
-def test_fixed_iteration_counts_match_deel_lip(shape, iterations):
+def test_fixed_iteration_counts_match_deel_lip(bjorck, shape, iterations):
     """eps tiny: both run exactly `iterations` iterations; the recursion alone is compared."""
     for make in (_near_orthogonal, _spread):
         w = tf.constant(make(shape, seed=iterations))
         expected = bjorck_normalization(w, eps=1e-30, beta=0.5, maxiter=iterations).numpy()
-        got = gram_space_bjorck(w, eps=1e-30, beta=0.5, maxiter=iterations).numpy()
+        got = bjorck(w, eps=1e-30, beta=0.5, maxiter=iterations).numpy()
         np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_stopping_rule_matches_deel_lip(shape):
+@pytest.mark.parametrize("bjorck, shape", FORMS)
+def test_stopping_rule_matches_deel_lip(bjorck, shape):
     """deel-lip runs iteration k + 1 when iteration k moved the kernel by ``d_k >= eps``
     (Frobenius). From a kernel after an Adam-like step, scaled to spectral norm 1, d_1, d_2,
     d_3 are about 0.4, 0.04 and 3e-4; tolerances 0.8 d_k and 1.25 d_k fall on either side of
-    each, so the Gram-space rule must place every stop where deel-lip's does, and a
+    each, so the form's rule must place every stop where deel-lip's does, and a
     distance off by a factor 1.25 in either direction fails. Each result must be ten times
     closer to deel-lip's than the results of one iteration more or less are to it (after
     three iterations they agree to rounding: a fourth is harmless and not looked for)."""
@@ -76,7 +83,7 @@ def test_stopping_rule_matches_deel_lip(shape):
         np.testing.assert_array_equal(expected, fixed[count])
         neighbours = [fixed[k] for k in (count - 1, count + 1) if 1 <= k <= 2]
         margin = min(np.linalg.norm(expected - other) for other in neighbours)
-        got = gram_space_bjorck(w, eps=eps, beta=0.5, maxiter=15).numpy()
+        got = bjorck(w, eps=eps, beta=0.5, maxiter=15).numpy()
         assert np.linalg.norm(got - expected) <= 0.1 * margin, (count, eps, margin)
 
 
@@ -193,33 +200,3 @@ def test_symmetric_gram_is_the_gram_matrix_to_float32_rounding(shape):
         np.testing.assert_array_equal(gram, gram.T)
         bound = v.shape[1] * 2.0 ** -24 * (np.abs(v) @ np.abs(v).T)
         assert np.all(np.abs(gram - v @ v.T) <= bound)
-
-
-@pytest.mark.parametrize("shape", NEAR_SQUARE)
-@pytest.mark.parametrize("iterations", [1, 3])
-def test_kernel_space_bjorck_matches_deel_lip(shape, iterations):
-    """Square-ish kernels: deel-lip's iterates to float32 rounding, each of its Gram
-    matrices computed in blocks from `GRAM_BLOCKS_MIN_SIDE` rows on."""
-    for make in (_near_orthogonal, _spread):
-        w = tf.constant(make(shape, seed=iterations))
-        expected = bjorck_normalization(w, eps=1e-30, beta=0.5, maxiter=iterations).numpy()
-        got = kernel_space_bjorck(w, eps=1e-30, beta=0.5, maxiter=iterations).numpy()
-        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
-
-
-@pytest.mark.parametrize("shape", NEAR_SQUARE)
-def test_kernel_space_stopping_rule_matches_deel_lip(shape):
-    """deel-lip's stopping rule, as `test_stopping_rule_matches_deel_lip` checks it for the
-    Gram-space form: tolerances 0.8 and 1.25 times each distance moved."""
-    w = tf.constant(_near_orthogonal(shape, seed=0, step=3e-3))
-    fixed = [w.numpy()] + [bjorck_normalization(w, eps=1e-30, beta=0.5, maxiter=k).numpy()
-                           for k in (1, 2, 3)]
-    moved = [np.linalg.norm(after - before) for before, after in zip(fixed, fixed[1:])]
-    for count, eps in [(1, 1.25 * moved[0]), (2, 0.8 * moved[0]), (2, 1.25 * moved[1]),
-                       (3, 0.8 * moved[1])]:
-        expected = bjorck_normalization(w, eps=eps, beta=0.5, maxiter=15).numpy()
-        np.testing.assert_array_equal(expected, fixed[count])
-        margin = min(np.linalg.norm(expected - fixed[k]) for k in (count - 1, count + 1)
-                     if 1 <= k <= 2 and k != count)
-        got = kernel_space_bjorck(w, eps=eps, beta=0.5, maxiter=15).numpy()
-        assert np.linalg.norm(got - expected) <= 0.1 * margin, (count, eps, margin)
