@@ -20,7 +20,9 @@ the operator norm, computed from the current weights:
 
 Both run in float64 on the host (``tf.numpy_function``, also inside the compiled
 train step), with every rounding error bounded: `lipdp.gram_certificates` states
-the arithmetic model and the proofs. The results are float32, rounded up. For a large,
+the arithmetic model and the proofs; a dense kernel whose smaller side has at most
+`lipdp.graph_certificates.IN_GRAPH_MAX_SIDE` entries gets the same certificate from float64
+TensorFlow ops in the graph (a host call holds one of TensorFlow's threads while it runs). The results are float32, rounded up. For a large,
 elongated dense kernel (p x k with p >= 3 k and ``p k^2 >= CHUNKED_GRAM_MIN_WORK``: the
 paper's CNN's 3136 x 512, not the main job's 784 x 1024) the Gram matrix is computed on the
 CPU by TensorFlow as float32 products of blocks of at most 392 rows summed in float32, with
@@ -52,6 +54,7 @@ import tensorflow as tf
 
 from lipdp.gram_certificates import (chunked_dense_norm_upper, conv_certificate_work,
                                      conv_norm_upper, dense_norm_upper)
+from lipdp.graph_certificates import certified_in_graph, dense_norm_upper_in_graph
 from lipdp.host_memory import keep_host_memory
 
 #: Multiply-adds ``p k^2`` of a dense kernel's Gram matrix from which it is chunked.
@@ -63,7 +66,8 @@ CHUNK_ROWS = 392
 
 
 def certified_norms(requests):
-    """Certified operator norms of several kernels, in **one** host call.
+    """Certified operator norms of several kernels: a dense kernel whose smaller side is small
+    in the graph (`lipdp.graph_certificates`), every other in **one** host call.
 
     Args:
         requests: ``[(kind, kernel, grid), ...]`` with kind ``"dense"`` (grid None: the
@@ -86,16 +90,25 @@ def certified_norms(requests):
         against 22 ms for the paper's CNN on 2 cores). The first call keeps the host
         memory they free for the next step (`lipdp.host_memory`).
     """
-    keep_host_memory()
+    results, host_indices = [None] * len(requests), []
     specs, inputs = [], []
-    for request in requests:
+    for index, request in enumerate(requests):
         kind, kernel, grid = request[:3]
         tensors = [tf.convert_to_tensor(t) for t in (kernel,) + tuple(request[3:])]
         cached = kind == "cached-dense"  # (kind, kernel, None, fresh, norm[, hint])
         split = 3 if cached else 1
         kernel, cache, extra = tensors[0], tensors[1:split], tensors[split:]
         kind = "dense" if cached else kind
-        if kind == "dense" and chunked_certificate(kernel.shape):
+        chunked = kind == "dense" and chunked_certificate(kernel.shape)
+        if kind == "dense" and not chunked and certified_in_graph(kernel.shape):
+            results[index] = dense_norm_upper_in_graph(kernel)
+            if cached:  # the projection certified this very kernel: its certificate serves
+                fresh, norm = cache
+                results[index] = tf.where(tf.logical_and(fresh, tf.math.is_finite(norm)),
+                                          tf.cast(norm, tf.float32), results[index])
+            continue
+        host_indices.append(index)
+        if chunked:
             # A cached kernel got one Björck iteration (`runs_certifying_bjorck`): its Gram
             # matrix is computed only when the projection's certificate cannot serve.
             extra = (_chunked_gram_unless_cached(kernel, *cache, *extra) if cached
@@ -122,9 +135,14 @@ def certified_norms(requests):
                 norms.append(conv_norm_upper(kernel, grid))
         return np.array(norms, np.float32)
 
-    norms = tf.numpy_function(compute, inputs, tf.float32, stateful=False,
-                              name="certified_norms")
-    return tf.unstack(tf.ensure_shape(norms, [len(requests)]))
+    if host_indices:
+        keep_host_memory()
+        norms = tf.numpy_function(compute, inputs, tf.float32, stateful=False,
+                                  name="certified_norms")
+        for index, norm in zip(host_indices,
+                               tf.unstack(tf.ensure_shape(norms, [len(host_indices)]))):
+            results[index] = norm
+    return results
 
 
 def host_work(request) -> int:
@@ -141,7 +159,7 @@ def host_work(request) -> int:
     p, k, _ = _oriented_shape(shape)
     if chunked_certificate(shape):
         return k ** 3 // 3
-    return p * k * k
+    return 0 if certified_in_graph(shape) else p * k * k
 
 
 def without_projection_certificate(request):

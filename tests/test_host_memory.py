@@ -43,5 +43,6 @@ def test_certified_norms_applies_it(fresh):
 
     from lipdp.operator_norms import certified_norms
 
-    certified_norms([("dense", tf.constant(np.eye(3, dtype=np.float32)), None)])
+    # 40 x 40: above lipdp.graph_certificates.IN_GRAPH_MAX_SIDE, certified on the host
+    certified_norms([("dense", tf.constant(np.eye(40, dtype=np.float32)), None)])
     assert host_memory._DONE  # decided on the first certificate
