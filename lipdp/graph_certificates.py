@@ -19,11 +19,14 @@ so flushing subnormals, which TensorFlow's threads do, changes nothing.
 2. An estimate l of ``lambda_max(G^)``: the top eigenvalue from ``tf.linalg.eigvalsh``, at least
    the largest diagonal entry. It only picks the shifts; it never enters the bound.
 3. For each shift ``t^2 = fl(l (1 + s) + e_G)``, s in `CHOLESKY_SHIFTS`,
-   ``M^ = fl(t^2 I - G^)`` (its diagonal rounded, at most ``2u |M^_ii| =: e_D``; the rest
-   exact) is factorised by ``tf.linalg.cholesky`` (Eigen's LLT; a failed factorisation comes
-   back filled with NaN). A factorisation that completes gives ``lambda_max(W^T W) <= t^2 +
-   e_C + e_D + e_G`` with ``e_C = gamma_{k+1} tr|M^| / (1 - gamma_{k+1})`` (Higham, Theorem
-   10.3, any ordering of the inner products). The first shift whose factor is finite decides.
+   ``M^ = fl(t^2 I - G^)`` (off its diagonal exact; its diagonal within
+   ``e_D = 4u max_i (t^2 + |G^_ii|)`` of ``t^2 - G^_ii``: two roundings in any order, so the
+   bound does not rest on how a graph rewrite evaluates the subtraction; the host's
+   ``2u |M^_ii|`` assumes one) is factorised by ``tf.linalg.cholesky`` (Eigen's LLT; a failed
+   factorisation comes back filled with NaN). A factorisation that completes gives
+   ``lambda_max(W^T W) <= t^2 + e_C + e_D + e_G`` with ``e_C = gamma_{k+1} tr|M^| / (1 -
+   gamma_{k+1})`` (Higham, Theorem 10.3, any ordering of the inner products). The first shift
+   whose factor is finite decides.
 4. No shift succeeds (never seen): the top eigenvalue plus ``EIG_RELATIVE_MARGIN k max|G^|``
    and e_G, `lipdp.gram_certificates`' step 6.
 
@@ -105,8 +108,9 @@ def _dense_norm_upper(kernel):
     factors = tf.linalg.cholesky(shifted)
     succeeded = tf.reduce_all(tf.math.is_finite(factors), axis=[1, 2])
     factor_gamma = gamma64(k + 1)
+    diagonal_error = 4.0 * U64 * (t_sq + tf.reduce_max(tf.abs(tf.linalg.diag_part(gram))))
     upper = (t_sq + factor_gamma * tf.reduce_sum(diagonal, 1) / (1.0 - factor_gamma)
-             + 2.0 * U64 * tf.reduce_max(diagonal, 1) + gram_error)
+             + diagonal_error + gram_error)
     fallback = (eigenvalues[-1] + EIG_RELATIVE_MARGIN * k * tf.reduce_max(tf.abs(gram))
                 + gram_error)
     first = tf.argmax(tf.cast(succeeded, tf.int32))  # the first success (0 when none)
