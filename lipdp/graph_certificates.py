@@ -96,19 +96,21 @@ def _dense_norm_upper(kernel):
     frobenius_sq = (tf.where(usable, squares, tf.constant(float(k), tf.float64))
                     * (1.0 + 2.0 * gamma64(p * k)))
     gram = tf.matmul(w, w, transpose_a=True)
+    gram_diagonal = tf.linalg.diag_part(gram)  # sums of squares: non-negative
+    largest_diagonal = tf.reduce_max(gram_diagonal)
     gram_error = gamma64(p) * frobenius_sq
     eigenvalues = tf.linalg.eigvalsh(gram)
-    estimate = tf.maximum(eigenvalues[-1], tf.reduce_max(tf.linalg.diag_part(gram)))
+    estimate = tf.maximum(eigenvalues[-1], largest_diagonal)
     shifts = tf.constant(CHOLESKY_SHIFTS, tf.float64)
     t_sq = estimate * (1.0 + shifts) + gram_error  # one per shift
     shifted = tf.linalg.set_diag(
         tf.broadcast_to(-gram, [len(CHOLESKY_SHIFTS), k, k]),
-        t_sq[:, None] - tf.linalg.diag_part(gram)[None, :])
+        t_sq[:, None] - gram_diagonal[None, :])
     diagonal = tf.abs(tf.linalg.diag_part(shifted))
     factors = tf.linalg.cholesky(shifted)
     succeeded = tf.reduce_all(tf.math.is_finite(factors), axis=[1, 2])
     factor_gamma = gamma64(k + 1)
-    diagonal_error = 4.0 * U64 * (t_sq + tf.reduce_max(tf.abs(tf.linalg.diag_part(gram))))
+    diagonal_error = 4.0 * U64 * (t_sq + largest_diagonal)
     upper = (t_sq + factor_gamma * tf.reduce_sum(diagonal, 1) / (1.0 - factor_gamma)
              + diagonal_error + gram_error)
     fallback = (eigenvalues[-1] + EIG_RELATIVE_MARGIN * k * tf.reduce_max(tf.abs(gram))

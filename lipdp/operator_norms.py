@@ -22,8 +22,8 @@ Both run in float64 on the host (``tf.numpy_function``, also inside the compiled
 train step), with every rounding error bounded: `lipdp.gram_certificates` states
 the arithmetic model and the proofs; a dense kernel whose smaller side has at most
 `lipdp.graph_certificates.IN_GRAPH_MAX_SIDE` entries gets the same certificate from float64
-TensorFlow ops in the graph (a host call holds one of TensorFlow's threads while it runs). The results are float32, rounded up. For a large,
-elongated dense kernel (p x k with p >= 3 k and ``p k^2 >= CHUNKED_GRAM_MIN_WORK``: the
+TensorFlow ops in the graph (a host call holds one of TensorFlow's threads while it runs).
+The results are float32, rounded up. For a large, elongated dense kernel (p x k with p >= 3 k and ``p k^2 >= CHUNKED_GRAM_MIN_WORK``: the
 paper's CNN's 3136 x 512, not the main job's 784 x 1024) the Gram matrix is computed on the
 CPU by TensorFlow as float32 products of blocks of at most 392 rows summed in float32, with
 its proven rounding error (`lipdp.gram_certificates`, step 4: on that kernel the
@@ -46,7 +46,6 @@ is a lower estimate used by tests to show the bound is tight.
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -54,7 +53,8 @@ import tensorflow as tf
 
 from lipdp.gram_certificates import (chunked_dense_norm_upper, conv_certificate_work,
                                      conv_norm_upper, dense_norm_upper)
-from lipdp.graph_certificates import certified_in_graph, dense_norm_upper_in_graph
+from lipdp.graph_certificates import (certified_in_graph, dense_norm_upper_in_graph,
+                                      oriented_size)
 from lipdp.host_memory import keep_host_memory
 
 #: Multiply-adds ``p k^2`` of a dense kernel's Gram matrix from which it is chunked.
@@ -101,11 +101,14 @@ def certified_norms(requests):
         kind = "dense" if cached else kind
         chunked = kind == "dense" and chunked_certificate(kernel.shape)
         if kind == "dense" and not chunked and certified_in_graph(kernel.shape):
-            results[index] = dense_norm_upper_in_graph(kernel)
-            if cached:  # the projection certified this very kernel: its certificate serves
+            if cached:  # the projection's certificate serves while it certifies this kernel
                 fresh, norm = cache
-                results[index] = tf.where(tf.logical_and(fresh, tf.math.is_finite(norm)),
-                                          tf.cast(norm, tf.float32), results[index])
+                results[index] = tf.cond(
+                    tf.logical_and(fresh, tf.math.is_finite(norm)),
+                    lambda norm=norm: tf.cast(norm, tf.float32),
+                    lambda kernel=kernel: dense_norm_upper_in_graph(kernel))
+            else:
+                results[index] = dense_norm_upper_in_graph(kernel)
             continue
         host_indices.append(index)
         if chunked:
@@ -156,7 +159,7 @@ def host_work(request) -> int:
     shape = tf.TensorShape(kernel.shape)
     if kind == "conv":
         return conv_certificate_work(shape, grid)
-    p, k, _ = _oriented_shape(shape)
+    p, k, _ = oriented_size(shape)
     if chunked_certificate(shape):
         return k ** 3 // 3
     return 0 if certified_in_graph(shape) else p * k * k
@@ -170,20 +173,13 @@ def without_projection_certificate(request):
     return ("dense",) + tuple(request[1:3]) + tuple(request[5:])
 
 
-def _oriented_shape(shape):
-    """``(p, k, wide)`` of a dense kernel of static `shape` reshaped to ``(-1, out)``: its
-    long and short sides, and whether the long one is ``out``."""
-    rows, cols = math.prod(int(d) for d in shape[:-1]), int(shape[-1])
-    return max(rows, cols), min(rows, cols), rows < cols
-
-
 def chunked_certificate(shape) -> bool:
     """Whether the dense kernel of `shape` gets the chunked float32 Gram matrix: fully known,
     large and elongated (`CHUNKED_GRAM_MIN_WORK`, `CHUNKED_GRAM_MIN_ASPECT`), and float32
     products rounded to nearest (oneDNN's default ``strict`` floating-point mode)."""
     if not shape.is_fully_defined() or len(shape) < 2:
         return False
-    p, k, _ = _oriented_shape(shape)
+    p, k, _ = oriented_size(shape)
     return (p * k * k >= CHUNKED_GRAM_MIN_WORK and p >= CHUNKED_GRAM_MIN_ASPECT * k
             and float32_products_rounded_to_nearest())
 
@@ -204,7 +200,7 @@ def _chunking(shape):
     """``(b, c)``: rows per block and blocks of the long side p, ``b c >= p`` and
     ``b <= CHUNK_ROWS``; a divisor of p when one lies in ``(CHUNK_ROWS / 2, CHUNK_ROWS]``
     (no padding rows)."""
-    p = _oriented_shape(shape)[0]
+    p = oriented_size(shape)[0]
     for rows in range(min(CHUNK_ROWS, p), CHUNK_ROWS // 2, -1):
         if p % rows == 0:
             return rows, p // rows
@@ -215,7 +211,7 @@ def _chunking(shape):
 def _usable_hint(kernel, hint):
     """`hint` when it has one entry per column of the dense `kernel` reshaped to ``(-1, out)``
     (the layer's power-iteration vector: it starts `_chunked_gram`'s estimate), else None."""
-    p, k, wide = _oriented_shape(kernel.shape)
+    p, k, wide = oriented_size(kernel.shape)
     if hint is None or hint.shape.num_elements() != (p if wide else k):
         return None
     return hint
@@ -224,7 +220,7 @@ def _usable_hint(kernel, hint):
 def _chunked_gram(kernel, hint=None):
     """``[gram, stats]`` (plus the start vector when `hint` is given) of
     `lipdp.gram_certificates.chunked_dense_norm_upper`, computed by TensorFlow on the CPU."""
-    p, k, wide = _oriented_shape(kernel.shape)
+    p, k, wide = oriented_size(kernel.shape)
     rows, chunks = _chunking(kernel.shape)
     with tf.device("/CPU:0"):
         w = tf.reshape(tf.cast(kernel, tf.float32), [k, p] if wide else [p, k])
@@ -247,7 +243,7 @@ def _chunked_gram_unless_cached(kernel, fresh, norm, hint=None):
     """`_chunked_gram`'s tensors when the projection's certificate cannot serve (stale or
     not finite), zeros of their shapes, never read, when it can: the Gram matrix is then not
     computed at all (`certified_norms` decides on the same `fresh` and `norm`)."""
-    k = _oriented_shape(kernel.shape)[1]
+    k = oriented_size(kernel.shape)[1]
     hint = _usable_hint(kernel, hint)
 
     def unused():
