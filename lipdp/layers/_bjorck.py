@@ -241,7 +241,7 @@ def normalised_gram_space_bjorck(w, u, eps_spectral, maxiter_spectral, eps, beta
     w = tf.convert_to_tensor(w)
     if w.shape[0] < w.shape[1]:
         raise ValueError(f"Expected a tall kernel (rows >= cols). Received: shape {w.shape}")
-    gram = _symmetric(tf.matmul(w, w, transpose_a=True))
+    gram = symmetric_gram(w, wide=False)
     u = _power_iteration(lambda u: tf.matmul(u, gram), lambda v: v, u, eps=eps_spectral,
                          maxiter=maxiter_spectral)
     sigma = tf.sqrt(tf.maximum(tf.reduce_sum(tf.matmul(u, gram) * u), 0.0))
