@@ -1,6 +1,24 @@
-"""Choosing, in tests, how lipdp certifies a convolution (`lipdp.gram_certificates`)."""
+"""Helpers of the certificate tests: exact norms and orthogonal kernels to check certificates
+against, and choosing how lipdp certifies a convolution (`lipdp.gram_certificates`)."""
+
+import numpy as np
 
 from lipdp import gram_certificates
+
+
+
+def exact_norm(w):
+    """``||W||_2`` of the float32 kernel `w` (an array, cast to float32 first: the kernel that
+    is certified), by a float64 SVD; 0 for an empty one."""
+    w = np.asarray(w, np.float32).astype(np.float64)
+    return float(np.linalg.svd(w, compute_uv=False)[0]) if w.size else 0.0
+
+
+def orthogonal_kernel(rows, cols, rng):
+    """A float32 rows x cols matrix with orthonormal columns (rows) from `rng`."""
+    q, _ = np.linalg.qr(rng.normal(size=(max(rows, cols), min(rows, cols))))
+    return (q if rows >= cols else q.T).astype(np.float32)
+
 
 #: The two ways `conv_norm_upper` computes a convolution's frequency Gram matrices.
 CONV_GRAM_WAYS = ("_grams_by_tap_pairs", "_grams_by_transform")

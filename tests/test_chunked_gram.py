@@ -15,15 +15,7 @@ import tensorflow as tf
 from lipdp import gram_certificates, operator_norms
 from lipdp.gram_certificates import chunked_gram_error, dense_norm_upper
 from lipdp.operator_norms import certified_norms, dense_spectral_norm_upper
-
-
-def _exact_norm(w):
-    return float(np.linalg.svd(np.asarray(w, np.float64), compute_uv=False)[0])
-
-
-def _orthogonal(rows, cols, rng):
-    q, _ = np.linalg.qr(rng.normal(size=(max(rows, cols), min(rows, cols))))
-    return (q if rows >= cols else q.T).astype(np.float32)
+from tests._certificates import exact_norm, orthogonal_kernel
 
 
 def _exact_abs_perron(w):
@@ -67,8 +59,8 @@ def test_the_papers_cnn_dense_kernel_is_certified_within_half_a_percent(chunked_
     """The 3136 x 512 kernel of the paper's CNN (orthogonal, as Björck leaves it) takes the
     chunked path in 8 blocks of 392 rows: the certificate bounds the exact norm and is within
     0.5% of it (the stated error is 0.77% of ||W||^2 there)."""
-    w = _orthogonal(3136, 512, np.random.default_rng(0))
-    exact = _exact_norm(w)
+    w = orthogonal_kernel(3136, 512, np.random.default_rng(0))
+    exact = exact_norm(w)
     bound = float(dense_spectral_norm_upper(tf.constant(w)))
     assert chunked_calls == [(392, 8)]
     assert exact <= bound <= exact * 1.005, bound / exact - 1
@@ -76,10 +68,10 @@ def test_the_papers_cnn_dense_kernel_is_certified_within_half_a_percent(chunked_
 
 
 KERNELS = {
-    "orthogonal tall": lambda rng: _orthogonal(60, 9, rng),
-    "orthogonal wide": lambda rng: _orthogonal(9, 60, rng),
+    "orthogonal tall": lambda rng: orthogonal_kernel(60, 9, rng),
+    "orthogonal wide": lambda rng: orthogonal_kernel(9, 60, rng),
     "gaussian tall": lambda rng: rng.normal(size=(50, 11)).astype(np.float32),
-    "near-orthogonal, clustered": lambda rng: (_orthogonal(45, 12, rng)
+    "near-orthogonal, clustered": lambda rng: (orthogonal_kernel(45, 12, rng)
                                                + 1e-4 * rng.normal(size=(45, 12))
                                                ).astype(np.float32),
     "positive (worst case for |W|)": lambda rng: rng.uniform(1.0, 1.0 + 2.0 ** -10,
@@ -97,7 +89,7 @@ def test_chunked_certificate_bounds_the_exact_norm_and_is_as_tight_as_stated(
         name, chunk_small, chunked_calls):
     w = KERNELS[name](np.random.default_rng(sorted(KERNELS).index(name)))
     flat = w.reshape(-1, w.shape[-1])
-    exact = _exact_norm(flat)
+    exact = exact_norm(flat)
     bound = float(dense_spectral_norm_upper(tf.constant(w)))
     assert len(chunked_calls) == 1, "the chunked path was not taken"
     stated = _stated_error(flat, *chunked_calls[0])
@@ -115,7 +107,7 @@ def test_stated_gram_error_covers_the_rounding_of_the_gram_matrix(chunk_rows, mo
     rng = np.random.default_rng(chunk_rows)
     for w in [rng.uniform(1.0, 1.0 + 2.0 ** -10, size=(2000, 6)),
               rng.normal(size=(1500, 20)) * np.exp(rng.uniform(-8, 8, size=(1500, 1))),
-              _orthogonal(1200, 40, rng)]:
+              orthogonal_kernel(1200, 40, rng)]:
         w = w.astype(np.float32)
         gram, stats = (t.numpy() for t in operator_norms._chunked_gram(tf.constant(w)))
         rows, chunks = operator_norms._chunking(tf.TensorShape(w.shape))
@@ -152,13 +144,13 @@ def test_unusable_chunked_inputs_fall_back_to_the_float64_certificate(name, w, e
     if expected is not None:
         assert bound == expected
     else:
-        assert _exact_norm(w) <= bound <= _exact_norm(w) * (1 + 1e-6)
+        assert exact_norm(w) <= bound <= exact_norm(w) * (1 + 1e-6)
 
 
 def test_a_reduced_precision_onednn_mode_keeps_the_float64_gram(monkeypatch, chunked_calls):
     """oneDNN's BF16 / TF32 floating-point modes round float32 products to fewer bits than
     the stated error assumes: the float64 Gram matrix is used instead."""
-    w = tf.constant(_orthogonal(3136, 512, np.random.default_rng(4)))
+    w = tf.constant(orthogonal_kernel(3136, 512, np.random.default_rng(4)))
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
     assert float(dense_spectral_norm_upper(w)) == float(dense_norm_upper(w.numpy()))
     assert not chunked_calls
@@ -170,7 +162,7 @@ def test_a_reduced_precision_onednn_mode_keeps_the_float64_gram(monkeypatch, chu
 def test_squarer_and_smaller_kernels_keep_the_float64_gram(chunked_calls):
     """The main job's 784 x 1024 kernel (aspect 1.3) and the CNN's 512 x 10 head."""
     rng = np.random.default_rng(5)
-    for w in (_orthogonal(784, 1024, rng), rng.normal(size=(512, 10)).astype(np.float32)):
+    for w in (orthogonal_kernel(784, 1024, rng), rng.normal(size=(512, 10)).astype(np.float32)):
         assert float(dense_spectral_norm_upper(tf.constant(w))) == float(dense_norm_upper(w))
     assert not chunked_calls
 
@@ -181,7 +173,7 @@ def test_hints_and_compilation_never_change_what_is_bounded(chunk_small):
     rng = np.random.default_rng(6)
     for w in (rng.normal(size=(50, 9)), rng.normal(size=(9, 50))):
         w = tf.constant(w, tf.float32)
-        exact = _exact_norm(w.numpy())
+        exact = exact_norm(w.numpy())
         top = np.linalg.svd(w.numpy().astype(np.float64))[2][0]
         for hint in (top, -top, np.zeros_like(top), np.full_like(top, np.nan), np.ones(3)):
             hint = tf.constant(hint[None], tf.float32)

@@ -11,17 +11,9 @@ from lipdp import graph_certificates
 from lipdp.gram_certificates import conv_norm_upper, dense_norm_upper
 from lipdp.graph_certificates import certified_in_graph, dense_norm_upper_in_graph
 from lipdp.operator_norms import certified_norms
+from tests._certificates import exact_norm, orthogonal_kernel
 
 SVD_SLACK = 1e-12  # the float64 SVD's own error, relative
-
-
-def _exact_norm(w):
-    return float(np.linalg.svd(np.asarray(w, np.float64), compute_uv=False)[0])
-
-
-def _orthogonal(rows, cols, rng):
-    q, _ = np.linalg.qr(rng.normal(size=(max(rows, cols), min(rows, cols))))
-    return q if rows >= cols else q.T
 
 
 def _in_graph(w):
@@ -45,14 +37,14 @@ def test_the_certificate_bounds_the_norm_and_matches_the_hosts(rows, cols, log_s
     elif kind == "rank-one":
         w = np.outer(rng.normal(size=rows), rng.normal(size=cols))
     else:
-        w = _orthogonal(rows, cols, rng)
+        w = orthogonal_kernel(rows, cols, rng)
         if kind == "stepped":
             w = w + 1e-3 * np.sign(rng.normal(size=w.shape))
     w = (w.T if wide else w) * 10.0 ** log_scale
     w = w.astype(np.float32)
     if not np.any(w):
         return  # underflowed to zero: the zero kernel has its own test
-    exact = _exact_norm(w)
+    exact = exact_norm(w)
     bound = _in_graph(w)
     assert exact * (1 - SVD_SLACK) <= bound <= exact * (1 + 1e-6) + 1e-44, (bound / exact - 1)
     host = float(dense_norm_upper(w))
@@ -63,9 +55,9 @@ def test_the_main_jobs_output_layer_is_certified_tightly():
     """The 1024 x 10 output layer after an Adam-like step and a spectral normalisation, as the
     steps between Björck refreshes leave it: within sqrt(1 + 2e-6) of the norm."""
     rng = np.random.default_rng(0)
-    w = _orthogonal(1024, 10, rng) + 1e-3 * np.sign(rng.normal(size=(1024, 10)))
-    w = (w / _exact_norm(w)).astype(np.float32)
-    exact = _exact_norm(w)
+    w = orthogonal_kernel(1024, 10, rng) + 1e-3 * np.sign(rng.normal(size=(1024, 10)))
+    w = (w / exact_norm(w)).astype(np.float32)
+    exact = exact_norm(w)
     assert exact <= _in_graph(w) <= exact * (1 + 1e-6)
 
 
@@ -82,7 +74,7 @@ def test_without_a_successful_shift_the_eigenvalue_fallback_bounds_the_norm(monk
     rng = np.random.default_rng(3)
     for shape in [(40, 9), (9, 40), (25, 25)]:
         w = rng.normal(size=shape).astype(np.float32)
-        exact = _exact_norm(w)
+        exact = exact_norm(w)
         assert exact <= _in_graph(w) <= exact * (1 + 1e-6)
 
 
@@ -94,7 +86,7 @@ def test_a_low_estimate_climbs_the_shift_ladder(monkeypatch):
     monkeypatch.setattr(graph_certificates.tf.linalg, "eigvalsh",
                         lambda m: original(m) * 0.99)
     w = np.random.default_rng(5).normal(size=(60, 12)).astype(np.float32)
-    exact = _exact_norm(w)
+    exact = exact_norm(w)
     assert exact <= _in_graph(w) <= exact * 1.02
 
 
@@ -132,4 +124,4 @@ def test_certified_norms_routes_small_dense_kernels_into_the_graph():
 def test_the_bound_scaled_down_would_be_caught(shape):
     """The tests above can fail: 1/1.4 of the certificate is below the exact norm."""
     w = np.random.default_rng(9).normal(size=shape).astype(np.float32)
-    assert _in_graph(w) / 1.4 < _exact_norm(w)
+    assert _in_graph(w) / 1.4 < exact_norm(w)

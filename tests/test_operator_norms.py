@@ -15,20 +15,11 @@ from hypothesis import strategies as st
 from lipdp import gram_certificates
 from lipdp.gram_certificates import conv_norm_upper, dense_norm_upper
 from lipdp.operator_norms import dense_spectral_norm_upper
-from tests._certificates import CONV_GRAM_WAYS, force_conv_gram_way
+from tests._certificates import (CONV_GRAM_WAYS, exact_norm, force_conv_gram_way,
+                                 orthogonal_kernel)
 
 SVD_SLACK = 1e-12  # float64 SVD error on the largest singular value, relative, generous
 TIGHT = 5e-5  # documented: at most sqrt(1 + 1e-4) above the exact norm (first shift: 1e-6)
-
-
-def _exact_norm(w):
-    w = np.asarray(w, np.float32).astype(np.float64)
-    return float(np.linalg.svd(w, compute_uv=False)[0]) if w.size else 0.0
-
-
-def _orthogonal(rows, cols, rng):
-    q, _ = np.linalg.qr(rng.normal(size=(max(rows, cols), min(rows, cols))))
-    return (q if rows >= cols else q.T).astype(np.float32)
 
 
 def _kernels():
@@ -36,9 +27,9 @@ def _kernels():
     yield "gaussian tall", rng.normal(size=(50, 7)).astype(np.float32)
     yield "gaussian wide", rng.normal(size=(7, 50)).astype(np.float32)
     yield "gaussian square", rng.normal(size=(64, 64)).astype(np.float32)
-    yield "orthogonal 784x1024", _orthogonal(784, 1024, rng)
-    yield "orthogonal 300x40", _orthogonal(300, 40, rng)
-    yield "near-orthogonal (clustered spectrum)", (_orthogonal(120, 80, rng)
+    yield "orthogonal 784x1024", orthogonal_kernel(784, 1024, rng)
+    yield "orthogonal 300x40", orthogonal_kernel(300, 40, rng)
+    yield "near-orthogonal (clustered spectrum)", (orthogonal_kernel(120, 80, rng)
                                                    + 1e-4 * rng.normal(size=(120, 80))
                                                    ).astype(np.float32)
     yield "rank one", np.outer(rng.normal(size=30), rng.normal(size=20)).astype(np.float32)
@@ -52,7 +43,7 @@ def _kernels():
 
 @pytest.mark.parametrize("name, kernel", list(_kernels()), ids=[n for n, _ in _kernels()])
 def test_certificate_bounds_the_exact_norm_and_is_tight(name, kernel):
-    exact = _exact_norm(kernel)
+    exact = exact_norm(kernel)
     bound = float(dense_norm_upper(kernel))
     assert bound >= exact * (1 + SVD_SLACK) or bound >= exact, (name, bound, exact)
     assert exact * (1 - SVD_SLACK) <= bound <= exact * (1 + TIGHT) + 1e-44, (name, bound, exact)
@@ -75,9 +66,9 @@ def test_a_top_direction_the_power_iteration_misses_is_still_bounded():
     singular = np.ones(k)
     singular[0] = 2.0
     v = np.column_stack([top, basis[:, [0] + list(range(2, k))]])
-    w = (_orthogonal(k + 10, k, np.random.default_rng(2)) * singular) @ v.T
+    w = (orthogonal_kernel(k + 10, k, np.random.default_rng(2)) * singular) @ v.T
     w = w.astype(np.float32)
-    exact = _exact_norm(w)
+    exact = exact_norm(w)
     assert exact == pytest.approx(2.0, rel=1e-6)
     assert float(dense_norm_upper(w)) >= exact
 
@@ -86,7 +77,7 @@ def _spectrally_normalised(rng):
     """A 784 x 1024 kernel as a Björck schedule leaves it between refreshes: orthogonal
     plus a noisy step, divided by its norm (top singular values crowd near 0.999), and
     the right vector of 10 power iterations from a perturbed top vector (a layer's u)."""
-    w = _orthogonal(784, 1024, rng).astype(np.float64) + 0.003 * rng.normal(size=(784, 1024))
+    w = orthogonal_kernel(784, 1024, rng).astype(np.float64) + 0.003 * rng.normal(size=(784, 1024))
     _, singular, vt = np.linalg.svd(w, full_matrices=False)
     w = (0.999 * w / singular[0]).astype(np.float32)
     u = vt[0] + 0.05 * rng.normal(size=1024)
@@ -104,9 +95,9 @@ def test_a_hint_never_loosens_or_breaks_the_certificate():
     for name, w in [("gaussian tall", rng.normal(size=(50, 7))),
                     ("gaussian wide", rng.normal(size=(7, 50))),
                     ("near-orthogonal",
-                     _orthogonal(120, 80, rng) + 1e-4 * rng.normal(size=(120, 80)))]:
+                     orthogonal_kernel(120, 80, rng) + 1e-4 * rng.normal(size=(120, 80)))]:
         w = w.astype(np.float32)
-        exact = _exact_norm(w)
+        exact = exact_norm(w)
         top = np.linalg.svd(w.astype(np.float64))[2][0]
         other = rng.normal(size=top.shape)
         other -= (other @ top) * top
@@ -135,7 +126,7 @@ def test_the_power_iteration_vector_spares_a_cholesky_factorisation(monkeypatch)
     factorisation is needed; from the layer's power-iteration vector the first succeeds.
     Both certificates bound the exact norm; the hinted one within sqrt(1 + 2e-6)."""
     w, u = _spectrally_normalised(np.random.default_rng(12))
-    exact = _exact_norm(w)
+    exact = exact_norm(w)
     calls = _count_factorisations(monkeypatch)
     hinted = float(dense_norm_upper(w, u))
     assert len(calls) == 1 and exact <= hinted <= exact * (1 + 1e-6)
@@ -158,7 +149,7 @@ def test_a_kernel_between_bjorck_refreshes_costs_two_factorisations_and_stays_ti
         u = w.T @ (w @ u)
         u /= np.linalg.norm(u)
     w = (w / np.linalg.norm(w @ u)).astype(np.float32)
-    exact = _exact_norm(w)
+    exact = exact_norm(w)
     calls = _count_factorisations(monkeypatch)
     bound = float(dense_norm_upper(w, u))
     assert exact <= bound <= exact * (1 + 2e-4) and len(calls) == 2, (bound / exact - 1, calls)
@@ -176,9 +167,9 @@ def test_a_small_gram_matrix_is_certified_from_its_eigenvalues_in_one_factorisat
     if 96 in shape:
         w = rng.normal(size=shape)
     else:
-        w = _orthogonal(*shape, rng) + 1e-3 * np.sign(rng.normal(size=shape))
-    w = (w / _exact_norm(w)).astype(np.float32)
-    exact = _exact_norm(w)
+        w = orthogonal_kernel(*shape, rng) + 1e-3 * np.sign(rng.normal(size=shape))
+    w = (w / exact_norm(w)).astype(np.float32)
+    exact = exact_norm(w)
     calls = _count_factorisations(monkeypatch)
     bound = float(dense_norm_upper(w))
     assert exact <= bound <= exact * (1 + 1e-6) and len(calls) == 1, (bound / exact - 1, calls)
@@ -189,7 +180,7 @@ def test_eigenvalue_fallback_bounds_the_norm(monkeypatch):
     rng = np.random.default_rng(3)
     for shape in [(40, 9), (9, 40), (25, 25)]:
         w = rng.normal(size=shape).astype(np.float32)
-        exact = _exact_norm(w)
+        exact = exact_norm(w)
         assert exact <= float(dense_norm_upper(w)) <= exact * (1 + 1e-6)
 
 
@@ -199,9 +190,9 @@ def test_eigenvalue_fallback_bounds_the_norm(monkeypatch):
        orthogonal=st.booleans())
 def test_certificate_is_an_upper_bound_on_random_kernels(rows, cols, log_scale, seed, orthogonal):
     rng = np.random.default_rng(seed)
-    w = _orthogonal(rows, cols, rng) if orthogonal else rng.normal(size=(rows, cols))
+    w = orthogonal_kernel(rows, cols, rng) if orthogonal else rng.normal(size=(rows, cols))
     w = (w * 10.0 ** log_scale).astype(np.float32)
-    exact = _exact_norm(w)
+    exact = exact_norm(w)
     bound = float(dense_norm_upper(w))
     assert exact * (1 - SVD_SLACK) <= bound
     assert bound <= exact * np.sqrt(2.0) * (1 + 1e-6) + 1e-44  # the ladder's worst case
@@ -225,13 +216,13 @@ def test_near_orthogonal_shortcut_is_taken_and_bounds_the_norm(monkeypatch):
     rng = np.random.default_rng(5)
     for scale in (1.0, 0.37, 3.0):
         for shape in [(784, 1024), (300, 40), (10, 10)]:
-            w = (scale * _orthogonal(*shape, rng)).astype(np.float32)
-            exact = _exact_norm(w)
+            w = (scale * orthogonal_kernel(*shape, rng)).astype(np.float32)
+            exact = exact_norm(w)
             assert exact <= float(dense_norm_upper(w)) <= exact * (1 + 1e-5)
     assert not calls
     # A kernel whose spread exceeds 1e-4 relative takes the Cholesky test.
-    w = (_orthogonal(50, 20, rng) * np.linspace(1.0, 1.01, 20)).astype(np.float32)
-    assert _exact_norm(w) <= float(dense_norm_upper(w))
+    w = (orthogonal_kernel(50, 20, rng) * np.linspace(1.0, 1.01, 20)).astype(np.float32)
+    assert exact_norm(w) <= float(dense_norm_upper(w))
     assert calls
 
 
