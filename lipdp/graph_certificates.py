@@ -38,6 +38,7 @@ sqrt(1 + 2e-6) of it (`tests/test_graph_certificates.py`), as the host's does.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -77,9 +78,28 @@ def certified_in_graph(shape) -> bool:
 def dense_norm_upper_in_graph(kernel):
     """A float32 scalar tensor ``>= ||kernel||_2`` (the kernel reshaped to ``(-1, out)``), by
     the proof of the module docstring; `certified_in_graph` must hold for its shape. Placed
-    on the CPU, whose Cholesky kernel reports a failed factorisation (NaN)."""
+    on the CPU, whose Cholesky kernel reports a failed factorisation (NaN).
+
+    Inside a traced function, the certificate is a call of a graph function shared by every
+    kernel of the same shape and dtype in the process (`_traced_certificate`): traced once,
+    not once per layer and per traced step. The function is pure (the kernel in, the bound
+    out), so sharing it changes no value."""
+    kernel = tf.convert_to_tensor(kernel)
+    if tf.executing_eagerly():
+        return _on_the_cpu(kernel)
+    return _traced_certificate(tuple(kernel.shape), kernel.dtype.name)(kernel)
+
+
+def _on_the_cpu(kernel):
     with tf.device("/CPU:0"):
         return _dense_norm_upper(kernel)
+
+
+@functools.lru_cache(maxsize=256)
+def _traced_certificate(shape, dtype):
+    """The graph function of `_dense_norm_upper` for kernels of `shape` and `dtype`."""
+    return tf.function(_on_the_cpu, autograph=False,
+                       input_signature=[tf.TensorSpec(shape, tf.as_dtype(dtype))])
 
 
 def _dense_norm_upper(kernel):

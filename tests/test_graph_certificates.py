@@ -125,3 +125,33 @@ def test_the_bound_scaled_down_would_be_caught(shape):
     """The tests above can fail: 1/1.4 of the certificate is below the exact norm."""
     w = np.random.default_rng(9).normal(size=shape).astype(np.float32)
     assert _in_graph(w) / 1.4 < exact_norm(w)
+
+
+def test_kernels_of_one_shape_share_one_traced_certificate_and_keep_their_own_values():
+    """Inside traced functions the certificate is one graph function per kernel shape and
+    dtype (`graph_certificates._traced_certificate`), traced once however many layers and
+    steps call it; each kernel still gets its own certificate, the eager one. Broken on
+    purpose (one certificate tensor shared per shape and graph instead of one function),
+    the second kernel of a shape gets the first's value and this fails."""
+    traced = graph_certificates._traced_certificate
+    traced.cache_clear()
+    rng = np.random.default_rng(5)
+    kernels = [tf.constant(rng.normal(size=(12, 6)) * scale, tf.float32) for scale in (1, 3)]
+    kernels.append(tf.constant(rng.normal(size=(6, 20)), tf.float32))
+    eager = [float(dense_norm_upper_in_graph(k)) for k in kernels]
+
+    @tf.function
+    def all_three(a, b, c):
+        return [dense_norm_upper_in_graph(k) for k in (a, b, c)]
+
+    @tf.function
+    def one(kernel):
+        return dense_norm_upper_in_graph(kernel)
+
+    got = [float(v) for v in all_three(*kernels)] + [float(one(kernels[1]))]
+    assert got == pytest.approx(eager + [eager[1]], rel=1e-6)
+    assert got[1] > 2 * got[0]
+    for kernel, value in zip(kernels, got):
+        assert value >= exact_norm(kernel.numpy())
+    assert traced.cache_info().currsize == 2
+    assert traced((12, 6), "float32").experimental_get_tracing_count() == 1
