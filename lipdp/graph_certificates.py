@@ -9,9 +9,11 @@ certificate in the step's graph, in float64, for kernels whose smaller side has 
 `IN_GRAPH_MAX_SIDE` entries; `lipdp.operator_norms.certified_norms` routes such requests here.
 
 The proof is `lipdp.gram_certificates`' (its module docstring), steps 1 and 3, with the same
-arithmetic model: W (p x k, p >= k after transposing) is converted to float64 exactly; a
-float32 kernel's products never underflow in float64 (their magnitudes are at least 2^-298),
-so flushing subnormals, which TensorFlow's threads do, changes nothing.
+arithmetic model: W (p x k, p >= k after transposing) is converted to float64 exactly, but
+for its subnormal entries E, which TensorFlow's threads flush to zero: the steps below certify
+W' = W - E, and the result adds ``||E||_2 <= sqrt(n) 2^-126`` (n counted from the bits; that
+module's "Subnormal entries"). A float32 kernel's products never underflow in float64 (their
+magnitudes are at least 2^-298).
 
 1. ``F = fl(sum W_ij^2) (1 + 2 gamma_{pk})`` bounds ``||W||_F^2`` (any summation order), and
    ``G^ = fl(W^T W)`` (TensorFlow's float64 product, any order of each dot product) satisfies
@@ -31,9 +33,10 @@ so flushing subnormals, which TensorFlow's threads do, changes nothing.
    and e_G, `lipdp.gram_certificates`' step 6.
 
 The result is ``sqrt(max(lambda, 0)) (1 + 16u)`` (the float64 roundings of the last sums,
-products and the square root), rounded up to float32; 0 for a zero kernel, +inf for a kernel
-with a non-finite entry. It bounds the norm; on the main job's output layer it lies within
-sqrt(1 + 2e-6) of it (`tests/test_graph_certificates.py`), as the host's does.
+products and the square root), plus the subnormal entries' term when there are any, rounded up
+to float32; 0 for a zero kernel, +inf for a kernel with a non-finite entry. It bounds the
+norm; on the main job's output layer it lies within sqrt(1 + 2e-6) of it
+(`tests/test_graph_certificates.py`), as the host's does.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp.gram_certificates import CHOLESKY_SHIFTS, EIG_RELATIVE_MARGIN, U64, gamma64
+from lipdp.gram_certificates import CHOLESKY_SHIFTS, EIG_RELATIVE_MARGIN, MU32, U64, gamma64
 
 #: Kernels whose smaller side has at most this many entries are certified in the graph
 #: (`dense_norm_upper_in_graph`); larger ones on the host, where the Lanczos estimate and the
@@ -140,7 +143,17 @@ def _dense_norm_upper(kernel):
     norm = tf.sqrt(tf.maximum(lam, 0.0)) * _FINAL_SLACK
     norm = tf.where(finite, norm, tf.constant(np.inf, tf.float64))
     norm = tf.where(zero, tf.zeros_like(norm), norm)
-    return _round_up_to_float32(norm)
+    return _round_up_to_float32(_plus_flushed_entries(norm, kernel))
+
+
+def _plus_flushed_entries(norm, kernel):
+    """`norm` plus the bound of the float32 `kernel`'s subnormal entries, as
+    `lipdp.gram_certificates.flushed_entries_bound`: `norm` itself when there are none."""
+    magnitudes = tf.bitwise.bitwise_and(tf.bitcast(tf.cast(kernel, tf.float32), tf.int32),
+                                        0x7FFFFFFF)
+    subnormal = tf.logical_and(magnitudes > 0, magnitudes < 0x00800000)
+    entries = tf.reduce_sum(tf.cast(subnormal, tf.float64))
+    return tf.where(entries > 0, (norm + tf.sqrt(entries) * MU32) * (1.0 + 8.0 * U64), norm)
 
 
 def _round_up_to_float32(value):

@@ -14,6 +14,14 @@ def exact_norm(w):
     return float(np.linalg.svd(w, compute_uv=False)[0]) if w.size else 0.0
 
 
+def exact_conv_norm(kernel, grid):
+    """The operator norm of the circular convolution by the float32 ``(kh, kw, C_in, C_out)``
+    `kernel` on the `grid` torus: the largest singular value of its transform over the whole
+    spectrum (numpy's float64 FFT, both halves)."""
+    k_hat = np.fft.fft2(np.asarray(kernel, np.float32).astype(np.float64), s=grid, axes=(0, 1))
+    return float(np.max(np.linalg.svd(k_hat, compute_uv=False)))
+
+
 def orthogonal_kernel(rows, cols, rng):
     """A float32 rows x cols matrix with orthonormal columns (rows) from `rng`."""
     q, _ = np.linalg.qr(rng.normal(size=(max(rows, cols), min(rows, cols))))
