@@ -29,7 +29,7 @@ A2. A matrix product or a convolution computes each output coordinate of one
     change between calls, batches and examples; zero products, e.g. padding, may
     be skipped). TensorFlow's CPU kernels (Eigen, and oneDNN) do so: a kernel whose
     output columns are identical gives bit-identical outputs (checked by the
-    tests). This is what keeps the bound near ``n u ||A||_2 ||x||`` instead of the
+    tests, with oneDNN off and, in a process of its own, on). This is what keeps the bound near ``n u ||A||_2 ||x||`` instead of the
     textbook ``gamma_n || |A| |x| ||``, about sqrt(#outputs) times larger. TF32
     (the default for float32 products on NVIDIA Ampere and later GPUs; disable it
     with ``tf.config.experimental.enable_tensor_float_32_execution(False)``) and

@@ -15,7 +15,11 @@ flips the float32 prediction. These tests check that
    a negligible amount.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -26,6 +30,9 @@ from lipdp import certify, rounding, zoo
 from lipdp.bounds import dp_layers, lipschitz_bound
 from lipdp.data import load_arrays
 from lipdp.layers.dense import _BoundedDense
+from tests import _summation_order
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SQRT2 = math.sqrt(2.0)
 U = rounding.UNIT_ROUNDOFF
@@ -108,32 +115,21 @@ def test_rounding_cannot_flip_a_prediction_inside_its_radius():
 
 
 def test_products_use_one_summation_order_per_example():
-    """A2: a kernel with identical output columns gives bit-identical outputs.
+    """A2: a kernel with identical output columns gives bit-identical outputs, with the
+    session's Eigen kernels (`tests._summation_order`)."""
+    assert not _summation_order.onednn_enabled()
+    assert _summation_order.differing_cases() == []
 
-    Products of heavy-tailed values round differently under different summation
-    orders, so equal outputs mean one order for all outputs of an example (checked
-    on the shapes of lipdp's models: MLP widths, VGG/ResNet convolutions, strides,
-    'same' padding away from the border, batches that are not multiples of the
-    vector width).
-    """
-    rng = np.random.default_rng(0)
 
-    def heavy(*shape):
-        return (rng.normal(size=shape) * np.exp(3.0 * rng.normal(size=shape))).astype(np.float32)
-
-    for batch, fan_in, units in [(1, 784, 1024), (7, 784, 1024), (9, 1024, 10), (33, 16, 3)]:
-        kernel = np.repeat(heavy(fan_in, 1), units, axis=1)
-        y = tf.matmul(heavy(batch, fan_in), kernel).numpy()
-        assert np.all(y == y[:, :1])
-        sequence = tf.tensordot(heavy(batch, 5, fan_in), kernel, [[2], [0]]).numpy()
-        assert np.all(sequence == sequence[..., :1])
-    for batch, size, channels, filters, strides in [(1, 28, 1, 32, 1), (3, 14, 32, 64, 1),
-                                                    (2, 9, 17, 10, 2)]:
-        kernel = np.repeat(heavy(3, 3, channels, 1), filters, axis=3)
-        image = np.broadcast_to(heavy(channels), (batch, size, size, channels)).copy()
-        # Interior positions see identical patches: every output (position, filter) is equal.
-        y = tf.nn.conv2d(image, kernel, strides, "SAME").numpy()[:, 1:-1, 1:-1, :]
-        assert np.all(y == y.flat[0])
+def test_products_use_one_summation_order_per_example_with_onednn():
+    """A2 with oneDNN on, as users run TensorFlow (a process of its own: the switch is read
+    when TensorFlow starts)."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-m", "tests._summation_order"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"onednn": True, "differing": []}
 
 
 def test_float32_functions_within_the_stated_accuracy():
