@@ -157,7 +157,16 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     in ``y_pred``. With labels mapped to ``{y >= 0, sum y <= 1}``, both terms lie in the unit
     simplex (scaled by at most 1) and have non-negative inner product, so its squared norm is
     at most ``||p||^2 + ||y||^2 <= 2``: ``L = sqrt(2)``, for every ``tau`` and every margin.
+
+    The shifted logits are clipped to ``[-2^100 / tau, 2^100 / tau]`` first (`LOGIT_CAP`):
+    beyond, ``tau`` times a float32 logit overflowed to inf and the softmax to NaN, which
+    stopped the private step at the example that produced it. The clip changes nothing
+    below the cap, and its Jacobian is diagonal with entries 0 or 1, so the gradient's norm
+    stays within L.
     """
+
+    #: The largest ``|tau logit|`` the softmax sees (`call`).
+    LOGIT_CAP = 2.0 ** 100
 
     def __init__(self, tau=1.0, margin=0.0, reduction=Reduction.AUTO,
                  name="DP_TauCategoricalCrossentropy"):
@@ -171,7 +180,8 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
         y = _to_simplex_subset(class_labels(self, y_true, y_pred))
         if self.margin:
             y_pred = y_pred + self.margin * (1.0 - y)
-        return super().call(y, y_pred)
+        cap = self.LOGIT_CAP / self.tau
+        return super().call(y, tf.clip_by_value(y_pred, -cap, cap))
 
     def lipschitz(self, nb_outputs):
         return math.sqrt(2.0)

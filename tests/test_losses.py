@@ -198,3 +198,27 @@ def test_mean_absolute_error_of_finite_targets_is_finite_in_a_batch_sum():
     np.testing.assert_allclose(values.numpy()[:2], [2.0 ** 100, 1.5], rtol=1e-6)
     norms = np.linalg.norm(gradient.numpy(), axis=1)
     assert np.all(norms <= loss.lipschitz(2) * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("tau, margin", [(1.0, 0.0), (10.0, 0.0), (100.0, 0.5)])
+def test_tau_cross_entropy_of_overflowing_logits_is_finite_and_within_its_constant(tau, margin):
+    """Finite logits whose product with tau overflows float32 (about 3.4e38 / tau and up): the
+    softmax gave NaN, and the private step stopped at the example that produced them. The
+    logits are capped at 2^100 / tau: finite losses and a finite batch sum, each example's
+    gradient within sqrt(2); ordinary logits keep their exact value."""
+    loss = DP_TauCategoricalCrossentropy(tau, margin=margin)
+    rows = [[1e38, -1e38, 0.0, 0.0], [3.4e38] * 4, [-3.4e38, 0.0, 0.0, 3.4e38],
+            [0.5, -1.0, 2.0, 0.0]]
+    y_pred = tf.Variable(np.array(rows * 32, np.float32))
+    y_true = tf.constant(np.eye(4, dtype=np.float32)[np.arange(128) % 4])
+    with tf.GradientTape() as tape:
+        values = loss.call(y_true, y_pred)
+        total = tf.reduce_sum(values)
+    gradient = tape.gradient(total, y_pred).numpy()
+    assert np.isfinite(float(total)) and np.all(np.isfinite(gradient))
+    assert np.all(np.linalg.norm(gradient, axis=1) <= loss.lipschitz(4) * (1 + 1e-6))
+    ordinary = np.array([rows[3]], np.float32)
+    shifted = tau * (ordinary + margin * (1.0 - np.eye(4, dtype=np.float32)[[3]]))
+    expected = (np.log(np.sum(np.exp(shifted.astype(np.float64)))) - shifted[0, 3]) / tau
+    np.testing.assert_allclose(loss.call(np.eye(4, dtype=np.float32)[[3]], ordinary).numpy(),
+                               [expected], rtol=1e-5)
