@@ -45,6 +45,21 @@ class DP_Loss:
         raise NotImplementedError
 
 
+#: The largest ``|logit|`` a loss computes with (``|tau logit|`` for the losses with a
+#: temperature): beyond, a float32 loss overflowed to inf (or a softmax to NaN) and the
+#: private step stopped at the example that produced the logit. Clipping to it is the identity
+#: below, and its Jacobian is diagonal with entries 0 or 1, so no gradient leaves its loss's
+#: constant; each loss value stays below about ``(1 + alpha) 2^102``, so a batch's sum stays
+#: finite for fewer than ``2^26 / (1 + alpha)`` examples (alpha: HKR's, 0 for the others).
+LOGIT_CAP = 2.0 ** 100
+
+
+def _capped(y_pred, temperature=1.0) -> tf.Tensor:
+    """`y_pred` clipped to ``[-LOGIT_CAP / temperature, LOGIT_CAP / temperature]``."""
+    cap = LOGIT_CAP / temperature
+    return tf.clip_by_value(y_pred, -cap, cap)
+
+
 def _checked_logits(loss, y_pred) -> tf.Tensor:
     """`y_pred` if it has rank 2 ``(batch, K)``; a ValueError otherwise."""
     y_pred = tf.convert_to_tensor(y_pred)
@@ -159,14 +174,8 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     at most ``||p||^2 + ||y||^2 <= 2``: ``L = sqrt(2)``, for every ``tau`` and every margin.
 
     The shifted logits are clipped to ``[-2^100 / tau, 2^100 / tau]`` first (`LOGIT_CAP`):
-    beyond, ``tau`` times a float32 logit overflowed to inf and the softmax to NaN, which
-    stopped the private step at the example that produced it. The clip changes nothing
-    below the cap, and its Jacobian is diagonal with entries 0 or 1, so the gradient's norm
-    stays within L.
+    beyond, ``tau`` times a float32 logit overflowed to inf and the softmax to NaN.
     """
-
-    #: The largest ``|tau logit|`` the softmax sees (`call`).
-    LOGIT_CAP = 2.0 ** 100
 
     def __init__(self, tau=1.0, margin=0.0, reduction=Reduction.AUTO,
                  name="DP_TauCategoricalCrossentropy"):
@@ -180,8 +189,7 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
         y = _to_simplex_subset(class_labels(self, y_true, y_pred))
         if self.margin:
             y_pred = y_pred + self.margin * (1.0 - y)
-        cap = self.LOGIT_CAP / self.tau
-        return super().call(y, tf.clip_by_value(y_pred, -cap, cap))
+        return super().call(y, _capped(y_pred, self.tau))
 
     def lipschitz(self, nb_outputs):
         return math.sqrt(2.0)
@@ -195,7 +203,8 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
     """Binary cross-entropy with temperature (deel-lip), averaged over the K outputs.
 
     deel-lip maps labels to {0, 1} (``y > 0``); the per-logit gradient is
-    ``(sigmoid(tau y_pred) - y) / K``, in ``[-1/K, 1/K]``, so ``L = 1 / sqrt(K)``.
+    ``(sigmoid(tau y_pred) - y) / K``, in ``[-1/K, 1/K]``, so ``L = 1 / sqrt(K)``. Logits are
+    clipped to ``[-2^100 / tau, 2^100 / tau]`` (`LOGIT_CAP`).
     """
 
     def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauBCE"):
@@ -203,7 +212,7 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
         super().__init__(tau=tau, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        return super().call(target_labels(self, y_true, y_pred), y_pred)
+        return super().call(target_labels(self, y_true, y_pred), _capped(y_pred, self.tau))
 
     def lipschitz(self, nb_outputs):
         return 1.0 / math.sqrt(nb_outputs)
@@ -219,7 +228,8 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
     ``s_k = +1`` for the true class (weight ``w = K - 1``) and ``-1`` otherwise
     (weight 1). Labels are mapped to one-hot. Gradient: ``-(K-1)/K`` on the true
     class and ``+1/K`` on the others where active, so
-    ``L = sqrt((K-1)^2 + (K-1)) / K = sqrt((K-1)/K)``.
+    ``L = sqrt((K-1)^2 + (K-1)) / K = sqrt((K-1)/K)``. Logits are clipped to ``+-2^100``
+    (`LOGIT_CAP`).
     """
 
     def __init__(self, min_margin=1.0, reduction=Reduction.AUTO, name="DP_MulticlassHinge"):
@@ -228,8 +238,8 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
         self.min_margin = float(min_margin)
 
     def call(self, y_true, y_pred):
-        return multiclass_hinge(_to_one_hot(class_labels(self, y_true, y_pred)), y_pred,
-                                self.min_margin)
+        return multiclass_hinge(_to_one_hot(class_labels(self, y_true, y_pred)),
+                                _capped(y_pred), self.min_margin)
 
     def lipschitz(self, nb_outputs):
         return _one_vs_all_constant(self, nb_outputs)
@@ -265,7 +275,8 @@ class DP_MulticlassKR(tf.keras.losses.Loss, DP_Loss):
 
     Gradient: ``-(K-1)/K`` on the true class, ``+1/K`` elsewhere, hence
     ``L = sqrt((K-1)/K)``. Binary outputs (K = 1) use ``-s y_pred`` with
-    ``s = +1`` if ``y > 0`` else ``-1``, and ``L = 1``.
+    ``s = +1`` if ``y > 0`` else ``-1``, and ``L = 1``. Logits are clipped to ``+-2^100``
+    (`LOGIT_CAP`).
     """
 
     def __init__(self, reduction=Reduction.AUTO, name="DP_MulticlassKR"):
@@ -275,8 +286,8 @@ class DP_MulticlassKR(tf.keras.losses.Loss, DP_Loss):
         y_pred = _checked_logits(self, y_pred)
         if y_pred.shape[-1] == 1:
             sign = tf.where(target_labels(self, y_true, y_pred) > 0, 1.0, -1.0)
-            return -tf.reduce_sum(sign * y_pred, axis=-1)
-        return _multiclass_kr(_to_one_hot(class_labels(self, y_true, y_pred)), y_pred)
+            return -tf.reduce_sum(sign * _capped(y_pred), axis=-1)
+        return _multiclass_kr(_to_one_hot(class_labels(self, y_true, y_pred)), _capped(y_pred))
 
     def lipschitz(self, nb_outputs):
         return math.sqrt((nb_outputs - 1) / nb_outputs) if nb_outputs > 1 else 1.0
@@ -288,7 +299,8 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
 
     Both gradients have the same sign pattern (negative on the true class,
     positive elsewhere) and the hinge's is the KR one masked by its active set,
-    so ``||grad|| <= (1 + alpha) sqrt((K-1)/K)``, which is attained.
+    so ``||grad|| <= (1 + alpha) sqrt((K-1)/K)``, which is attained. Logits are clipped to
+    ``+-2^100`` (`LOGIT_CAP`).
     """
 
     def __init__(self, alpha=10.0, min_margin=1.0, reduction=Reduction.AUTO,
@@ -301,6 +313,7 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
 
     def call(self, y_true, y_pred):
         y_one_hot = _to_one_hot(class_labels(self, y_true, y_pred))
+        y_pred = _capped(y_pred)
         hinge = multiclass_hinge(y_one_hot, y_pred, self.min_margin)
         return _multiclass_kr(y_one_hot, y_pred) + self.alpha * hinge
 

@@ -222,3 +222,24 @@ def test_tau_cross_entropy_of_overflowing_logits_is_finite_and_within_its_consta
     expected = (np.log(np.sum(np.exp(shifted.astype(np.float64)))) - shifted[0, 3]) / tau
     np.testing.assert_allclose(loss.call(np.eye(4, dtype=np.float32)[[3]], ordinary).numpy(),
                                [expected], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,make,k", LOSSES, ids=IDS)
+def test_overflowing_logits_give_finite_losses_and_gradients_within_the_constant(name, make, k):
+    """Finite float32 logits up to 3.4e38 (the model's outputs, whatever its weights): every
+    loss value, a 128-example batch's sum and each example's gradient are finite, and the
+    gradients stay within the constant (logits beyond 2^100, or 2^100 / tau, are clipped:
+    a linear loss overflowed to inf, tau times a logit to inf and the softmax to NaN, and the
+    private step stopped at the example that produced them)."""
+    loss, rng = make(), np.random.default_rng(5)
+    huge = np.array([3.4e38, -3.4e38, 1e38, -1e38, 1e30, 0.0], np.float32)
+    logits = tf.Variable(rng.choice(huge, size=(128, k)).astype(np.float32))
+    labels = tf.constant(_labels(rng, 128, k))
+    with tf.GradientTape() as tape:
+        values = loss.call(labels, logits)
+        total = tf.reduce_sum(values)
+    gradient = tape.gradient(total, logits).numpy()
+    assert np.all(np.isfinite(values.numpy())) and np.isfinite(float(total)), name
+    assert np.all(np.isfinite(gradient)), name
+    norms = np.linalg.norm(gradient, axis=1)
+    assert np.all(norms <= loss.lipschitz(k) * (1 + 1e-5)), (name, norms.max())
