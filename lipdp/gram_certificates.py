@@ -116,11 +116,18 @@ def gamma64(n) -> float:
     return n * U64 / (1.0 - n * U64)
 
 
+#: A float32's bits with the sign cleared, and the bits of its smallest normal magnitude
+#: (2^-126): a magnitude's bits are non-zero and below it exactly for a subnormal.
+FLOAT32_MAGNITUDE_MASK = 0x7FFFFFFF
+FLOAT32_SMALLEST_NORMAL_BITS = 0x00800000
+
+
 def subnormal_count(kernel) -> int:
     """How many entries of the float32 `kernel` are subnormal (non-zero, below ``2^-126`` in
     magnitude), read from their bits: a thread that flushes subnormals reads them as 0."""
-    bits = np.ascontiguousarray(kernel, np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
-    return int(np.count_nonzero((bits != 0) & (bits < np.uint32(0x00800000))))
+    bits = (np.ascontiguousarray(kernel, np.float32).view(np.uint32)
+            & np.uint32(FLOAT32_MAGNITUDE_MASK))
+    return int(np.count_nonzero((bits != 0) & (bits < np.uint32(FLOAT32_SMALLEST_NORMAL_BITS))))
 
 
 def flushed_entries_bound(value, entries) -> float:

@@ -47,7 +47,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp.gram_certificates import CHOLESKY_SHIFTS, EIG_RELATIVE_MARGIN, MU32, U64, gamma64
+from lipdp.gram_certificates import (CHOLESKY_SHIFTS, EIG_RELATIVE_MARGIN,
+                                     FLOAT32_MAGNITUDE_MASK, FLOAT32_SMALLEST_NORMAL_BITS, MU32,
+                                     U64, gamma64)
 
 #: Kernels whose smaller side has at most this many entries are certified in the graph
 #: (`dense_norm_upper_in_graph`); larger ones on the host, where the Lanczos estimate and the
@@ -150,8 +152,8 @@ def _plus_flushed_entries(norm, kernel):
     """`norm` plus the bound of the float32 `kernel`'s subnormal entries, as
     `lipdp.gram_certificates.flushed_entries_bound`: `norm` itself when there are none."""
     magnitudes = tf.bitwise.bitwise_and(tf.bitcast(tf.cast(kernel, tf.float32), tf.int32),
-                                        0x7FFFFFFF)
-    subnormal = tf.logical_and(magnitudes > 0, magnitudes < 0x00800000)
+                                        FLOAT32_MAGNITUDE_MASK)
+    subnormal = tf.logical_and(magnitudes > 0, magnitudes < FLOAT32_SMALLEST_NORMAL_BITS)
     entries = tf.reduce_sum(tf.cast(subnormal, tf.float64))
     return tf.where(entries > 0, (norm + tf.sqrt(entries) * MU32) * (1.0 + 8.0 * U64), norm)
 
