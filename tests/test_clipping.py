@@ -3,7 +3,9 @@
 Reference for every update: exact per-example gradients, one GradientTape per
 example, clipped with the rule written out here, summed and divided by the
 public denominator D. Tolerances: rtol 1e-5 / atol 1e-7 on averaged gradients
-(float32 sums of a handful of terms; measured agreement ~1e-7 relative).
+(float32 sums of a handful of terms; measured agreement ~1e-7 relative); rtol 1e-3 for
+the ghost engines' clipped sums, whose clipping factors come from upper bounds up to
+1e-3 above the exact squared norms (their rounding terms, `tests/test_ghost.py`).
 """
 
 import math
@@ -104,6 +106,11 @@ def _compiled(make_layers, clipping, engine, loss, shape=(8, 8, 2), k=4, model_c
     return model
 
 
+def _rtol(engine):
+    """Of a clipped sum against the reference (module docstring)."""
+    return 1e-5 if engine == "vectorized" else 1e-3
+
+
 def _check_against_reference(make_layers, clipping, engine, loss, x, y, **kwargs):
     # Thresholds from the exact norms of the very weights used below (fixed seed).
     probe = _compiled(make_layers, "flat", "vectorized", loss, **kwargs)
@@ -116,7 +123,8 @@ def _check_against_reference(make_layers, clipping, engine, loss, x, y, **kwargs
     for private_gradients in (model.private_gradients, tf.function(model.private_gradients)):
         clean, noisy, sens, losses, y_pred = private_gradients(x, y)
         for c, n, e, v in zip(clean, noisy, expected, model.trainable_variables):
-            np.testing.assert_allclose(c.numpy(), e, rtol=1e-5, atol=1e-7, err_msg=v.name)
+            np.testing.assert_allclose(c.numpy(), e, rtol=_rtol(engine), atol=1e-7,
+                                       err_msg=v.name)
             np.testing.assert_array_equal(c.numpy(), n.numpy())  # sigma = 0
         assert losses.shape == (len(x),) and y_pred.shape[0] == len(x)
     return model
