@@ -728,7 +728,9 @@ class _DPModelMixin:
 
         Raises:
             InvalidArgumentError: (at run time) a non-finite loss, gradient or noise
-                standard deviation (an infinite bound).
+                standard deviation (an infinite bound). In clipped mode an example whose
+                loss or gradient norm is not finite contributes zero instead
+                (`lipdp.clipping.engine.usable_examples`): no error depends on one record.
         """
         if self._step_mechanism is None:
             raise RuntimeError("Compile the model with a DP loss before training.")

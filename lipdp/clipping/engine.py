@@ -35,7 +35,35 @@ def weighted_sum(factors: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
     return tf.tensordot(factors, per_example, axes=1)
 
 
-def checked(losses: tf.Tensor) -> tf.Tensor:
-    """The per-example losses, failing on NaN/inf (bad inputs or labels)."""
-    return tf.debugging.check_numerics(
-        losses, "Non-finite loss in a private step (NaN/inf inputs or labels?)")
+def usable_examples(losses: tf.Tensor, squared_norms: List[tf.Tensor]) -> tf.Tensor:
+    """``(batch,)`` bool: example i's loss and every squared norm of its gradient are finite.
+
+    Each flag depends on example i alone (no batch coupling, `validation`). An example
+    without it contributes zero to the clipped sums (`without_unusable`): a record whose
+    features are huge but finite overflows in the forward pass or in its norms, and a step
+    that stopped there would reveal when the record was sampled.
+    """
+    usable = tf.math.is_finite(losses)
+    for squared in squared_norms:
+        usable = tf.logical_and(usable, tf.math.is_finite(squared))
+    return usable
+
+
+def without_unusable(factors: List[tf.Tensor], usable: tf.Tensor) -> List[tf.Tensor]:
+    """The clipping factors with those of unusable examples set to 0 (not multiplied: a
+    factor that is NaN stays NaN under a product)."""
+    return [tf.where(usable, nu, tf.zeros_like(nu)) for nu in factors]
+
+
+def zero_rows(structure, usable: tf.Tensor):
+    """Every tensor of `structure` (inputs or labels, batch first) with the rows of the
+    unusable examples set to zero."""
+    def zeroed(t):
+        if t is None:
+            return t
+        t = tf.convert_to_tensor(t)
+        mask = tf.reshape(usable, tf.concat([tf.shape(usable), tf.ones([t.shape.rank - 1],
+                                                                        tf.int32)], 0))
+        return tf.where(mask, t, tf.zeros_like(t))
+
+    return tf.nest.map_structure(zeroed, structure)

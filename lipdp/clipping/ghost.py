@@ -74,7 +74,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from lipdp import kernels
-from lipdp.clipping.engine import ClippedBatch, checked, squared_norms_of, weighted_sum
+from lipdp.clipping.engine import (ClippedBatch, squared_norms_of, usable_examples, weighted_sum,
+                                   without_unusable, zero_rows)
 from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
 from lipdp.clipping.rules import ClippingRule
 from lipdp.clipping.validation import leaf_layers, wrapped_calls
@@ -326,6 +327,12 @@ def _replayed_gradients(layer, call: _Call, cotangents: List[tf.Tensor],
     return list(tf.vectorized_map(one, (call.inputs, list(cotangents))))
 
 
+def _first_rows(structure) -> tf.Tensor:
+    """``(batch,)`` zeros, from the first tensor of `structure` (labels, batch first)."""
+    first = tf.convert_to_tensor(tf.nest.flatten(structure)[0])
+    return tf.zeros(tf.shape(first)[:1])
+
+
 @dataclasses.dataclass
 class _NormPass:
     tape: tf.GradientTape
@@ -383,7 +390,7 @@ class GhostEngine:
         with _recording(plan.ghost, plan.fallback_layers) as records, kernels.separate_layers():
             with tf.GradientTape(persistent=True) as tape:
                 y_pred = model(x, training=True)
-                losses = checked(loss_fn(y, y_pred))
+                losses = loss_fn(y, y_pred)
                 total = tf.reduce_sum(losses)
         variables = list(model.trainable_variables)
         for layer in plan.ghost + plan.fallback_layers:
@@ -451,9 +458,29 @@ class GhostEngine:
         variable for per-layer clipping) holds for that contribution whatever
         randomness the layers hide. ``G = grad loss_i`` exactly when every fallback
         layer is deterministic in training (see the module docstring).
+
+        An example whose loss or norms are not finite (`usable_examples`) contributes
+        zero: the batch is then passed again with that example's inputs and labels
+        zeroed and its factors set to 0 (a zero factor alone would leave its NaN or inf
+        activations in the reweighted backward pass). The losses, norms and outputs
+        returned are the first pass's.
         """
+        def one_pass(x, y, usable):
+            return self._clipped_sums(model, loss_fn, x, y, rule, usable)
+
+        if not tf.executing_eagerly():  # one traced body for both passes (half the graph)
+            one_pass = tf.function(one_pass, autograph=False)
+        first = one_pass(x, y, tf.ones_like(_first_rows(y), tf.bool))
+        usable = usable_examples(first.losses, first.squared_norms)
+        sums = tf.cond(tf.reduce_all(usable), lambda: first.gradient_sums,
+                       lambda: one_pass(zero_rows(x, usable), zero_rows(y, usable),
+                                        usable).gradient_sums)
+        return first._replace(gradient_sums=list(sums))
+
+    def _clipped_sums(self, model, loss_fn, x, y, rule, usable) -> ClippedBatch:
+        """One pass of `clipped_sum`, the factors of examples outside `usable` set to 0."""
         result = self._norms(model, loss_fn, x, y)
-        factors = rule.factors(result.squared)
+        factors = without_unusable(rule.factors(result.squared), usable)
         on_tape = [v for v in result.variables if v.ref() not in result.exact]
         reweighted = {}
         if rule.uniform and on_tape:

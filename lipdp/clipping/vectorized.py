@@ -11,30 +11,21 @@ Conv2D and Embedding layers.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List
 
 import tensorflow as tf
 
-from lipdp.clipping.engine import ClippedBatch, checked, squared_norms_of, weighted_sum
+from lipdp.clipping.engine import (ClippedBatch, squared_norms_of, usable_examples, weighted_sum,
+                                   without_unusable)
 from lipdp.clipping.rules import ClippingRule
 from lipdp.noise import gaussian_noise
 from lipdp.per_example import per_example_gradients
 
 
-def forward_and_per_example_gradients(model, loss_fn: Callable, x, y,
-                                      variables: Sequence[tf.Variable] = None
-                                      ) -> Tuple[List[tf.Tensor], tf.Tensor, tf.Tensor]:
-    """``(gradients, losses, y_pred)`` of `lipdp.per_example.per_example_gradients`
-    (each example through the model alone, inside `tf.vectorized_map`), with the
-    losses checked for NaN/inf."""
-    gradients, losses, y_pred = per_example_gradients(model, loss_fn, x, y, variables)
-    return list(gradients), checked(losses), y_pred
-
-
 def per_example_squared_norms(model, loss_fn: Callable, x, y) -> List[tf.Tensor]:
     """``||grad_v loss_i||^2``, ``(batch,)`` per trainable variable (exact)."""
-    gradients, _, _ = forward_and_per_example_gradients(model, loss_fn, x, y)
-    return squared_norms_of(gradients)
+    gradients, _, _ = per_example_gradients(model, loss_fn, x, y)
+    return squared_norms_of(list(gradients))
 
 
 class VectorizedEngine:
@@ -54,12 +45,23 @@ class VectorizedEngine:
 
     def clipped_sum(self, model, loss_fn: Callable, x, y, rule: ClippingRule) -> ClippedBatch:
         """Formal guarantee: ``gradient_sums[v] = sum_i nu[v][i] (g_{i,v} + k z_{i,v})``
-        with ``nu = rule.factors(||g_i + k z_i||^2)``, z standard normal (k = 0: z unused)."""
-        gradients, losses, y_pred = forward_and_per_example_gradients(model, loss_fn, x, y)
+        with ``nu = rule.factors(||g_i + k z_i||^2)``, z standard normal (k = 0: z unused),
+        over the examples whose loss and norms are finite; the others contribute zero
+        (`lipdp.clipping.engine.usable_examples`)."""
+        gradients, losses, y_pred = per_example_gradients(model, loss_fn, x, y)
+        gradients = list(gradients)
         if self.preclip_noise > 0:
             noise = gaussian_noise(gradients, [self.preclip_noise] * len(gradients))
             gradients = [g + n for g, n in zip(gradients, noise)]
         squared = squared_norms_of(gradients)
-        factors = rule.factors(squared)
-        sums = [weighted_sum(nu, g) for nu, g in zip(factors, gradients)]
+        usable = usable_examples(losses, squared)
+        factors = without_unusable(rule.factors(squared), usable)
+        sums = [weighted_sum(nu, _zero_unusable(g, usable)) for nu, g in zip(factors, gradients)]
         return ClippedBatch(sums, squared, losses, y_pred)
+
+
+def _zero_unusable(per_example: tf.Tensor, usable: tf.Tensor) -> tf.Tensor:
+    """`per_example` ``(batch,) + shape`` with the unusable examples' rows set to 0 (a 0
+    factor times their NaN or inf entries would not remove them)."""
+    mask = tf.reshape(usable, [-1] + [1] * (per_example.shape.rank - 1))
+    return tf.where(mask, per_example, tf.zeros_like(per_example))

@@ -1,0 +1,112 @@
+"""Classic DP-SGD on a record whose loss or gradient norm is not finite.
+
+A model in clipped mode need not bound its inputs. A record with huge finite features passes
+the check before the first step (it refuses NaN and inf only) and then overflows in the
+forward pass or in its norms. Before 2026-12-04 `fit` stopped at the step that sampled it
+(features of 1e30 with the ghost engine, 3e38 with the vectorized one), which tells when it
+was sampled. Such an example now contributes zero (`lipdp.clipping.engine.usable_examples`),
+an allowed clipped contribution: the step releases the clipped sum of the other examples.
+
+Reference: exact per-example gradients of the usable records, one tape each, clipped with
+the flat rule written out here and divided by D. Tolerances: rtol 1e-5 for the vectorized
+engine, 1e-3 for the ghost engines (their norms are upper bounds up to 1e-3 above,
+`tests/test_ghost.py`).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lipdp.clipping import GhostFallbackWarning
+from lipdp.metadata import DatasetMetadata, DPParameters
+from lipdp.model import DP_Sequential
+from tests._soundness import per_example_gradients
+
+L = tf.keras.layers
+CCE = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+D, CLIP, BAD = 8, 1.0, 3  # public denominator, threshold, the unusable record's row
+
+
+def _conv_layers():
+    """Conv2D (Gram norms with engine "ghost"), pooling, Dense (tanh saturates: a huge input
+    can still give a finite loss, and then its norms overflow)."""
+    return [L.Input((6, 6, 2)), L.Conv2D(3, 3, padding="same", activation="relu"),
+            L.MaxPooling2D(2), L.Flatten(), L.Dense(5, activation="tanh"), L.Dense(4)]
+
+
+def _model(engine, layers=_conv_layers, shape=(6, 6, 2), classes=4, samples=64):
+    tf.keras.utils.set_random_seed(5)
+    params = DPParameters(0.0, 1e-5, mode="clipped", clipping="flat", l2_norm_clip=CLIP,
+                          engine=engine)
+    metadata = DatasetMetadata(shape, classes, samples, 16, D, None, "shuffle")
+    model = DP_Sequential(layers(), dp_parameters=params, dataset_metadata=metadata)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GhostFallbackWarning)
+        model.compile(loss=CCE, optimizer=tf.keras.optimizers.SGD(0.1))
+    return model
+
+
+def _batch(bad_value, n=D, shape=(6, 6, 2), seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n,) + shape).astype(np.float32)
+    x[BAD] = bad_value
+    return tf.constant(x), tf.one_hot(rng.integers(0, 4, n), 4)
+
+
+def _flat_reference(model, x, y):
+    """``sum_i min(1, C / ||g_i||) g_i / D`` over every record but `BAD`."""
+    keep = [i for i in range(len(x)) if i != BAD]
+    x, y = tf.gather(x, keep), tf.gather(y, keep)
+    sums = None
+    for grads in per_example_gradients(model, CCE, x, y):
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads))
+        scaled = [min(1.0, CLIP / norm) * g.astype(np.float64) for g in grads]
+        sums = scaled if sums is None else [s + g for s, g in zip(sums, scaled)]
+    return [s / D for s in sums]
+
+
+@pytest.mark.parametrize("engine,bad_value", [
+    *[(engine, value) for engine in ("ghost", "mixed-ghost", "vectorized")
+      for value in (3e38, np.nan)],
+    ("ghost", 1e30)])
+def test_an_unusable_record_contributes_nothing(engine, bad_value):
+    """Its loss (3e38 overflows the forward pass; NaN) or its norms (1e30: the loss is
+    finite, tanh saturates, but the ghost engine's Gram matrix of the first layer's input
+    overflows) are not finite; the update is the other records' clipped sum, eagerly and
+    traced, and no error is raised. (With 1e30 the direct forms and exact gradients of the
+    other engines stay finite: the record is then clipped like any other.)"""
+    model = _model(engine)
+    x, y = _batch(bad_value)
+    expected = _flat_reference(model, x, y)
+    rtol = 1e-5 if engine == "vectorized" else 1e-3
+    for private_gradients in (model.private_gradients, tf.function(model.private_gradients)):
+        clean, noisy, _, losses, _ = private_gradients(x, y)
+        for c, e, v in zip(clean, expected, model.trainable_variables):
+            np.testing.assert_allclose(c.numpy(), e, rtol=rtol, atol=1e-7, err_msg=v.name)
+        norms = np.array([float(tf.reduce_sum(tf.square(s - n))) for s, n in zip(clean, noisy)])
+        assert np.all(norms == 0.0)  # sigma = 0: the released gradient is the clean one
+        finite = np.isfinite(losses.numpy())
+        assert finite[np.arange(D) != BAD].all()
+
+
+def _mlp_layers():
+    return [L.Input((30,)), L.Dense(20, activation="relu"), L.Dense(3)]
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_fit_trains_through_a_record_with_huge_finite_features(engine):
+    """The README's sharp edge of 2026-12-04 (a 30-20-3 ReLU MLP, one record among 64): `fit`
+    used to stop at the step that sampled it, from features of 1e30 with the ghost engine
+    (its norms overflowed; they are float64 bounds since, and inf gives a factor of 0) and
+    3e38 with both (the forward pass overflows). Every step now runs and the weights stay
+    finite."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 30)).astype(np.float32)
+    x[17] = 3e38
+    y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, 64)]
+    model = _model(engine, _mlp_layers, (30,), classes=3)
+    model.fit(x, y, batch_size=D, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 64 // D
+    assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
