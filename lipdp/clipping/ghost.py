@@ -436,7 +436,9 @@ class GhostEngine:
                          losses, y_pred)
 
     def per_example_squared_norms(self, model, loss_fn: Callable, x, y) -> List[tf.Tensor]:
-        """``||grad_v loss_i||^2``, ``(batch,)`` per trainable variable."""
+        """``||grad_v loss_i||^2``, ``(batch,)`` per trainable variable: upper bounds that
+        cover their rounding for ghost-rule variables (`lipdp.clipping.ghost_norms`,
+        "Rounding"), the norms of the exact per-example gradients for the others."""
         result = self._norms(model, loss_fn, x, y)
         del result.tape
         return result.squared
