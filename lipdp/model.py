@@ -57,7 +57,8 @@ from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise
 from lipdp.operator_norms import host_work
-from lipdp.records import check_finite_arrays, check_finite_dataset
+from lipdp.records import (check_finite_arrays, check_finite_dataset, check_ids_in_range,
+                           embedding_id_limits)
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -934,10 +935,13 @@ class _DPModelMixin:
         on `validation_data`, outside the training set.
 
         Args:
-            validate_data: check every training record for NaN/inf before the
-                first step (one pass over a dataset, at most one epoch of
-                batches). Without it, a bad record aborts training at the step
-                that samples it, which reveals when it was sampled.
+            validate_data: check every training record for NaN/inf, and token ids
+                for the vocabulary of the Embedding layers that model inputs feed,
+                before the first step (one pass over a dataset, at most one epoch of
+                batches; `lipdp.records`). Without it, a bad record aborts training
+                at the step that samples it, which reveals when it was sampled (in
+                clipped mode, an example whose loss or norm is not finite contributes
+                zero instead; an id outside the vocabulary still aborts).
             Other arguments: as for `tf.keras.Model.fit`.
         """
         self._check_compiled()
@@ -956,13 +960,15 @@ class _DPModelMixin:
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
             self._check_pipeline_sampler(x)
             if validate_data:
-                check_finite_dataset(x, kwargs.get("steps_per_epoch") or md.steps_per_epoch,
-                                     dtype=self.compute_dtype)
+                batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
+                check_finite_dataset(x, batches, dtype=self.compute_dtype)
+                check_ids_in_range(x, embedding_id_limits(self), batches)
         elif x is not None:
             _refuse_batch_iterators(x)
             batch_size = self._check_arrays(x, batch_size)
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
+                check_ids_in_range(x, embedding_id_limits(self))
         # Last, so that they run after a BackupAndRestore restored the model.
         callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]

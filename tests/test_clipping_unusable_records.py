@@ -7,6 +7,9 @@ forward pass or in its norms. Before 2026-12-04 `fit` stopped at the step that s
 was sampled. Such an example now contributes zero (`lipdp.clipping.engine.usable_examples`),
 an allowed clipped contribution: the step releases the clipped sum of the other examples.
 
+Token ids outside an Embedding's vocabulary make TensorFlow's CPU lookup fail, which no
+step can absorb: `fit` refuses them before the first step (`lipdp.records`).
+
 Reference: exact per-example gradients of the usable records, one tape each, clipped with
 the flat rule written out here and divided by D. Tolerances: rtol 1e-5 for the vectorized
 engine, 1e-3 for the ghost engines (their norms are upper bounds up to 1e-3 above,
@@ -21,7 +24,8 @@ import tensorflow as tf
 
 from lipdp.clipping import GhostFallbackWarning
 from lipdp.metadata import DatasetMetadata, DPParameters
-from lipdp.model import DP_Sequential
+from lipdp.model import DP_Model, DP_Sequential
+from lipdp.records import OutOfRangeIdError
 from tests._soundness import per_example_gradients
 
 L = tf.keras.layers
@@ -110,3 +114,48 @@ def test_fit_trains_through_a_record_with_huge_finite_features(engine):
     model.fit(x, y, batch_size=D, epochs=1, verbose=0)
     assert model.dp_steps_taken == 64 // D
     assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
+
+
+def _text_model(two_inputs=False):
+    """Token ids (5 per record, vocabulary 10) -> Embedding -> Dense; with `two_inputs`, a
+    functional model whose second input holds the ids."""
+    tf.keras.utils.set_random_seed(6)
+    params = DPParameters(0.0, 1e-5, mode="clipped", clipping="flat", l2_norm_clip=CLIP)
+    metadata = DatasetMetadata((5,), 3, 64, 16, D, None, "shuffle")
+    if two_inputs:
+        dense, ids = L.Input((2,)), L.Input((5,), dtype="int32")
+        hidden = L.Concatenate()([dense, L.Flatten()(L.Embedding(10, 4)(ids))])
+        model = DP_Model([dense, ids], L.Dense(3)(hidden), dp_parameters=params,
+                         dataset_metadata=metadata)
+    else:
+        model = DP_Sequential([L.Input((5,), dtype="int32"), L.Embedding(10, 4), L.Flatten(),
+                               L.Dense(3)], dp_parameters=params, dataset_metadata=metadata)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GhostFallbackWarning)
+        model.compile(loss=CCE, optimizer=tf.keras.optimizers.SGD(0.1))
+    return model
+
+
+@pytest.mark.parametrize("where", ["arrays", "dataset", "second input"])
+def test_ids_outside_an_embeddings_vocabulary_are_refused_before_the_first_step(where):
+    """TensorFlow's CPU lookup fails on them: `fit` stopped at the step that sampled the
+    record (its fourth step here, with both engines). Refused before training, listing the
+    records: 17 >= 10 in record 37, -1 in record 50."""
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 10, (64, 5)).astype(np.int32)
+    ids[37, 2], ids[50, 0] = 17, -1
+    y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, 64)]
+    model = _text_model(two_inputs=where == "second input")
+    inputs = [np.zeros((64, 2), np.float32), ids] if where == "second input" else ids
+    refused = r"2 of 64 training records hold ids outside \[0, input_dim\)"
+    if where == "dataset":
+        dataset = tf.data.Dataset.from_tensor_slices((ids, y)).batch(D)
+        with pytest.raises(OutOfRangeIdError, match=refused + r".*batch 4 row 5, batch 6 row 2"):
+            model.fit(dataset, epochs=1, verbose=0)
+    else:
+        with pytest.raises(OutOfRangeIdError, match=refused + r".*: 37, 50"):
+            model.fit(inputs, y, batch_size=D, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+    ids[37, 2], ids[50, 0] = 9, 0  # in range: trains
+    model.fit(inputs, y, batch_size=D, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 64 // D
