@@ -58,7 +58,7 @@ from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise
 from lipdp.operator_norms import host_work
 from lipdp.records import (check_finite_arrays, check_finite_dataset, check_ids_in_range,
-                           embedding_id_limits)
+                           check_sparse_labels, embedding_id_limits, sparse_label_classes)
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -935,9 +935,9 @@ class _DPModelMixin:
         on `validation_data`, outside the training set.
 
         Args:
-            validate_data: check every training record for NaN/inf, and token ids
-                for the vocabulary of the Embedding layers that model inputs feed,
-                before the first step (one pass over a dataset, at most one epoch of
+            validate_data: check every training record for NaN/inf, token ids for
+                the vocabulary of the Embedding layers that model inputs feed, and
+                class indices for a Keras sparse cross-entropy, before the first step (one pass over a dataset, at most one epoch of
                 batches; `lipdp.records`). Without it, a bad record aborts training
                 at the step that samples it, which reveals when it was sampled (in
                 clipped mode, an example whose loss or norm is not finite contributes
@@ -963,12 +963,14 @@ class _DPModelMixin:
                 batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
                 check_finite_dataset(x, batches, dtype=self.compute_dtype)
                 check_ids_in_range(x, embedding_id_limits(self), batches)
+                check_sparse_labels(x, None, sparse_label_classes(self, self.dp_loss), batches)
         elif x is not None:
             _refuse_batch_iterators(x)
             batch_size = self._check_arrays(x, batch_size)
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
                 check_ids_in_range(x, embedding_id_limits(self))
+                check_sparse_labels(x, y, sparse_label_classes(self, self.dp_loss))
         # Last, so that they run after a BackupAndRestore restored the model.
         callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]

@@ -14,7 +14,10 @@ The same holds for token ids outside an ``Embedding``'s ``[0, input_dim)`` (clas
 DP-SGD, where such layers are allowed): TensorFlow's CPU lookup fails on them, and
 `fit` stopped at the step that sampled the record (measured 2026-12-05 with both
 clipping engines). `embedding_id_limits` finds the model inputs that feed an
-Embedding directly; ids computed inside the model are not seen.
+Embedding directly; ids computed inside the model are not seen. And for class
+indices outside ``[0, K)`` given to Keras' sparse categorical cross-entropy
+(`sparse_label_classes`): its CPU kernel fails on them too. (lipdp's DP losses map
+every label onto their domain and need no check.)
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = ["NonFiniteRecordError", "OutOfRangeIdError", "check_finite_arrays",
-           "check_finite_dataset", "check_ids_in_range", "embedding_id_limits"]
+           "check_finite_dataset", "check_ids_in_range", "check_sparse_labels",
+           "embedding_id_limits", "sparse_label_classes"]
 
 _SHOWN = 10  # positions listed in the error message
 
@@ -50,7 +54,8 @@ def _finite_rows(values, dtype) -> np.ndarray:
 
 
 class OutOfRangeIdError(ValueError):
-    """Training records hold token ids outside the vocabulary of the Embedding they feed."""
+    """Training records hold token ids outside the vocabulary of the Embedding they feed, or
+    class indices outside the classes of a sparse cross-entropy."""
 
 
 def _refuse(where: str, bad: List[str], total: int):
@@ -153,13 +158,65 @@ def _ids_in_range(ids, limit) -> tf.Tensor:
     return tf.reduce_all(tf.reshape(flags, (tf.shape(ids)[0], -1)), axis=1)
 
 
-def _refuse_ids(where: str, bad: List[str], total: int):
+_ID_RANGES = ("ids outside [0, input_dim) of the Embedding layer they feed",
+              "map unknown tokens to an id of their own")
+_LABEL_RANGES = ("class indices outside [0, K) of the sparse cross-entropy (K model outputs)",
+                 "or use a lipdp loss, which maps any label onto its classes")
+
+
+def _refuse_ids(where: str, bad: List[str], total: int, what=_ID_RANGES):
     shown = ", ".join(bad[:_SHOWN]) + (f", ... ({len(bad)} in all)" if len(bad) > _SHOWN else "")
     raise OutOfRangeIdError(
-        f"{len(bad)} of {total} training records hold ids outside [0, input_dim) of the "
-        f"Embedding layer they feed ({where}): {shown}. Remove or repair them before "
-        "training (map unknown tokens to an id of their own): the lookup fails on them, and an "
-        "error raised when one is first sampled would reveal it.")
+        f"{len(bad)} of {total} training records hold {what[0]} ({where}): {shown}. Remove or "
+        f"repair them before training ({what[1]}): TensorFlow fails on them, and an error "
+        "raised when one is first sampled would reveal it.")
+
+
+def sparse_label_classes(model: tf.keras.Model, loss) -> Optional[int]:
+    """K, the model's outputs, when `loss` is Keras' sparse categorical cross-entropy (its
+    name, function or class); None otherwise."""
+    losses = tf.keras.losses
+    sparse = (loss in ("sparse_categorical_crossentropy", losses.sparse_categorical_crossentropy)
+              or isinstance(loss, losses.SparseCategoricalCrossentropy))
+    return int(model.output_shape[-1]) if sparse else None
+
+
+def check_sparse_labels(x, y, classes: Optional[int], max_batches: Optional[int] = None) -> None:
+    """Every record's class index lies in ``[0, classes)`` (nothing to check when `classes`
+    is None). `x` and `y` as for `check_ids_in_range` (``y`` None for a dataset).
+
+    Raises:
+        OutOfRangeIdError: listing the records that hold another index.
+    """
+    if classes is None:
+        return
+    if not isinstance(x, tf.data.Dataset):
+        if y is not None and not isinstance(y, (dict, list, tuple)):
+            _check_rows([_ids_in_range(y, classes).numpy()], _LABEL_RANGES)
+        return
+
+    spec = x.element_spec
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], tf.TensorSpec):
+        _check_dataset_rows(x.map(lambda features, labels: _ids_in_range(labels, classes)),
+                            max_batches, _LABEL_RANGES)
+
+
+def _check_rows(flags, what) -> None:
+    good = np.logical_and.reduce(flags)
+    if not good.all():
+        _refuse_ids("by index in the arrays given to fit",
+                    [str(i) for i in np.flatnonzero(~good)], len(good), what)
+
+
+def _check_dataset_rows(checked, max_batches, what) -> None:
+    if max_batches is not None:
+        checked = checked.take(max_batches)
+    bad, total = [], 0
+    for index, good in enumerate(checked.as_numpy_iterator()):
+        bad += [f"batch {index} row {row}" for row in np.flatnonzero(~good)]
+        total += len(good)
+    if bad:
+        _refuse_ids("by position in one pass over the dataset", bad, total, what)
 
 
 def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int] = None) -> None:
@@ -180,11 +237,8 @@ def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int
         arrays = _aligned(x, len(limits))
         if arrays is None:
             return
-        flags = [_ids_in_range(a, n).numpy() for a, n in zip(arrays, limits) if n is not None]
-        good = np.logical_and.reduce(flags)
-        if not good.all():
-            _refuse_ids("by index in the arrays given to fit",
-                        [str(i) for i in np.flatnonzero(~good)], len(good))
+        _check_rows([_ids_in_range(a, n).numpy() for a, n in zip(arrays, limits)
+                     if n is not None], _ID_RANGES)
         return
 
     def row_flags(*element):  # a batch (x, y) or x: x first
@@ -194,12 +248,4 @@ def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int
         flags = [_ids_in_range(a, n) for a, n in zip(arrays, limits) if n is not None]
         return tf.reduce_all(tf.stack(flags), axis=0)
 
-    checked = x.map(row_flags)
-    if max_batches is not None:
-        checked = checked.take(max_batches)
-    bad, total = [], 0
-    for index, good in enumerate(checked.as_numpy_iterator()):
-        bad += [f"batch {index} row {row}" for row in np.flatnonzero(~good)]
-        total += len(good)
-    if bad:
-        _refuse_ids("by position in one pass over the dataset", bad, total)
+    _check_dataset_rows(x.map(row_flags), max_batches, _ID_RANGES)

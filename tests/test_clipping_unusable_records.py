@@ -159,3 +159,34 @@ def test_ids_outside_an_embeddings_vocabulary_are_refused_before_the_first_step(
     ids[37, 2], ids[50, 0] = 9, 0  # in range: trains
     model.fit(inputs, y, batch_size=D, epochs=1, verbose=0)
     assert model.dp_steps_taken == 64 // D
+
+
+@pytest.mark.parametrize("loss,where", [
+    ("sparse_categorical_crossentropy", "arrays"),
+    (tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), "arrays"),
+    (tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), "dataset")])
+def test_class_indices_outside_a_sparse_cross_entropy_are_refused_before_the_first_step(loss,
+                                                                                         where):
+    """Keras' sparse cross-entropy fails on them on the CPU: `fit` stopped at the step that
+    sampled the record (the fourth, with both engines). Refused before training: 17 and -2
+    for 3 classes."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    y = rng.integers(0, 3, 64).astype(np.int32)
+    y[37], y[50] = 17, -2
+    tf.keras.utils.set_random_seed(7)
+    model = DP_Sequential([L.Input((6,)), L.Dense(3)], dp_parameters=DPParameters(
+        0.0, 1e-5, mode="clipped", l2_norm_clip=CLIP), dataset_metadata=DatasetMetadata(
+        (6,), 3, 64, 16, D, None, "shuffle"))
+    model.compile(loss=loss, optimizer=tf.keras.optimizers.SGD(0.1))
+    refused = r"2 of 64 training records hold class indices outside \[0, K\)"
+    if where == "dataset":
+        with pytest.raises(OutOfRangeIdError, match=refused + r".*batch 4 row 5, batch 6 row 2"):
+            model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(D), epochs=1, verbose=0)
+    else:
+        with pytest.raises(OutOfRangeIdError, match=refused + r".*: 37, 50"):
+            model.fit(x, y, batch_size=D, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+    y[37], y[50] = 2, 0
+    model.fit(x, y, batch_size=D, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 64 // D
