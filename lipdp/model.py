@@ -937,11 +937,12 @@ class _DPModelMixin:
         Args:
             validate_data: check every training record for NaN/inf, token ids for
                 the vocabulary of the Embedding layers that model inputs feed, and
-                class indices for a Keras sparse cross-entropy, before the first step (one pass over a dataset, at most one epoch of
-                batches; `lipdp.records`). Without it, a bad record aborts training
-                at the step that samples it, which reveals when it was sampled (in
-                clipped mode, an example whose loss or norm is not finite contributes
-                zero instead; an id outside the vocabulary still aborts).
+                class indices for a Keras sparse cross-entropy, before the first step
+                (one pass over a dataset, at most one epoch of batches;
+                `lipdp.records`). Without it, a bad record aborts training at the step
+                that samples it, which reveals when it was sampled (in clipped mode, an
+                example whose loss or norm is not finite contributes zero instead; an
+                id or class index out of range still aborts).
             Other arguments: as for `tf.keras.Model.fit`.
         """
         self._check_compiled()
