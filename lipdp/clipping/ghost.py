@@ -327,10 +327,11 @@ def _replayed_gradients(layer, call: _Call, cotangents: List[tf.Tensor],
     return list(tf.vectorized_map(one, (call.inputs, list(cotangents))))
 
 
-def _first_rows(structure) -> tf.Tensor:
-    """``(batch,)`` zeros, from the first tensor of `structure` (labels, batch first)."""
+def _every_row(structure) -> tf.Tensor:
+    """``(batch,)`` True, the batch size read from the first tensor of `structure` (labels,
+    batch first)."""
     first = tf.convert_to_tensor(tf.nest.flatten(structure)[0])
-    return tf.zeros(tf.shape(first)[:1])
+    return tf.ones(tf.shape(first)[:1], tf.bool)
 
 
 @dataclasses.dataclass
@@ -472,7 +473,7 @@ class GhostEngine:
 
         if not tf.executing_eagerly():  # one traced body for both passes (half the graph)
             one_pass = tf.function(one_pass, autograph=False)
-        first = one_pass(x, y, tf.ones_like(_first_rows(y), tf.bool))
+        first = one_pass(x, y, _every_row(y))
         usable = usable_examples(first.losses, first.squared_norms)
         sums = tf.cond(tf.reduce_all(usable), lambda: first.gradient_sums,
                        lambda: one_pass(zero_rows(x, usable), zero_rows(y, usable),

@@ -79,6 +79,7 @@ import tensorflow as tf
 
 from lipdp.layers.conv import DP_QuickSpectralConv2D
 from lipdp.layers.dense import DP_QuickSpectralDense
+from lipdp.gram_certificates import U64
 from lipdp.rounding import UNIT_ROUNDOFF as U32
 
 # Most intermediate numbers (Gram entries, or entries of per-example layer gradients) held
@@ -136,9 +137,6 @@ def ghost_rule(layer) -> Optional[GhostRule]:
 
 
 # --------------------------------------------------------------------------- helpers
-U64 = 2.0 ** -53
-
-
 def _gamma(k, unit) -> tf.Tensor:
     """Higham's ``gamma_k = k u / (1 - k u)`` in float64, for a count k (an int or an int
     tensor: a number of positions may be known at run time only); inf when ``k u >= 1``."""
