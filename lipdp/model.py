@@ -77,6 +77,29 @@ def _global_batch_size(x) -> tf.Tensor:
     return tf.cast(total, tf.int64)
 
 
+def _refuse_regularization(model):
+    """Refuse layers' regularizers and losses added with ``add_loss``: the private step
+    differentiates the per-example losses only, so Keras would log these terms in the loss
+    while they never reach the weights (a kernel_regularizer of L2(10) left the kernel as
+    without it, in both modes, until 2026-12-05).
+
+    Raises:
+        ValueError: naming the regularizers, or the number of added losses.
+    """
+    named = [f"{layer.name}.{name}" for layer in leaf_layers(model)
+             for name, value in [*vars(layer).items(),
+                                 ("activity_regularizer", layer.activity_regularizer)]
+             if name.endswith("_regularizer") and not name.startswith("_")
+             and value is not None]
+    if named or model.losses:
+        found = ", ".join(named) if named else f"{len(model.losses)} losses added by add_loss"
+        raise ValueError(
+            f"DP models train on the per-example losses only: regularization terms ({found}) "
+            "would be logged in the loss but never reach the weights. Remove them; for weight "
+            "decay, give the optimizer a `weight_decay` (applied to the weights after the noisy "
+            "gradient, it uses no data).")
+
+
 def _refuse_batch_iterators(x):
     """`fit` takes arrays (cut into batches of the declared size) or a `tf.data.Dataset`
     (checked batch by batch); a `keras.utils.Sequence` or an iterator yields batches whose
@@ -520,6 +543,7 @@ class _DPModelMixin:
                 "1 / N^1.1, or 1e-5 for N = 60000).", stacklevel=4)
 
     def _compile_dp(self, optimizer, loss, metrics, loss_weights, **kwargs):
+        _refuse_regularization(self)
         if self.dp_parameters.mode is DPMode.CLIPPED:
             # Classic DP-SGD (lipdp.clipping): any loss with per-example values, any layer
             # without batch coupling; no bounds to check.

@@ -585,3 +585,35 @@ def test_a_keras_sequence_or_a_generator_is_refused_with_what_to_use():
     with pytest.raises(ValueError, match="DistributedDataset hides the pipeline"):
         model.fit(distributed, epochs=1, verbose=0)  # was a TypeError: "has no len()"
     assert model.dp_steps_taken == 0
+
+
+@pytest.mark.parametrize("case", ["clipless add_loss", "clipped kernel", "clipped activity",
+                                  "clipped add_loss"])
+def test_regularization_terms_are_refused_at_compile(case):
+    """The private step differentiates the per-example losses only: a kernel_regularizer of
+    L2(10) was logged in the loss (28.5 against 1.27) but left the kernel as without it.
+    Refused by name when the model is compiled (lipdp's layers refuse regularizer arguments
+    themselves; a loss added to a clipless model is refused too)."""
+    l2 = tf.keras.regularizers.L2(10.0)
+    if case == "clipless add_loss":
+        model = _model(3)
+        kernel = model.layers[1].kernel
+        model.add_loss(lambda: 10.0 * tf.reduce_sum(tf.square(kernel)))
+        loss, found = DP_TauCategoricalCrossentropy(1.0), "1 losses added by add_loss"
+    else:
+        inputs = tf.keras.Input((DIM,))
+        dense = tf.keras.layers.Dense(3, name="dense_under_test",
+                                      kernel_regularizer=l2 if case == "clipped kernel" else None,
+                                      activity_regularizer="l2" if "activity" in case else None)
+        outputs = dense(inputs)
+        model = lipdp.DP_Model(inputs, outputs, dp_parameters=lipdp.DPParameters(
+            0.0, 1e-5, mode="clipped", l2_norm_clip=1.0), dataset_metadata=lipdp.DatasetMetadata(
+            (DIM,), 3, N, 8, BATCH, None, "shuffle"))
+        if case == "clipped add_loss":
+            model.add_loss(tf.reduce_sum(outputs))
+        loss = "categorical_crossentropy"
+        found = {"clipped kernel": "dense_under_test.kernel_regularizer",
+                 "clipped activity": "dense_under_test.activity_regularizer",
+                 "clipped add_loss": "1 losses added by add_loss"}[case]
+    with pytest.raises(ValueError, match=f"regularization terms \\({found}"):
+        model.compile(loss=loss, optimizer="sgd")
