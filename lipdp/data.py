@@ -81,6 +81,7 @@ __all__ = [
     "load_dataset",
     "main",
     "read_idx",
+    "shuffles_before_batching",
 ]
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,35 @@ _KNOWN_SEED_WARNING = (
 # ----------------------------------------------------------------------------
 # Input bounding
 # ----------------------------------------------------------------------------
+
+
+def shuffles_before_batching(dataset: tf.data.Dataset) -> Optional[bool]:
+    """Whether a shuffle of `dataset`'s records comes before each of its batching steps,
+    read from the pipeline's graph (ops whose names hold ``Shuffle`` upstream of each op
+    whose names start with ``Batch`` or ``PaddedBatch``); None when the graph cannot be read
+    or holds no batching step. A shuffle after batching only reorders fixed batches.
+    Randomness of another kind (a random ``filter``, sampling from datasets) is not seen."""
+    from tensorflow.core.framework import graph_pb2
+
+    try:
+        graph = graph_pb2.GraphDef()
+        graph.ParseFromString(tf.raw_ops.DatasetToGraphV2(
+            input_dataset=dataset._variant_tensor).numpy())
+    except Exception:  # pylint: disable=broad-except  (an uninspectable pipeline: no verdict)
+        return None
+    nodes = {node.name: node for node in graph.node}
+
+    def shuffled_upstream(name, seen):
+        node = nodes.get(name.split(":")[0].lstrip("^"))
+        if node is None or node.name in seen:
+            return False
+        seen.add(node.name)
+        return "Shuffle" in node.op or any(shuffled_upstream(i, seen) for i in node.input)
+
+    batches = [n for n in graph.node if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))]
+    if not batches:
+        return None
+    return all(any(shuffled_upstream(i, set()) for i in n.input) for n in batches)
 
 
 def _check_max_norm(max_norm, argname="max_norm") -> float:

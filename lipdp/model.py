@@ -45,7 +45,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
                           dp_layers)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.validation import leaf_layers
-from lipdp.data import ShuffleSamplingWarning, seeded_poisson_samplers
+from lipdp.data import ShuffleSamplingWarning, seeded_poisson_samplers, shuffles_before_batching
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -991,6 +991,13 @@ class _DPModelMixin:
                 check_sparse_labels(x, None, sparse_label_classes(self, self.dp_loss), batches)
         elif x is not None:
             _refuse_batch_iterators(x)
+            if shuffle is not True:
+                raise ValueError(
+                    f"fit(shuffle={shuffle!r}) on arrays: Keras would cut them into the same "
+                    "batches every epoch ('batch' only reorders fixed chunks), so a record's "
+                    "batch is known in advance, while the accountant's epsilon assumes random "
+                    "batches (a proven one for lipdp.data.load_dataset's Poisson sampling). "
+                    "Leave shuffle=True.")
             batch_size = self._check_arrays(x, batch_size)
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
@@ -1109,6 +1116,13 @@ class _DPModelMixin:
                 f"{md.nb_samples_train} and batch_size={md.batch_size}: the accountant's "
                 f"sampling rate q = {md.batch_size}/{md.nb_samples_train} would not be the "
                 "pipeline's. Build the model with the metadata load_dataset returned with it.")
+        if sampler is None and shuffles_before_batching(dataset) is False:
+            warnings.warn(ShuffleSamplingWarning(
+                "fit received a tf.data.Dataset that batches its records without shuffling "
+                "them first: every epoch would hold the same batches, so a record's batch is "
+                "known in advance, while the accountant's epsilon assumes random batches. "
+                "Shuffle the records before .batch() (dataset.shuffle(nb_samples_train)), or "
+                "train on lipdp.data.load_dataset's pipeline."), stacklevel=3)
         if md.sampling != Sampling.POISSON or \
                 getattr(sampler, "sampling", None) is Sampling.POISSON:
             return

@@ -9,6 +9,7 @@ indices, binary of shape (B,)) go through the same train step.
 """
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -617,3 +618,37 @@ def test_regularization_terms_are_refused_at_compile(case):
                  "clipped add_loss": "1 losses added by add_loss"}[case]
     with pytest.raises(ValueError, match=f"regularization terms \\({found}"):
         model.compile(loss=loss, optimizer="sgd")
+
+
+@pytest.mark.parametrize("shuffle", [False, "batch"])
+def test_arrays_are_refused_without_shuffling(shuffle):
+    """Keras cuts unshuffled arrays into the same batches every epoch ('batch' reorders fixed
+    chunks): a record's batch is known in advance, and the epsilon of random batches was
+    reported for it without a word."""
+    rng = np.random.default_rng(12)
+    model = _model(3)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    with pytest.raises(ValueError, match=rf"fit\(shuffle={shuffle!r}\) on arrays"):
+        model.fit(*_arrays(rng), epochs=1, verbose=0, shuffle=shuffle)
+    assert model.dp_steps_taken == 0
+
+
+@pytest.mark.parametrize("pipeline,warned", [
+    (lambda d: d.batch(BATCH), True),
+    (lambda d: d.batch(BATCH).shuffle(8), True),  # reorders fixed batches
+    (lambda d: d.shuffle(N, seed=0).map(lambda x, y: (x, y)).batch(BATCH).prefetch(1), False),
+])
+def test_a_dataset_batching_unshuffled_records_warns(pipeline, warned):
+    """The same for a tf.data pipeline, read from its graph
+    (`lipdp.data.shuffles_before_batching`); a warning, since randomness of another kind
+    is not seen."""
+    rng = np.random.default_rng(13)
+    model = _model(3)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    dataset = pipeline(tf.data.Dataset.from_tensor_slices(_arrays(rng)))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.fit(dataset, epochs=1, verbose=0)
+    unshuffled = [w for w in record if issubclass(w.category, lipdp.data.ShuffleSamplingWarning)
+                  and "without shuffling them first" in str(w.message)]
+    assert bool(unshuffled) == warned
