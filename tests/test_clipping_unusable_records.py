@@ -190,3 +190,45 @@ def test_class_indices_outside_a_sparse_cross_entropy_are_refused_before_the_fir
     y[37], y[50] = 2, 0
     model.fit(x, y, batch_size=D, epochs=1, verbose=0)
     assert model.dp_steps_taken == 64 // D
+
+
+def _fallback_model(engine):
+    """A Dense called twice (exact per-example gradients of the whole model in the ghost
+    engines), a LayerNormalization (replayed from its input and cotangent), a Dense (ghost
+    rule)."""
+    tf.keras.utils.set_random_seed(8)
+    inputs = L.Input((6,))
+    shared = L.Dense(6, activation="tanh")
+    outputs = L.Dense(3)(L.LayerNormalization()(shared(shared(inputs))))
+    params = DPParameters(0.0, 1e-5, mode="clipped", clipping="flat", l2_norm_clip=CLIP,
+                          engine=engine)
+    model = DP_Model(inputs, outputs, dp_parameters=params,
+                     dataset_metadata=DatasetMetadata((6,), 3, 64, 16, D, None, "shuffle"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GhostFallbackWarning)
+        model.compile(loss=CCE, optimizer=tf.keras.optimizers.SGD(0.1))
+    return model
+
+
+@pytest.mark.parametrize("bad_value", [None, np.nan, 3e38])
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_batch_update_is_the_sum_of_its_examples_updates(engine, bad_value):
+    """No example's contribution depends on another: the noiseless update of a batch equals
+    the sum of the updates of its examples, one batch each, with or without an unusable
+    record in it. Before 2026-12-05 the ghost engine took the shared layer's per-example
+    gradients from the Jacobian of the batch's losses, which sums 0 x NaN over the other
+    rows: one NaN record made every example unusable, and the step released 0 for all of
+    them (0.13 from the other records' update, above the C / D = 0.125 one record may move
+    it). A 3e38 record is usable here (tanh saturates: finite loss and norms)."""
+    model = _fallback_model(engine)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(D, 6)).astype(np.float32)
+    if bad_value is not None:
+        x[BAD] = bad_value
+    y = np.eye(3, dtype=np.float32)[np.arange(D) % 3]
+    step = tf.function(model.private_gradients)
+    whole = step(tf.constant(x), tf.constant(y))[0]
+    singles = [step(tf.constant(x[i:i + 1]), tf.constant(y[i:i + 1]))[0] for i in range(D)]
+    for v, total, parts in zip(model.trainable_variables, whole, zip(*singles)):
+        np.testing.assert_allclose(total.numpy(), np.sum([p.numpy() for p in parts], axis=0),
+                                   atol=1e-6, err_msg=v.name)

@@ -16,7 +16,7 @@ One private step:
    replayed from its own input and output cotangent, vectorised over the batch;
 4. clipping factors ``nu`` from the rule;
 5. clipped sum: every variable whose per-example gradients were materialised
-   in step 3 (replayed fallback layers, Jacobian fallbacks) gets
+   in step 3 (replayed fallback layers, whole-model fallbacks) gets
    ``sum_i nu_{i,v} G_{i,v}`` from those very tensors ``G``. Ghost-rule
    variables get, for rules with one factor per example (flat, global), the
    gradient of the reweighted loss ``sum_i nu_i loss_i``, a second backward
@@ -79,6 +79,7 @@ from lipdp.clipping.engine import (ClippedBatch, squared_norms_of, usable_exampl
 from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
 from lipdp.clipping.rules import ClippingRule
 from lipdp.clipping.validation import leaf_layers, wrapped_calls
+from lipdp.per_example import per_example_gradients
 
 
 _LOGGER = logging.getLogger("lipdp")
@@ -238,7 +239,7 @@ def check_no_replayed_randomness(plan: GhostPlan) -> None:
     gradient of the loss computed in the forward pass. Randomness outside fallback
     layers (a Dropout layer between two Dense layers) is drawn once and is fine. The
     check runs before any call, so it also refuses a random layer that a trace would
-    send to the Jacobian fallback instead (called twice, or with tensor arguments).
+    send to the whole-model fallback instead (called twice, or with tensor arguments).
 
     Raises:
         GhostRandomnessError: naming the first such layer and its random sub-layer.
@@ -352,8 +353,12 @@ class GhostEngine:
     from its recorded input and output cotangent (`_replayed_gradients`);
     variables that cannot be attributed to a single call of one layer (shared
     variables, model-level variables, a layer called several times or with
-    tensor arguments) get the per-example Jacobian of the losses on the same
-    tape (quadratic in the batch size, so only for those).
+    tensor arguments) get exact per-example gradients with each example alone
+    through the model (`lipdp.per_example.per_example_gradients`): row i depends on
+    example i only, also when another row is NaN or inf (the Jacobian of the batch's
+    losses, which this engine took before 2026-12-05, summed ``0 x NaN`` over the
+    other rows: one NaN record turned every example's norm NaN). Such a variable's
+    gradient is taken under a draw of its own when the model has random layers.
 
     Args:
         model: the Keras model; its plan is computed here.
@@ -398,7 +403,7 @@ class GhostEngine:
             if len(records[id(layer)]) != 1:
                 warnings.warn(f"Ghost clipping: layer '{layer.name}' was called "
                               f"{len(records[id(layer)])} times in one forward pass; its "
-                              "variables get exact per-example gradients (Jacobian).",
+                              "variables get exact per-example gradients (whole model).",
                               GhostFallbackWarning, stacklevel=4)
         ghost = [layer for layer in plan.ghost if len(records[id(layer)]) == 1]
         replay = [layer for layer in plan.fallback_layers
@@ -427,10 +432,10 @@ class GhostEngine:
                 exact[v.ref()] = jac
         rest = [v for v in variables if v.ref() not in squared and v.ref() not in exact]
         if rest:
-            jacobians = tape.jacobian(losses, rest,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                                      experimental_use_pfor=True)
-            exact.update({v.ref(): jac for v, jac in zip(rest, jacobians)})
+            # Each example alone through the model: the Jacobian of the batch's losses on the
+            # tape summed 0 x NaN over the other rows, so one NaN record made every row NaN.
+            gradients, _, _ = per_example_gradients(model, loss_fn, x, y, rest)
+            exact.update({v.ref(): g for v, g in zip(rest, gradients)})
         for ref, jac in exact.items():
             squared[ref] = squared_norms_of([jac])[0]
         return _NormPass(tape, variables, [squared[v.ref()] for v in variables], local, exact,
