@@ -63,7 +63,9 @@ to 800), the bounds exceeded the exact squared norms by 0.64% (median of 256
 examples) and 3.9% (largest) on the first convolution's Gram form, 0.38% and 1.1%
 on the second's, and 0.1% and 0.23% at most in the direct forms. Outside: float32
 entries below ``2^-126`` are read as 0 (TensorFlow flushes them, also float32 products
-that fall below it), which moves a squared norm by a few ``2^-126 T^2 max ||g_t||^2``.
+that fall below it): each Gram entry moves by at most ``d 2^-126`` (``n 2^-126``), so a
+squared norm by about ``2^-126 T^2 (d max ||g_t||^2 + n max ||a_t||^2)``, far below
+any threshold C used in practice.
 
 Rules are registered per *exact* layer class (`register_ghost_rule`): a
 subclass may change ``call``, so it falls back to the exact engine until it is
