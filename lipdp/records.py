@@ -22,6 +22,7 @@ every label onto their domain and need no check.)
 
 from __future__ import annotations
 
+from functools import partial
 from typing import List, Optional
 
 import numpy as np
@@ -58,11 +59,36 @@ class OutOfRangeIdError(ValueError):
     class indices outside the classes of a sparse cross-entropy."""
 
 
+def _shown(bad: List[str]) -> str:
+    """The first `_SHOWN` positions of `bad`, and how many there are in all."""
+    return ", ".join(bad[:_SHOWN]) + (f", ... ({len(bad)} in all)" if len(bad) > _SHOWN else "")
+
+
+def _check_rows(flags, refuse) -> None:
+    """`refuse` the rows of the arrays given to fit that are False in any of `flags`."""
+    good = np.logical_and.reduce(flags)
+    if not good.all():
+        refuse("by index in the arrays given to fit",
+               [str(i) for i in np.flatnonzero(~good)], len(good))
+
+
+def _check_dataset_rows(checked, max_batches, refuse) -> None:
+    """`refuse` the rows that are False in one pass over `checked` (a dataset of per-row
+    flags, at most `max_batches` batches)."""
+    if max_batches is not None:
+        checked = checked.take(max_batches)
+    bad, total = [], 0
+    for index, good in enumerate(checked.as_numpy_iterator()):
+        bad += [f"batch {index} row {row}" for row in np.flatnonzero(~good)]
+        total += len(good)
+    if bad:
+        refuse("by position in one pass over the dataset", bad, total)
+
+
 def _refuse(where: str, bad: List[str], total: int):
-    shown = ", ".join(bad[:_SHOWN]) + (f", ... ({len(bad)} in all)" if len(bad) > _SHOWN else "")
     raise NonFiniteRecordError(
         f"{len(bad)} of {total} training records hold NaN or inf values, or values beyond the "
-        f"range of the model's compute dtype ({where}): {shown}. "
+        f"range of the model's compute dtype ({where}): {_shown(bad)}. "
         "Remove or repair them before training: a private step cannot use them, and an error "
         "raised when one is first sampled would reveal it.")
 
@@ -76,12 +102,8 @@ def check_finite_arrays(x, y=None, dtype="float32") -> None:
     """
     dtype = np.dtype(dtype)
     flags = [_finite_rows(a, dtype) for a in tf.nest.flatten((x, y)) if a is not None]
-    if not flags:
-        return
-    finite = np.logical_and.reduce(flags)
-    if not finite.all():
-        _refuse("by index in the arrays given to fit",
-                [str(i) for i in np.flatnonzero(~finite)], len(finite))
+    if flags:
+        _check_rows(flags, _refuse)
 
 
 def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = None,
@@ -114,15 +136,7 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
             return tf.ones(tf.shape(tf.nest.flatten(element)[0])[:1], tf.bool)
         return tf.reduce_all(tf.stack(flags), axis=0)
 
-    checked = dataset.map(row_flags)
-    if max_batches is not None:
-        checked = checked.take(max_batches)
-    bad, total = [], 0
-    for index, finite in enumerate(checked.as_numpy_iterator()):
-        bad += [f"batch {index} row {row}" for row in np.flatnonzero(~finite)]
-        total += len(finite)
-    if bad:
-        _refuse("by position in one pass over the dataset", bad, total)
+    _check_dataset_rows(dataset.map(row_flags), max_batches, _refuse)
 
 
 def embedding_id_limits(model: tf.keras.Model) -> List[Optional[int]]:
@@ -164,12 +178,11 @@ _LABEL_RANGES = ("class indices outside [0, K) of the sparse cross-entropy (K mo
                  "or use a lipdp loss, which maps any label onto its classes")
 
 
-def _refuse_ids(where: str, bad: List[str], total: int, what=_ID_RANGES):
-    shown = ", ".join(bad[:_SHOWN]) + (f", ... ({len(bad)} in all)" if len(bad) > _SHOWN else "")
+def _refuse_ids(what, where: str, bad: List[str], total: int):
     raise OutOfRangeIdError(
-        f"{len(bad)} of {total} training records hold {what[0]} ({where}): {shown}. Remove or "
-        f"repair them before training ({what[1]}): TensorFlow fails on them, and an error "
-        "raised when one is first sampled would reveal it.")
+        f"{len(bad)} of {total} training records hold {what[0]} ({where}): {_shown(bad)}. "
+        f"Remove or repair them before training ({what[1]}): TensorFlow fails on them, and an "
+        "error raised when one is first sampled would reveal it.")
 
 
 def sparse_label_classes(model: tf.keras.Model, loss) -> Optional[int]:
@@ -192,31 +205,13 @@ def check_sparse_labels(x, y, classes: Optional[int], max_batches: Optional[int]
         return
     if not isinstance(x, tf.data.Dataset):
         if y is not None and not isinstance(y, (dict, list, tuple)):
-            _check_rows([_ids_in_range(y, classes).numpy()], _LABEL_RANGES)
+            _check_rows([_ids_in_range(y, classes).numpy()], partial(_refuse_ids, _LABEL_RANGES))
         return
 
     spec = x.element_spec
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], tf.TensorSpec):
         _check_dataset_rows(x.map(lambda features, labels: _ids_in_range(labels, classes)),
-                            max_batches, _LABEL_RANGES)
-
-
-def _check_rows(flags, what) -> None:
-    good = np.logical_and.reduce(flags)
-    if not good.all():
-        _refuse_ids("by index in the arrays given to fit",
-                    [str(i) for i in np.flatnonzero(~good)], len(good), what)
-
-
-def _check_dataset_rows(checked, max_batches, what) -> None:
-    if max_batches is not None:
-        checked = checked.take(max_batches)
-    bad, total = [], 0
-    for index, good in enumerate(checked.as_numpy_iterator()):
-        bad += [f"batch {index} row {row}" for row in np.flatnonzero(~good)]
-        total += len(good)
-    if bad:
-        _refuse_ids("by position in one pass over the dataset", bad, total, what)
+                            max_batches, partial(_refuse_ids, _LABEL_RANGES))
 
 
 def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int] = None) -> None:
@@ -238,7 +233,7 @@ def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int
         if arrays is None:
             return
         _check_rows([_ids_in_range(a, n).numpy() for a, n in zip(arrays, limits)
-                     if n is not None], _ID_RANGES)
+                     if n is not None], partial(_refuse_ids, _ID_RANGES))
         return
 
     def row_flags(*element):  # a batch (x, y) or x: x first
@@ -248,4 +243,4 @@ def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int
         flags = [_ids_in_range(a, n) for a, n in zip(arrays, limits) if n is not None]
         return tf.reduce_all(tf.stack(flags), axis=0)
 
-    _check_dataset_rows(x.map(row_flags), max_batches, _ID_RANGES)
+    _check_dataset_rows(x.map(row_flags), max_batches, partial(_refuse_ids, _ID_RANGES))
