@@ -16,7 +16,7 @@ from typing import Callable, List
 import tensorflow as tf
 
 from lipdp.clipping.engine import (ClippedBatch, squared_norms_of, usable_examples, weighted_sum,
-                                   without_unusable)
+                                   without_unusable, zero_rows)
 from lipdp.clipping.rules import ClippingRule
 from lipdp.noise import gaussian_noise
 from lipdp.per_example import per_example_gradients
@@ -56,12 +56,7 @@ class VectorizedEngine:
         squared = squared_norms_of(gradients)
         usable = usable_examples(losses, squared)
         factors = without_unusable(rule.factors(squared), usable)
-        sums = [weighted_sum(nu, _zero_unusable(g, usable)) for nu, g in zip(factors, gradients)]
+        # Zeroed, not only weighted by 0: 0 times a NaN or inf entry would stay in the sum.
+        sums = [weighted_sum(nu, zero_rows(g, usable)) for nu, g in zip(factors, gradients)]
         return ClippedBatch(sums, squared, losses, y_pred)
 
-
-def _zero_unusable(per_example: tf.Tensor, usable: tf.Tensor) -> tf.Tensor:
-    """`per_example` ``(batch,) + shape`` with the unusable examples' rows set to 0 (a 0
-    factor times their NaN or inf entries would not remove them)."""
-    mask = tf.reshape(usable, [-1] + [1] * (per_example.shape.rank - 1))
-    return tf.where(mask, per_example, tf.zeros_like(per_example))
