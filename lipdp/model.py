@@ -44,6 +44,7 @@ import tensorflow as tf
 from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_residual_sections,
                           dp_layers)
 from lipdp.clipping import ClippedDPSGD
+from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import leaf_layers
 from lipdp.data import ShuffleSamplingWarning, seeded_poisson_samplers, shuffles_before_batching
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
@@ -752,10 +753,10 @@ class _DPModelMixin:
             lists aligned with `trainable_variables`.
 
         Raises:
-            InvalidArgumentError: (at run time) a non-finite loss, gradient or noise
-                standard deviation (an infinite bound). In clipped mode an example whose
-                loss or gradient norm is not finite contributes zero instead
-                (`lipdp.clipping.engine.usable_examples`): no error depends on one record.
+            InvalidArgumentError: (at run time) a non-finite gradient or noise standard
+                deviation (an infinite bound). An example whose loss (or in clipped mode
+                gradient norm, `lipdp.clipping.engine.usable_examples`) is not finite
+                contributes zero instead: no error depends on one record.
         """
         if self._step_mechanism is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
@@ -784,17 +785,36 @@ class _DPModelMixin:
         if self.dp_parameters.mode is DPMode.CLIPPED:
             batch = self._clipped_dpsgd.clipped_batch(self, x, y)
             return ([g / denominator for g in batch.gradient_sums], batch.losses, batch.y_pred)
+        gradients, per_example, y_pred = self._clipless_sums(x, y)
+        return [g / denominator for g in gradients], per_example, y_pred
+
+    def _clipless_sums(self, x, y):
+        """``(sum_i w_i grad loss_i, per-example losses, y_pred)``: ``w_i = 1`` for every
+        example whose features and labels are finite, 0 for the others.
+
+        The gradient of the *sum* is taken (divided by D by the caller): every cotangent in
+        the backward pass is then one example's own (what `DP_ClipGradient` clips). An
+        example with a NaN or inf feature or label (one that `fit`'s check did not see: a
+        Poisson pipeline's checking pass samples about 63% of the records) is passed with
+        its inputs and labels zeroed, and weighted 0: it contributes zero, an allowed
+        contribution, as in clipped mode. The step used to stop at the step that sampled
+        such a record, which tells when it was sampled. (Finite records give finite
+        losses: the input clipping maps any finite input into its ball, and lipdp's losses
+        map labels into their domain and cap what could overflow.) The losses and outputs
+        returned are those of the zeroed batch.
+        """
+        finite = finite_rows((x, y))
+        if finite is not None:
+            x, y = tf.cond(tf.reduce_all(finite), lambda: (x, y),
+                           lambda: (zero_rows(x, finite), zero_rows(y, finite)))
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             per_example = self.per_example_step_loss(y, y_pred)
-            loss_sum = tf.debugging.check_numerics(
-                tf.reduce_sum(per_example),
-                "Non-finite loss in a private step (NaN/inf inputs or labels?)")
-        # The gradient of the *sum* is taken, then divided by D: every cotangent in the
-        # backward pass is then one example's own (what DP_ClipGradient clips).
-        gradients = tape.gradient(loss_sum, self.trainable_variables,
+        weights = None if finite is None else tf.cast(finite, per_example.dtype)
+        gradients = tape.gradient(per_example, self.trainable_variables,
+                                  output_gradients=weights,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return [g / denominator for g in gradients], per_example, y_pred
+        return gradients, per_example, y_pred
 
     def _empty_batch_gradients(self):
         """What `_averaged_gradients` returns on an empty batch, without calling the model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -53,6 +53,19 @@ def without_unusable(factors: List[tf.Tensor], usable: tf.Tensor) -> List[tf.Ten
     """The clipping factors with those of unusable examples set to 0 (not multiplied: a
     factor that is NaN stays NaN under a product)."""
     return [tf.where(usable, nu, tf.zeros_like(nu)) for nu in factors]
+
+
+def finite_rows(structure) -> Optional[tf.Tensor]:
+    """``(batch,)`` bool: every floating-point value of row i of every tensor of `structure`
+    (inputs or labels, batch first) is finite; None when no tensor is floating-point."""
+    flags = None
+    for t in tf.nest.flatten(structure):
+        t = tf.convert_to_tensor(t)
+        if not t.dtype.is_floating:
+            continue
+        row = tf.reduce_all(tf.reshape(tf.math.is_finite(t), [tf.shape(t)[0], -1]), axis=1)
+        flags = row if flags is None else tf.logical_and(flags, row)
+    return flags
 
 
 def zero_rows(structure, usable: tf.Tensor):
