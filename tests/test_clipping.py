@@ -151,6 +151,30 @@ def test_clipped_update_on_lipdp_layers(clipping, engine):
     _check_against_reference(_dp_layers, clipping, engine, DP_TauCategoricalCrossentropy(5.0), x, y)
 
 
+class _SwitchedScale(L.Layer):
+    """Doubles its input while a variable says so: Python control flow on a tensor, which
+    AutoGraph turns into a `tf.cond` inside a traced step, as it does in Keras' `fit`."""
+
+    def build(self, input_shape):
+        self.on = self.add_weight(name="on", shape=(), dtype=tf.bool, trainable=False,
+                                  initializer=tf.keras.initializers.Constant(True))
+
+    def call(self, inputs):
+        if self.on:
+            return 2.0 * inputs
+        return inputs
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_layer_with_python_control_flow_on_tensors_trains_in_every_engine(engine):
+    """The ghost engines trace their pass as a nested function; built without AutoGraph
+    (2026-12-04 to 12-05), such a layer failed to trace (OperatorNotAllowedInGraphError)."""
+    x, y = _data(6, shape=(6,), seed=4)
+    _check_against_reference(lambda: [L.Input((6,)), L.Dense(5, activation="tanh"),
+                                      _SwitchedScale(), L.Dense(4)],
+                             "flat", engine, CCE, x, y, shape=(6,))
+
+
 def _sequence_layers():
     inputs = L.Input((5,), dtype="int32")
     h = L.Embedding(4, 3)(inputs)

@@ -476,8 +476,10 @@ class GhostEngine:
         def one_pass(x, y, usable):
             return self._clipped_sums(model, loss_fn, x, y, rule, usable)
 
-        if not tf.executing_eagerly():  # one traced body for both passes (half the graph)
-            one_pass = tf.function(one_pass, autograph=False)
+        if not tf.executing_eagerly():  # one traced body for both passes (half the graph);
+            # AutoGraph on, as in fit's own function: Keras converts a user layer's `call`
+            # (Python control flow on tensors) only then (lipdp's code never: `_autograph`).
+            one_pass = tf.function(one_pass)
         first = one_pass(x, y, _every_row(y))
         usable = usable_examples(first.losses, first.squared_norms)
         sums = tf.cond(tf.reduce_all(usable), lambda: first.gradient_sums,
