@@ -119,6 +119,42 @@ def _refuse_batch_iterators(x):
             "the batches in tf.data.Dataset.from_generator(...).")
 
 
+def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bool):
+    """Refuse callbacks that act on the model or its training from Keras' training loss and
+    metrics: computed on the training records outside the noisy gradient, they are not
+    private (`fit`), so a decision taken on them -- stopping (EarlyStopping), the learning
+    rate (ReduceLROnPlateau), which weights are kept (ModelCheckpoint with
+    ``save_best_only``), ending the run at a NaN loss (TerminateOnNaN) -- makes the model
+    depend on the data beyond what epsilon covers. Validation metrics, epsilon and C_t
+    (``logit_clip``) are allowed, as is any value a callback writes itself."""
+    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    training = {"loss"} | set(model.metrics_names)
+    for callback in callbacks or []:
+        name = type(callback).__name__
+        if isinstance(callback, tf.keras.callbacks.TerminateOnNaN) and logs_training_metrics:
+            raise ValueError(
+                "TerminateOnNaN stops training on the training loss, which Keras computes on "
+                "the training records outside the noisy gradient: when the run ends would "
+                "depend on the data beyond what epsilon covers (lipdp's private step already "
+                "gives records with NaN or inf values a zero contribution, and stops itself "
+                "before a non-finite update). Remove it, or compile with "
+                "private_logs_only=True.")
+        monitor = getattr(callback, "monitor", None)
+        if not isinstance(monitor, str) or monitor not in training:
+            continue
+        if isinstance(callback, tf.keras.callbacks.ModelCheckpoint) and \
+                not callback.save_best_only:
+            continue  # saves every time: the monitored value is not used
+        raise ValueError(
+            f"{name} monitors '{monitor}', a training metric: Keras computes it on the "
+            "training records outside the noisy gradient, so what the callback decides from "
+            "it (when to stop, the learning rate, which weights are kept) depends on the "
+            "data beyond what the reported epsilon covers. Monitor a validation metric "
+            f"('val_{monitor}', with validation_data held out of the training set) or a "
+            "private value ('epsilon' of DP_Accountant).")
+
+
 #: A Poisson batch exceeds `largest_poisson_batch` with probability below 2^-POISSON_TAIL_BITS.
 POISSON_TAIL_BITS = 40
 
@@ -975,7 +1011,9 @@ class _DPModelMixin:
         **Not private:** the ``loss`` and metrics Keras logs for training (progress
         bar, ``History``) are computed on the training data outside the noisy
         gradient; epsilon does not cover them. Compile with
-        ``private_logs_only=True`` to omit them. Validation metrics are computed
+        ``private_logs_only=True`` to omit them. Callbacks that would act on them
+        (EarlyStopping, ReduceLROnPlateau or a best-only ModelCheckpoint monitoring
+        them, TerminateOnNaN) are refused before the first step. Validation metrics are computed
         on `validation_data`, outside the training set.
 
         Args:
@@ -1028,6 +1066,7 @@ class _DPModelMixin:
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)
+        _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only)
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,

@@ -652,3 +652,54 @@ def test_a_dataset_batching_unshuffled_records_warns(pipeline, warned):
     unshuffled = [w for w in record if issubclass(w.category, lipdp.data.ShuffleSamplingWarning)
                   and "without shuffling them first" in str(w.message)]
     assert bool(unshuffled) == warned
+
+
+# --------------------------------------------------------------------------- #
+# Callbacks that would act on the non-private training loss and metrics.
+# --------------------------------------------------------------------------- #
+_K = tf.keras.callbacks
+_FEEDBACK = {
+    "EarlyStopping loss": lambda path: _K.EarlyStopping(monitor="loss"),
+    "EarlyStopping accuracy": lambda path: _K.EarlyStopping(monitor="accuracy"),
+    "ReduceLROnPlateau loss": lambda path: _K.ReduceLROnPlateau(monitor="loss"),
+    "ModelCheckpoint best loss": lambda path: _K.ModelCheckpoint(
+        path, monitor="loss", save_best_only=True, save_weights_only=True),
+    "TerminateOnNaN": lambda path: _K.TerminateOnNaN(),
+}
+
+
+def _metric_model(private_logs_only=False):
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd",
+                  metrics=["accuracy"], private_logs_only=private_logs_only)
+    return model
+
+
+@pytest.mark.parametrize("case", list(_FEEDBACK))
+def test_callbacks_deciding_from_the_training_metrics_are_refused(case, tmp_path):
+    """Keras computes the training loss and metrics on the training records outside the noisy
+    gradient (not private): a callback stopping the run, changing the learning rate, keeping
+    the best weights or ending on a NaN loss from them made the model depend on the data
+    beyond epsilon, silently. Refused before the first step."""
+    model = _metric_model()
+    x, y = _arrays(np.random.default_rng(12))
+    with pytest.raises(ValueError, match="training (metric|loss).*outside the noisy gradient"):
+        model.fit(x, y, epochs=1, verbose=0,
+                  callbacks=[_FEEDBACK[case](str(tmp_path / "w.weights.h5"))])
+    assert model.dp_steps_taken == 0
+
+
+def test_callbacks_deciding_from_private_or_validation_values_run(tmp_path):
+    """Validation metrics (held-out records), epsilon, a value a callback writes itself, a
+    checkpoint of every epoch, and TerminateOnNaN when the training metrics are not logged."""
+    x, y = _arrays(np.random.default_rng(13))
+    model = _metric_model()
+    for callbacks in ([_K.EarlyStopping(monitor="val_loss")],
+                      [lipdp.DP_Accountant(), _K.EarlyStopping(monitor="epsilon")],
+                      [_K.ModelCheckpoint(str(tmp_path / "w.weights.h5"), monitor="loss",
+                                          save_weights_only=True)]):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=callbacks, validation_data=(x[:8], y[:8]))
+    assert model.dp_steps_taken == 3 * N // BATCH
+    quiet = _metric_model(private_logs_only=True)
+    quiet.fit(x, y, epochs=1, verbose=0, callbacks=[_K.TerminateOnNaN()])
+    assert quiet.dp_steps_taken == N // BATCH
