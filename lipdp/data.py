@@ -699,11 +699,53 @@ def _as_float(x) -> tf.Tensor:
     return tf.cast(x, tf.float32) / 255.0 if x.dtype == tf.uint8 else tf.cast(x, tf.float32)
 
 
-def _mapped(feature_map, x: np.ndarray, batch_size: int = 1000) -> np.ndarray:
-    """``feature_map`` of every example of ``x``, in batches, as one float32 array."""
+def _mapped(feature_map, x: np.ndarray, batch_size: int = 1000, check: bool = False
+            ) -> np.ndarray:
+    """``feature_map`` of every example of ``x``, in batches, as one float32 array; with
+    `check`, first `_check_per_example` on the first batch."""
     mapped = [np.asarray(feature_map(_as_float(x[i:i + batch_size])), np.float32)
               for i in range(0, len(x), batch_size)]
+    if check:
+        _check_per_example(feature_map, x[:batch_size], mapped[0])
     return np.concatenate(mapped)
+
+
+#: Relative change of another example's features that `_check_per_example` refuses (far above
+#: float32 rounding of a deterministic map, which CPU kernels reproduce bitwise).
+_PER_EXAMPLE_RTOL = 1e-5
+
+
+def _check_per_example(feature_map, batch: np.ndarray, features: np.ndarray) -> None:
+    """Refuse a `feature_map` whose features of one example depend on the other examples of
+    its batch (a standardisation by batch statistics, say): one record would then move every
+    other record's features, beyond what the privacy analysis of the model covers. The batch
+    is mapped again with its first example replaced by its last; every other row must keep
+    its features. A Keras layer adapted on data (`adapt`) is refused too: its statistics are
+    the data's, computed without noise."""
+    adapted = [layer.name for layer in getattr(feature_map, "_flatten_layers", lambda: [])()
+               if getattr(layer, "is_adapted", False)]
+    if adapted:
+        raise ValueError(
+            f"feature_map holds layers adapted on data ({', '.join(adapted)}): their "
+            "statistics were computed from records without noise and shape every feature, "
+            "outside the privacy guarantee. Give them public statistics (e.g. "
+            "Normalization(mean=..., variance=...)).")
+    if len(batch) < 3:
+        return
+    changed = batch.copy()
+    changed[0] = batch[-1]
+    again = np.asarray(feature_map(_as_float(changed)), np.float32)
+    others, moved = features[1:], again[1:]
+    scale = float(np.max(np.abs(others))) if others.size else 0.0
+    difference = float(np.max(np.abs(moved - others))) if others.size else 0.0
+    if not difference <= _PER_EXAMPLE_RTOL * scale:
+        raise ValueError(
+            "feature_map does not treat each example on its own: replacing one example of a "
+            f"batch of {len(batch)} changed the features of the others (by up to "
+            f"{difference:.3g}, features up to {scale:.3g}). A map that mixes the examples "
+            "of a batch (batch statistics, a normalisation over the batch axis) lets one "
+            "record move every other record's features, beyond what the privacy analysis "
+            "covers. Map each example alone, with statistics from public data.")
 
 
 _FEATURE_CACHE: Dict[Hashable, Tuple[np.ndarray, np.ndarray]] = {}
@@ -728,7 +770,7 @@ def _features(feature_map, x_train, x_test, key):
         key = (key, _fingerprint(x_train, x_test))
         if key in _FEATURE_CACHE:
             return _FEATURE_CACHE[key]
-    mapped = _mapped(feature_map, x_train), _mapped(feature_map, x_test)
+    mapped = _mapped(feature_map, x_train, check=True), _mapped(feature_map, x_test)
     if key is not None:
         _FEATURE_CACHE.clear()  # one entry: features can take gigabytes
         _FEATURE_CACHE[key] = mapped

@@ -628,8 +628,9 @@ def test_real_fashion_mnist():
 
 def test_feature_map_is_applied_per_example_and_cached_by_key():
     """load_dataset(feature_map=...) maps every train and test input (then bounds the
-    features); with a feature_cache_key the features of the last call are reused when the key,
-    the dataset and nb_samples_train are the same, and recomputed otherwise."""
+    features), and the first training batch once more (`_check_per_example`); with a
+    feature_cache_key the features of the last call are reused when the key, the dataset and
+    nb_samples_train are the same, and recomputed otherwise."""
     from lipdp import data
 
     calls = []
@@ -643,7 +644,7 @@ def test_feature_map_is_applied_per_example_and_cached_by_key():
                                  feature_map=doubled, feature_cache_key=key, seed=0)
 
     _, ds_test, metadata = load(None)
-    assert metadata.input_shape == (64,) and sum(calls) == 100 + metadata.nb_samples_test
+    assert metadata.input_shape == (64,) and sum(calls) == 2 * 100 + metadata.nb_samples_test
     raw = data.load_arrays("digits")
     x, _ = next(iter(ds_test))
     np.testing.assert_allclose(x.numpy(), 2.0 * raw.x_test[:len(x)].reshape(-1, 64), rtol=1e-6)
@@ -654,8 +655,40 @@ def test_feature_map_is_applied_per_example_and_cached_by_key():
     assert sum(calls) == first  # reused
     load(("doubled",), n=80)
     load(("halved",), n=80)
-    assert sum(calls) == first + 2 * (80 + metadata.nb_samples_test)  # recomputed twice
+    assert sum(calls) == first + 2 * (2 * 80 + metadata.nb_samples_test)  # recomputed twice
     data._FEATURE_CACHE.clear()
+
+
+def _standardised(x):
+    """Per-feature standardisation by the statistics of the batch: couples its examples."""
+    x = tf.reshape(x, (-1, 64))
+    return (x - tf.reduce_mean(x, 0)) / (tf.math.reduce_std(x, 0) + 1e-3)
+
+
+def test_a_feature_map_mixing_the_examples_or_adapted_on_data_is_refused():
+    """Features must be a function of their example alone: a map standardising by the batch's
+    statistics (one record moves every other record's features) and a Keras Normalization
+    adapted on the data (statistics of the records, without noise) used to be accepted
+    silently; both are refused. The same layer given public statistics is accepted."""
+    raw = data.load_arrays("digits")
+    flat = raw.x_train.reshape(-1, 64).astype(np.float32)
+    adapted = tf.keras.layers.Normalization()
+    adapted.adapt(flat)
+    public = tf.keras.layers.Normalization(mean=8.0, variance=36.0)
+    for feature_map, refused in [(_standardised, "does not treat each example on its own"),
+                                 (tf.keras.Sequential([tf.keras.layers.Reshape((64,)), adapted]),
+                                  "adapted on data"),
+                                 (tf.keras.Sequential([tf.keras.layers.Reshape((64,)), public]),
+                                  None)]:
+        def load():
+            return data.load_dataset("digits", 50, bound_clip_value=1e6, seed=0,
+                                     nb_samples_train=200, feature_map=feature_map)
+        if refused:
+            with pytest.raises(ValueError, match=refused):
+                load()
+        else:
+            _, _, metadata = load()
+            assert metadata.input_shape == (64,)
 
 
 def test_feature_cache_maps_changed_files_again_and_rows_match_labels(tmp_path):
