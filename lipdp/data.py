@@ -777,6 +777,31 @@ def _features(feature_map, x_train, x_test, key):
     return mapped
 
 
+def _check_augmentation_per_example(augmentation, images: np.ndarray, tries: int = 3) -> None:
+    """Refuse an `augmentation` that mixes the images of a batch (mixup, cutmix, statistics of
+    the batch): one record would then move other records' views, beyond what the privacy
+    analysis covers. Its randomness is not reproducible from outside, so the probe marks an
+    image instead: the batch with its first image NaN, augmented `tries` times, must keep
+    every other image free of NaN (a mixup whose pairing spares the marked image `tries`
+    times in a row over 16 images: probability 16^-3). An augmentation that fails on NaN,
+    or removes NaN, is not judged."""
+    if len(images) < 2:
+        return
+    marked = _as_float(images).numpy()
+    marked[0] = np.nan
+    for _ in range(tries):
+        try:
+            views = np.asarray(augmentation(tf.constant(marked)), np.float32)
+        except (tf.errors.InvalidArgumentError, ValueError):
+            return
+        if views.shape[:1] == marked.shape[:1] and np.isnan(views[1:]).any():
+            raise ValueError(
+                "`augmentation` does not transform each image on its own: NaN in one image "
+                "of a batch reached other images' views (a mixup, a cutmix, statistics of the "
+                "batch). Then one record moves other records' views, and so their gradients, "
+                "beyond what the privacy analysis covers. Augment each image alone.")
+
+
 def _make_transform(bound: InputBound, nb_classes: int, augmentation=None,
                     multiplicity: int = 1):
     """Scaling, augmentation (k views when `multiplicity` k > 1: ``(B, k, ...)``), the
@@ -962,7 +987,9 @@ def load_dataset(
             ``bound_normalize`` bound the *features*; ``metadata.input_shape`` is their
             shape). It must treat each example on its own and depend on no data: each
             feature vector is then a function of its example alone, and the privacy
-            analysis of the model trained on the features is unchanged.
+            analysis of the model trained on the features is unchanged (a map whose
+            features of one example change with another, or holding Keras layers adapted
+            on data, is refused: `_check_per_example`).
         feature_cache_key: a hashable naming `feature_map` (e.g. its configuration). The
             features of the most recent call with the same key, dataset, ``data_dir``,
             ``nb_samples_train`` and data (a digest of the raw inputs) are reused (one entry,
@@ -970,8 +997,10 @@ def load_dataset(
             that equal keys mean equal maps.
         augmentation: training images only: ``"shift"``, ``"shift_flip"``
             (`lipdp.augmentation`, shifts of up to 2 pixels) or a function of a batch of
-            images ``(B, H, W, C)`` in [0, 1] that transforms each image on its own.
-            Applied before the input bound. Not with `feature_map`.
+            images ``(B, H, W, C)`` in [0, 1] that transforms each image on its own
+            (one that lets a NaN image of a probe batch reach the others is refused:
+            `_check_augmentation_per_example`). Applied before the input bound. Not with
+            `feature_map`.
         augmentation_multiplicity: k augmented views of every sampled example (needs an
             `augmentation` when k > 1): ``ds_train`` then yields inputs of shape
             ``(batch, k) + input_shape`` and ``metadata.augmentation_multiplicity`` is k;
@@ -1030,6 +1059,8 @@ def load_dataset(
         raise ValueError(f"`augmentation` needs images (H, W, C); {name} has examples of shape "
                          f"{raw.input_shape}.")
     x_train, y_train = raw.x_train, raw.y_train
+    if augmentation is not None:
+        _check_augmentation_per_example(augmentation, x_train[:16])
     if nb_samples_train is not None:
         if nb_samples_train > len(y_train):
             raise ValueError(

@@ -152,6 +152,34 @@ def test_load_dataset_refuses_what_it_cannot_augment(fashion_dir):
         _load(fashion_dir, feature_map=lambda x: x)
 
 
+def _mixup(images):
+    """Each image blended with another of the batch (a random pairing)."""
+    partners = tf.gather(images, tf.random.shuffle(tf.range(tf.shape(images)[0])))
+    return 0.7 * images + 0.3 * partners
+
+
+@pytest.mark.parametrize("augmentation,mixes", [
+    (_mixup, True),
+    (lambda images: images - tf.reduce_mean(images, axis=0), True),  # the batch's mean image
+    ("shift_flip", False),
+    (tf.keras.layers.RandomFlip("horizontal"), False),
+    (lambda images: tf.image.random_brightness(images, 0.1), False)])
+def test_an_augmentation_mixing_the_images_of_a_batch_is_refused(fashion_dir, augmentation,
+                                                                 mixes):
+    """An augmentation must transform each image on its own (the module docstring): a mixup or
+    a batch statistic lets one record move other records' views. They used to be accepted
+    silently; `load_dataset` now refuses them (a NaN image in a probe batch must not reach
+    the other views), with and without multiplicity."""
+    tf.keras.utils.set_random_seed(1)
+    for multiplicity in (1, K):
+        options = dict(augmentation=augmentation, augmentation_multiplicity=multiplicity)
+        if mixes:
+            with pytest.raises(ValueError, match="does not transform each image on its own"):
+                _load(fashion_dir, **options)
+        else:
+            _load(fashion_dir, **options)
+
+
 def test_metadata_round_trip_keeps_the_multiplicity(fashion_dir):
     _, _, metadata = _load(fashion_dir)
     again = lipdp.DatasetMetadata.from_config(metadata.get_config())
