@@ -58,8 +58,9 @@ from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise
 from lipdp.operator_norms import host_work
-from lipdp.records import (check_finite_arrays, check_finite_dataset, check_ids_in_range,
-                           check_sparse_labels, embedding_id_limits, sparse_label_classes)
+from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
+                           check_ids_in_range, check_sparse_labels, embedding_id_limits,
+                           into_range, sparse_label_classes)
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -824,6 +825,23 @@ class _DPModelMixin:
         gradients, per_example, y_pred = self._clipless_sums(x, y)
         return [g / denominator for g in gradients], per_example, y_pred
 
+    def _ids_into_range(self, x, y):
+        """Classic DP-SGD: the ids a model input feeds to an Embedding, and the class indices
+        of Keras' sparse cross-entropy, mapped into their ranges record by record
+        (`lipdp.records.into_range`; the identity on valid records). `fit` refuses the
+        records it sees holding others before the first step; a record it does not see (a
+        Poisson pipeline's checking pass samples about 63% of them) stopped the step that
+        sampled it, on TensorFlow's failing lookup, which tells when it was sampled."""
+        limits = embedding_id_limits(self)
+        inputs = aligned(x, len(limits)) if any(n is not None for n in limits) else None
+        if inputs is not None:
+            mapped = [t if n is None else into_range(t, n) for t, n in zip(inputs, limits)]
+            x = type(x)(mapped) if isinstance(x, (list, tuple)) else mapped[0]
+        classes = sparse_label_classes(self, self.dp_loss)
+        if classes is not None and not isinstance(y, (dict, list, tuple)):
+            y = into_range(y, classes)
+        return x, y
+
     def _clipless_sums(self, x, y):
         """``(sum_i w_i grad loss_i, per-example losses, y_pred)``: ``w_i = 1`` for every
         example whose features and labels are finite, 0 for the others.
@@ -950,6 +968,8 @@ class _DPModelMixin:
             x = tf.nest.map_structure(tf.identity, x)                    # uses the batch
         batch = _batch_size(x)
         x, y = self._flatten_views(x, y)
+        if self.dp_parameters.mode is DPMode.CLIPPED:
+            x, y = self._ids_into_range(x, y)  # for the step and for the logged loss
         _, noisy, _, _, y_pred = self.private_gradients(x, y)
         if self.dp_parameters.loss_gradient_clipping is not None:
             with tf.control_dependencies(noisy):  # C_t served this step's bounds first

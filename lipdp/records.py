@@ -18,6 +18,11 @@ Embedding directly; ids computed inside the model are not seen. And for class
 indices outside ``[0, K)`` given to Keras' sparse categorical cross-entropy
 (`sparse_label_classes`): its CPU kernel fails on them too. (lipdp's DP losses map
 every label onto their domain and need no check.)
+
+A pass over a dataset reads at most one epoch of its batches: a Poisson pipeline's pass
+samples about 63% of the records. The private step itself covers the others: an example
+with a NaN or inf feature or label contributes zero in both modes, and in classic DP-SGD
+the ids and class indices above are mapped into their ranges (`into_range`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import tensorflow as tf
 
 __all__ = ["NonFiniteRecordError", "OutOfRangeIdError", "check_finite_arrays",
            "check_finite_dataset", "check_ids_in_range", "check_sparse_labels",
-           "embedding_id_limits", "sparse_label_classes"]
+           "embedding_id_limits", "into_range", "sparse_label_classes"]
 
 _SHOWN = 10  # positions listed in the error message
 
@@ -157,7 +162,7 @@ def embedding_id_limits(model: tf.keras.Model) -> List[Optional[int]]:
     return limits
 
 
-def _aligned(x, count: int) -> Optional[list]:
+def aligned(x, count: int) -> Optional[list]:
     """`x` as a list of `count` model inputs: one input, or a list or tuple of them (dicts
     are not aligned here: None)."""
     if isinstance(x, (list, tuple)):
@@ -170,6 +175,19 @@ def _ids_in_range(ids, limit) -> tf.Tensor:
     ids = tf.convert_to_tensor(ids)
     flags = tf.logical_and(ids >= tf.cast(0, ids.dtype), ids < tf.cast(limit, ids.dtype))
     return tf.reduce_all(tf.reshape(flags, (tf.shape(ids)[0], -1)), axis=1)
+
+
+def into_range(ids, limit: int) -> tf.Tensor:
+    """`ids` with every entry mapped into ``[0, limit)``, each on its own: clipped to the
+    range, a non-finite float entry set to 0; ids already in range are unchanged. What the
+    private step of classic DP-SGD applies to the ids and class indices that `fit` checks
+    before the first step (`check_ids_in_range`, `check_sparse_labels`), for the records that
+    check does not see: TensorFlow's CPU kernels fail on an id outside the range, and the
+    step would stop at the one that sampled the record."""
+    ids = tf.convert_to_tensor(ids)
+    if ids.dtype.is_floating:
+        ids = tf.where(tf.math.is_finite(ids), ids, tf.zeros_like(ids))
+    return tf.clip_by_value(ids, tf.cast(0, ids.dtype), tf.cast(limit - 1, ids.dtype))
 
 
 _ID_RANGES = ("ids outside [0, input_dim) of the Embedding layer they feed",
@@ -229,7 +247,7 @@ def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int
     if not any(limit is not None for limit in limits):
         return
     if not isinstance(x, tf.data.Dataset):
-        arrays = _aligned(x, len(limits))
+        arrays = aligned(x, len(limits))
         if arrays is None:
             return
         _check_rows([_ids_in_range(a, n).numpy() for a, n in zip(arrays, limits)
@@ -237,7 +255,7 @@ def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int
         return
 
     def row_flags(*element):  # a batch (x, y) or x: x first
-        arrays = _aligned(element[0], len(limits))
+        arrays = aligned(element[0], len(limits))
         if arrays is None:
             return tf.ones(tf.shape(tf.nest.flatten(element)[0])[:1], tf.bool)
         flags = [_ids_in_range(a, n) for a, n in zip(arrays, limits) if n is not None]

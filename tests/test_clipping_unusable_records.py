@@ -17,6 +17,7 @@ engine, 1e-3 for the ghost engines (their norms are upper bounds up to 1e-3 abov
 """
 
 import warnings
+from functools import partial
 
 import numpy as np
 import pytest
@@ -190,6 +191,49 @@ def test_class_indices_outside_a_sparse_cross_entropy_are_refused_before_the_fir
     y[37], y[50] = 2, 0
     model.fit(x, y, batch_size=D, epochs=1, verbose=0)
     assert model.dp_steps_taken == 64 // D
+
+
+def _sparse_label_model(engine):
+    tf.keras.utils.set_random_seed(7)
+    model = DP_Sequential([L.Input((6,)), L.Dense(3)], dp_parameters=DPParameters(
+        0.0, 1e-5, mode="clipped", l2_norm_clip=CLIP, engine=engine),
+        dataset_metadata=DatasetMetadata((6,), 3, 64, 16, D, None, "shuffle"))
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.SGD(0.1))
+    return model
+
+
+@pytest.mark.parametrize("case,engine", [("ids", "ghost"), ("ids second input", "vectorized"),
+                                         ("labels", "ghost"), ("labels", "vectorized")])
+def test_ids_and_labels_the_check_does_not_see_are_mapped_into_range(case, engine):
+    """Records `fit`'s check does not see (`validate_data=False` here; a Poisson pipeline's
+    checking pass samples about 63% of the records) used to stop the step that sampled them.
+    The step maps each id into the vocabulary and each class index into [0, K) (clipped):
+    its update equals that of the same batch clipped by hand, and `fit` runs every step."""
+    rng = np.random.default_rng(9)
+    y_hot = np.eye(3, dtype=np.float32)[rng.integers(0, 3, 64)]
+    if case == "labels":
+        x = rng.normal(size=(64, 6)).astype(np.float32)
+        y = rng.integers(0, 3, 64).astype(np.int32)
+        y[3], y[50] = 17, -2
+        mapped = x, np.clip(y, 0, 2)
+        build = partial(_sparse_label_model, engine)
+    else:
+        ids = rng.integers(0, 10, (64, 5)).astype(np.int32)
+        ids[3, 2], ids[50, 0] = 17, -1
+        two = case == "ids second input"
+        x = [np.zeros((64, 2), np.float32), ids] if two else ids
+        clipped = np.clip(ids, 0, 9)
+        mapped = ([x[0], clipped] if two else clipped), y_hot
+        y = y_hot
+        build = partial(_text_model, two_inputs=two)
+    first, by_hand = build(), build()
+    first.train_on_batch(tf.nest.map_structure(lambda a: a[:D], x), y[:D])
+    by_hand.train_on_batch(tf.nest.map_structure(lambda a: a[:D], mapped[0]), mapped[1][:D])
+    for a, b in zip(first.get_weights(), by_hand.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    first.fit(x, y, batch_size=D, epochs=1, verbose=0, validate_data=False)
+    assert first.dp_steps_taken == 1 + 64 // D
 
 
 def _fallback_model(engine):
