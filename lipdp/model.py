@@ -60,7 +60,7 @@ from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise
 from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_ids_in_range, check_sparse_labels, embedding_id_limits,
-                           into_range, sparse_label_classes)
+                           into_range, realigned, sparse_label_classes)
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -832,11 +832,11 @@ class _DPModelMixin:
         records it sees holding others before the first step; a record it does not see (a
         Poisson pipeline's checking pass samples about 63% of them) stopped the step that
         sampled it, on TensorFlow's failing lookup, which tells when it was sampled."""
-        limits = embedding_id_limits(self)
-        inputs = aligned(x, len(limits)) if any(n is not None for n in limits) else None
+        limits, names = embedding_id_limits(self), list(self.input_names or [])
+        inputs = aligned(x, names) if any(n is not None for n in limits) else None
         if inputs is not None:
             mapped = [t if n is None else into_range(t, n) for t, n in zip(inputs, limits)]
-            x = type(x)(mapped) if isinstance(x, (list, tuple)) else mapped[0]
+            x = realigned(x, mapped, names)
         classes = sparse_label_classes(self, self.dp_loss)
         if classes is not None and not isinstance(y, (dict, list, tuple)):
             y = into_range(y, classes)
@@ -1065,7 +1065,7 @@ class _DPModelMixin:
             if validate_data:
                 batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
                 check_finite_dataset(x, batches, dtype=self.compute_dtype)
-                check_ids_in_range(x, embedding_id_limits(self), batches)
+                check_ids_in_range(x, embedding_id_limits(self), self.input_names, batches)
                 check_sparse_labels(x, None, sparse_label_classes(self, self.dp_loss), batches)
         elif x is not None:
             _refuse_batch_iterators(x)
@@ -1079,7 +1079,7 @@ class _DPModelMixin:
             batch_size = self._check_arrays(x, batch_size)
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
-                check_ids_in_range(x, embedding_id_limits(self))
+                check_ids_in_range(x, embedding_id_limits(self), self.input_names)
                 check_sparse_labels(x, y, sparse_label_classes(self, self.dp_loss))
         # Last, so that they run after a BackupAndRestore restored the model.
         callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),

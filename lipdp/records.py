@@ -162,12 +162,23 @@ def embedding_id_limits(model: tf.keras.Model) -> List[Optional[int]]:
     return limits
 
 
-def aligned(x, count: int) -> Optional[list]:
-    """`x` as a list of `count` model inputs: one input, or a list or tuple of them (dicts
-    are not aligned here: None)."""
+def aligned(x, names: List[str]) -> Optional[list]:
+    """`x` as a list of the model inputs named `names` (in ``model.inputs`` order): one input,
+    a list or tuple of them, or a dict keyed by their names; None when it is none of these."""
+    if isinstance(x, dict):
+        return [x[name] for name in names] if all(name in x for name in names) else None
     if isinstance(x, (list, tuple)):
-        return list(x) if len(x) == count else None
-    return [x] if count == 1 else None
+        return list(x) if len(x) == len(names) else None
+    return [x] if len(names) == 1 else None
+
+
+def realigned(x, inputs: list, names: List[str]):
+    """`inputs` (from `aligned`) put back into the structure of `x`."""
+    if isinstance(x, dict):
+        return {**x, **dict(zip(names, inputs))}
+    if isinstance(x, (list, tuple)):
+        return type(x)(inputs)
+    return inputs[0]
 
 
 def _ids_in_range(ids, limit) -> tf.Tensor:
@@ -232,13 +243,16 @@ def check_sparse_labels(x, y, classes: Optional[int], max_batches: Optional[int]
                             max_batches, partial(_refuse_ids, _LABEL_RANGES))
 
 
-def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int] = None) -> None:
+def check_ids_in_range(x, limits: List[Optional[int]], names: List[str],
+                       max_batches: Optional[int] = None) -> None:
     """Every record's ids are within the vocabulary of the Embedding they feed.
 
     Args:
-        x: the arrays given to `fit` (one per model input), or a dataset of ``(x, y)`` (or
-            ``x``) batches, of which one pass (at most `max_batches` batches) is read.
+        x: the arrays given to `fit` (one per model input, or a dict by input name), or a
+            dataset of ``(x, y)`` (or ``x``) batches, of which one pass (at most
+            `max_batches` batches) is read.
         limits: `embedding_id_limits` of the model.
+        names: the model's input names, in the order of `limits`.
 
     Raises:
         OutOfRangeIdError: listing the records (by index, or ``batch b, row r``) that hold an
@@ -247,7 +261,7 @@ def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int
     if not any(limit is not None for limit in limits):
         return
     if not isinstance(x, tf.data.Dataset):
-        arrays = aligned(x, len(limits))
+        arrays = aligned(x, names)
         if arrays is None:
             return
         _check_rows([_ids_in_range(a, n).numpy() for a, n in zip(arrays, limits)
@@ -255,7 +269,7 @@ def check_ids_in_range(x, limits: List[Optional[int]], max_batches: Optional[int
         return
 
     def row_flags(*element):  # a batch (x, y) or x: x first
-        arrays = aligned(element[0], len(limits))
+        arrays = aligned(element[0], names)
         if arrays is None:
             return tf.ones(tf.shape(tf.nest.flatten(element)[0])[:1], tf.bool)
         flags = [_ids_in_range(a, n) for a, n in zip(arrays, limits) if n is not None]

@@ -124,7 +124,7 @@ def _text_model(two_inputs=False):
     params = DPParameters(0.0, 1e-5, mode="clipped", clipping="flat", l2_norm_clip=CLIP)
     metadata = DatasetMetadata((5,), 3, 64, 16, D, None, "shuffle")
     if two_inputs:
-        dense, ids = L.Input((2,)), L.Input((5,), dtype="int32")
+        dense, ids = L.Input((2,), name="dense"), L.Input((5,), dtype="int32", name="ids")
         hidden = L.Concatenate()([dense, L.Flatten()(L.Embedding(10, 4)(ids))])
         model = DP_Model([dense, ids], L.Dense(3)(hidden), dp_parameters=params,
                          dataset_metadata=metadata)
@@ -137,7 +137,7 @@ def _text_model(two_inputs=False):
     return model
 
 
-@pytest.mark.parametrize("where", ["arrays", "dataset", "second input"])
+@pytest.mark.parametrize("where", ["arrays", "dataset", "second input", "dict"])
 def test_ids_outside_an_embeddings_vocabulary_are_refused_before_the_first_step(where):
     """TensorFlow's CPU lookup fails on them: `fit` stopped at the step that sampled the
     record (its fourth step here, with both engines). Refused before training, listing the
@@ -146,8 +146,9 @@ def test_ids_outside_an_embeddings_vocabulary_are_refused_before_the_first_step(
     ids = rng.integers(0, 10, (64, 5)).astype(np.int32)
     ids[37, 2], ids[50, 0] = 17, -1
     y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, 64)]
-    model = _text_model(two_inputs=where == "second input")
-    inputs = [np.zeros((64, 2), np.float32), ids] if where == "second input" else ids
+    model = _text_model(two_inputs=where in ("second input", "dict"))
+    inputs = ([np.zeros((64, 2), np.float32), ids] if where == "second input" else
+              {"dense": np.zeros((64, 2), np.float32), "ids": ids} if where == "dict" else ids)
     refused = r"2 of 64 training records hold ids outside \[0, input_dim\)"
     if where == "dataset":
         dataset = tf.data.Dataset.from_tensor_slices((ids, y)).batch(D)
@@ -204,7 +205,8 @@ def _sparse_label_model(engine):
 
 
 @pytest.mark.parametrize("case,engine", [("ids", "ghost"), ("ids second input", "vectorized"),
-                                         ("labels", "ghost"), ("labels", "vectorized")])
+                                         ("ids dict", "ghost"), ("labels", "ghost"),
+                                         ("labels", "vectorized")])
 def test_ids_and_labels_the_check_does_not_see_are_mapped_into_range(case, engine):
     """Records `fit`'s check does not see (`validate_data=False` here; a Poisson pipeline's
     checking pass samples about 63% of the records) used to stop the step that sampled them.
@@ -221,10 +223,12 @@ def test_ids_and_labels_the_check_does_not_see_are_mapped_into_range(case, engin
     else:
         ids = rng.integers(0, 10, (64, 5)).astype(np.int32)
         ids[3, 2], ids[50, 0] = 17, -1
-        two = case == "ids second input"
-        x = [np.zeros((64, 2), np.float32), ids] if two else ids
-        clipped = np.clip(ids, 0, 9)
-        mapped = ([x[0], clipped] if two else clipped), y_hot
+        two, dense, clipped = case != "ids", np.zeros((64, 2), np.float32), np.clip(ids, 0, 9)
+        if case == "ids dict":
+            x, mapped = {"dense": dense, "ids": ids}, ({"dense": dense, "ids": clipped}, y_hot)
+        else:
+            x = [dense, ids] if two else ids
+            mapped = ([dense, clipped] if two else clipped), y_hot
         y = y_hot
         build = partial(_text_model, two_inputs=two)
     first, by_hand = build(), build()
