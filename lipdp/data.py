@@ -157,6 +157,29 @@ def shuffles_before_batching(dataset: tf.data.Dataset) -> Optional[bool]:
     return all(any(shuffled_upstream(i, set()) for i in n.input) for n in batches)
 
 
+def repeated_pass(dataset: tf.data.Dataset) -> Optional[Tuple[str, int]]:
+    """What a repeated pipeline goes through again and again: ``("records", R)`` when its
+    last ``repeat`` comes before its batching (R records a pass), ``("batches", B)`` when
+    after it; None without a repeat, or when the pass's size is unknown (a ``filter``).
+    Read from tf.data's dataset objects (each holds its ``_input_dataset``), from the
+    output down to the first repeat met."""
+    def chain(d):
+        while d is not None:
+            yield d
+            d = getattr(d, "_input_dataset", None)
+
+    for d in chain(dataset):
+        if "Repeat" not in type(d).__name__:
+            continue
+        inner = getattr(d, "_input_dataset", None)
+        size = int(inner.cardinality()) if inner is not None else -1
+        if size < 0:
+            return None
+        batched = any("Batch" in type(below).__name__ for below in chain(inner))
+        return ("batches" if batched else "records"), size
+    return None
+
+
 def _check_max_norm(max_norm, argname="max_norm") -> float:
     if (
         isinstance(max_norm, bool)

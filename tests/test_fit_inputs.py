@@ -703,3 +703,27 @@ def test_callbacks_deciding_from_private_or_validation_values_run(tmp_path):
     quiet = _metric_model(private_logs_only=True)
     quiet.fit(x, y, epochs=1, verbose=0, callbacks=[_K.TerminateOnNaN()])
     assert quiet.dp_steps_taken == N // BATCH
+
+
+@pytest.mark.parametrize("pipeline", ["records repeated", "batches repeated", "declared set"])
+def test_a_repeated_pipeline_must_go_through_the_declared_training_set(pipeline):
+    """`.repeat()` with `steps_per_epoch` hides the pipeline's size from the batch count: 32
+    records repeated under metadata of 64 trained silently, each record drawn twice as often
+    as the accountant assumed. Refused before the first step, whether the repeat comes
+    before the batching (records) or after it (batches); the declared 64 records train."""
+    x, y = _arrays(np.random.default_rng(14))
+    n = N if pipeline == "declared set" else N // 2
+    records = tf.data.Dataset.from_tensor_slices((x[:n], y[:n])).shuffle(n)
+    dataset = (records.batch(BATCH).repeat() if pipeline == "batches repeated"
+               else records.repeat().batch(BATCH))
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    fit = dict(epochs=1, verbose=0, steps_per_epoch=N // BATCH)
+    if pipeline == "declared set":
+        model.fit(dataset, **fit)
+        assert model.dp_steps_taken == N // BATCH
+        return
+    size = n // BATCH if pipeline == "batches repeated" else n
+    with pytest.raises(ValueError, match=f"repeats a pass of {size} "):
+        model.fit(dataset, **fit)
+    assert model.dp_steps_taken == 0
