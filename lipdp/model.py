@@ -129,10 +129,8 @@ def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bo
     ``save_best_only``), ending the run at a NaN loss (TerminateOnNaN) -- makes the model
     depend on the data beyond what epsilon covers. Validation metrics, epsilon and C_t
     (``logit_clip``) are allowed, as is any value a callback writes itself."""
-    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
     training = {"loss"} | set(model.metrics_names)
-    for callback in callbacks or []:
+    for callback in callbacks:
         name = type(callback).__name__
         if isinstance(callback, tf.keras.callbacks.TerminateOnNaN) and logs_training_metrics:
             raise ValueError(
@@ -792,9 +790,10 @@ class _DPModelMixin:
 
         Raises:
             InvalidArgumentError: (at run time) a non-finite gradient or noise standard
-                deviation (an infinite bound). An example whose loss (or in clipped mode
-                gradient norm, `lipdp.clipping.engine.usable_examples`) is not finite
-                contributes zero instead: no error depends on one record.
+                deviation (an infinite bound). An example with a NaN or inf feature or
+                label (`_clipless_sums`; in clipped mode, whose loss or gradient norm is
+                not finite: `lipdp.clipping.engine.usable_examples`) contributes zero
+                instead: no error depends on one record.
         """
         if self._step_mechanism is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
