@@ -18,6 +18,7 @@ scale by each of the 2 replicas gives T/n = 2, noise split in halves 0.5, and th
 away (power 1 - 1e-50). Reverting lipdp's once-per-global-batch noise gives T/n = 1.94.
 """
 
+import concurrent.futures
 import json
 import os
 import socket
@@ -81,7 +82,12 @@ def cluster():
     processes = [_run(["worker"], env={"TF_CONFIG": json.dumps(
         {"cluster": spec, "task": {"type": "worker", "index": index}})}) for index in range(2)]
     try:
-        return [_finish(process, timeout=300) for process in processes]
+        # Both pipes are drained at once. Read one after the other, the second worker sat
+        # blocked writing its result (over 64 KiB) into a full pipe until the first ended;
+        # under a sampling profiler (py-spy, which pauses processes) that result arrived cut
+        # at 65536 characters and the fixture failed.
+        with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
+            return list(pool.map(lambda process: _finish(process, timeout=300), processes))
     finally:
         for process in processes:
             if process.poll() is None:
