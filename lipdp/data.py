@@ -81,7 +81,7 @@ __all__ = [
     "load_dataset",
     "main",
     "read_idx",
-    "shuffles_before_batching",
+    "unshuffled_batching",
 ]
 
 logger = logging.getLogger(__name__)
@@ -128,12 +128,21 @@ _KNOWN_SEED_WARNING = (
 # ----------------------------------------------------------------------------
 
 
-def shuffles_before_batching(dataset: tf.data.Dataset) -> Optional[bool]:
-    """Whether a shuffle of `dataset`'s records comes before each of its batching steps,
-    read from the pipeline's graph (ops whose names hold ``Shuffle`` upstream of each op
-    whose names start with ``Batch`` or ``PaddedBatch``); None when the graph cannot be read
-    or holds no batching step. A shuffle after batching only reorders fixed batches.
-    Randomness of another kind (a random ``filter``, sampling from datasets) is not seen."""
+def unshuffled_batching(dataset: tf.data.Dataset,
+                        nb_records: Optional[int] = None) -> Optional[str]:
+    """Why `dataset`'s batches are not random batches of its records, read from the
+    pipeline's graph; None when they are, or when the graph cannot be read or holds no
+    batching step (no verdict).
+
+    Each batching op (``Batch*``, ``PaddedBatch*``) must have upstream a shuffle (an op
+    whose name holds ``Shuffle``) that mixes every record afresh each epoch: with a buffer
+    of at least `nb_records` records (when both are known) and without
+    ``reshuffle_each_iteration=False``. A shuffle after batching only reorders fixed
+    batches; a smaller buffer only swaps each record with its neighbours in the input
+    order (``shuffle(1)`` keeps it), so its batch is largely known in advance; a shuffle
+    that replays its order holds the same batches every epoch. Randomness of another kind
+    (a random ``filter``, sampling from datasets) is not seen.
+    """
     from tensorflow.core.framework import graph_pb2
 
     try:
@@ -144,17 +153,48 @@ def shuffles_before_batching(dataset: tf.data.Dataset) -> Optional[bool]:
         return None
     nodes = {node.name: node for node in graph.node}
 
-    def shuffled_upstream(name, seen):
-        node = nodes.get(name.split(":")[0].lstrip("^"))
-        if node is None or node.name in seen:
-            return False
-        seen.add(node.name)
-        return "Shuffle" in node.op or any(shuffled_upstream(i, seen) for i in node.input)
+    def node_of(name):
+        return nodes.get(name.split(":")[0].lstrip("^"))
+
+    def shuffles_upstream(node, seen):
+        for name in node.input:
+            parent = node_of(name)
+            if parent is None or parent.name in seen:
+                continue
+            seen.add(parent.name)
+            if "Shuffle" in parent.op:
+                yield parent
+            yield from shuffles_upstream(parent, seen)
+
+    def buffer_size(shuffle):  # its second input, a constant in a serialized pipeline
+        const = node_of(shuffle.input[1]) if len(shuffle.input) > 1 else None
+        if const is None or const.op != "Const":
+            return None
+        size = int(tf.make_ndarray(const.attr["value"].tensor))
+        return size if size > 0 else None
+
+    def flaw(shuffle):
+        if "reshuffle_each_iteration" in shuffle.attr and \
+                not shuffle.attr["reshuffle_each_iteration"].b:
+            return ("shuffles with reshuffle_each_iteration=False: every epoch holds the "
+                    "same batches")
+        size = buffer_size(shuffle)
+        if nb_records is not None and size is not None and size < nb_records:
+            return (f"shuffles in a buffer of {size} records, fewer than the {nb_records} "
+                    "training records: a record only trades places with its neighbours in "
+                    "the input order, so its batch is largely known in advance")
+        return None
 
     batches = [n for n in graph.node if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))]
     if not batches:
         return None
-    return all(any(shuffled_upstream(i, set()) for i in n.input) for n in batches)
+    for batch in batches:
+        flaws = [flaw(shuffle) for shuffle in shuffles_upstream(batch, set())]
+        if not flaws:
+            return "batches its records without shuffling them first"
+        if None not in flaws:
+            return flaws[0]
+    return None
 
 
 def repeated_pass(dataset: tf.data.Dataset) -> Optional[Tuple[str, int]]:

@@ -47,7 +47,7 @@ from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import leaf_layers
 from lipdp.data import (ShuffleSamplingWarning, repeated_pass, seeded_poisson_samplers,
-                        shuffles_before_batching)
+                        unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -1202,9 +1202,11 @@ class _DPModelMixin:
 
     def _check_pipeline_sampler(self, dataset):
         """Refuse a `lipdp.data.load_dataset` pipeline (its ``lipdp_sampler`` attribute) that
-        samples another training set size or batch size than the metadata declares, and warn
-        when the metadata declares Poisson sampling, which the accountant assumes, and the
-        dataset is not such a Poisson pipeline, which lipdp cannot check.
+        samples another training set size or batch size than the metadata declares; warn
+        when another pipeline's graph shows batches that are not random
+        (`lipdp.data.unshuffled_batching`), and when the metadata declares Poisson sampling,
+        which the accountant assumes, and the dataset is not such a Poisson pipeline, which
+        lipdp cannot check.
 
         A pipeline over N' < N examples passed the count of batches (ceil or floor of N / D)
         for N' down to about N - 2D: an audit's 201-example pipeline ran under metadata of
@@ -1219,12 +1221,12 @@ class _DPModelMixin:
                 f"{md.nb_samples_train} and batch_size={md.batch_size}: the accountant's "
                 f"sampling rate q = {md.batch_size}/{md.nb_samples_train} would not be the "
                 "pipeline's. Build the model with the metadata load_dataset returned with it.")
-        if sampler is None and shuffles_before_batching(dataset) is False:
+        flaw = unshuffled_batching(dataset, md.nb_samples_train) if sampler is None else None
+        if flaw is not None:
             warnings.warn(ShuffleSamplingWarning(
-                "fit received a tf.data.Dataset that batches its records without shuffling "
-                "them first: every epoch would hold the same batches, so a record's batch is "
-                "known in advance, while the accountant's epsilon assumes random batches. "
-                "Shuffle the records before .batch() (dataset.shuffle(nb_samples_train)), or "
+                f"fit received a tf.data.Dataset that {flaw}: a record's batch is not random, "
+                "while the accountant's epsilon assumes random batches. Shuffle every record "
+                "afresh each epoch before .batch() (dataset.shuffle(nb_samples_train)), or "
                 "train on lipdp.data.load_dataset's pipeline."), stacklevel=3)
         if md.sampling != Sampling.POISSON or \
                 getattr(sampler, "sampling", None) is Sampling.POISSON:

@@ -634,14 +634,21 @@ def test_arrays_are_refused_without_shuffling(shuffle):
 
 
 @pytest.mark.parametrize("pipeline,warned", [
-    (lambda d: d.batch(BATCH), True),
-    (lambda d: d.batch(BATCH).shuffle(8), True),  # reorders fixed batches
-    (lambda d: d.shuffle(N, seed=0).map(lambda x, y: (x, y)).batch(BATCH).prefetch(1), False),
+    (lambda d: d.batch(BATCH), "without shuffling them first"),
+    (lambda d: d.batch(BATCH).shuffle(8), "without shuffling them first"),  # fixed batches
+    (lambda d: d.shuffle(1).batch(BATCH), f"a buffer of 1 records, fewer than the {N}"),
+    (lambda d: d.shuffle(N - 1).batch(BATCH), f"a buffer of {N - 1} records"),
+    (lambda d: d.shuffle(N, reshuffle_each_iteration=False).batch(BATCH),
+     "reshuffle_each_iteration=False"),
+    (lambda d: d.shuffle(N, seed=0).map(lambda x, y: (x, y)).batch(BATCH).prefetch(1), None),
+    (lambda d: d.shuffle(N).shuffle(4).batch(BATCH), None),  # one shuffle of every record
+    (lambda d: d.shuffle(4).shuffle(2 * N).batch(BATCH), None),
 ])
 def test_a_dataset_batching_unshuffled_records_warns(pipeline, warned):
-    """The same for a tf.data pipeline, read from its graph
-    (`lipdp.data.shuffles_before_batching`); a warning, since randomness of another kind
-    is not seen."""
+    """The same for a tf.data pipeline, read from its graph (`lipdp.data.unshuffled_batching`):
+    no shuffle before the batching, a shuffle buffer smaller than the training set (a record
+    only trades places with its neighbours: `shuffle(1)` changes nothing), or a shuffle that
+    replays its order every epoch. A warning, since randomness of another kind is not seen."""
     rng = np.random.default_rng(13)
     model = _model(3)
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
@@ -649,9 +656,11 @@ def test_a_dataset_batching_unshuffled_records_warns(pipeline, warned):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         model.fit(dataset, epochs=1, verbose=0)
-    unshuffled = [w for w in record if issubclass(w.category, lipdp.data.ShuffleSamplingWarning)
-                  and "without shuffling them first" in str(w.message)]
-    assert bool(unshuffled) == warned
+    unshuffled = [str(w.message) for w in record
+                  if issubclass(w.category, lipdp.data.ShuffleSamplingWarning)
+                  and "a record's batch is not random" in str(w.message)]
+    assert len(unshuffled) == (warned is not None)
+    assert warned is None or warned in unshuffled[0]
 
 
 # --------------------------------------------------------------------------- #
