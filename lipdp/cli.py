@@ -472,9 +472,10 @@ def _sweep(args) -> int:
     spread = statistics.stdev(values) if len(values) > 1 else 0.0
     print(f"{metric}: mean {statistics.mean(values):.4f}, standard deviation {spread:.4f} over "
           f"{len(values)} runs")
-    print("Choosing among these runs by their test scores spends privacy beyond each run's "
-          "epsilon unless the data they were tuned on is public (README, 'Tuning costs "
-          "privacy').")
+    print("Each run's epsilon covers that run alone: releasing the best of these runs spends "
+          "more, whatever scores choose it (the choice depends on every run, and every run "
+          "trained on the same records), unless they trained on public data (README, "
+          "'Tuning costs privacy').")
     return EXIT_OK
 
 

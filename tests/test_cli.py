@@ -756,6 +756,7 @@ def test_sweep_records_every_grid_point(fake_fashion, tmp_path, capsys):
         assert 0 <= row["certified_accuracy"]["0.1"] <= row["test_accuracy"] <= 1
     out = capsys.readouterr().out
     assert "Sweep: 2 runs" in out and "test_accuracy: mean" in out
+    assert "releasing the best of these runs spends more, whatever scores choose it" in out
     assert cli.main(["sweep", path, "--grid", "dataset.seed=3", "--output",
                      str(output)]) == 2  # not a list
     assert "expected section.field=[v1, v2, ...]" in capsys.readouterr().err
