@@ -644,7 +644,8 @@ def test_feature_map_is_applied_per_example_and_cached_by_key():
                                  feature_map=doubled, feature_cache_key=key, seed=0)
 
     _, ds_test, metadata = load(None)
-    assert metadata.input_shape == (64,) and sum(calls) == 2 * 100 + metadata.nb_samples_test
+    probes = 100 + 2 * data._PROBE_ROWS  # `_check_per_example`'s three probes
+    assert metadata.input_shape == (64,) and sum(calls) == 100 + probes + metadata.nb_samples_test
     raw = data.load_arrays("digits")
     x, _ = next(iter(ds_test))
     np.testing.assert_allclose(x.numpy(), 2.0 * raw.x_test[:len(x)].reshape(-1, 64), rtol=1e-6)
@@ -655,7 +656,8 @@ def test_feature_map_is_applied_per_example_and_cached_by_key():
     assert sum(calls) == first  # reused
     load(("doubled",), n=80)
     load(("halved",), n=80)
-    assert sum(calls) == first + 2 * (2 * 80 + metadata.nb_samples_test)  # recomputed twice
+    assert sum(calls) == first + 2 * (
+        2 * 80 + 2 * data._PROBE_ROWS + metadata.nb_samples_test)  # recomputed twice
     data._FEATURE_CACHE.clear()
 
 
@@ -665,21 +667,45 @@ def _standardised(x):
     return (x - tf.reduce_mean(x, 0)) / (tf.math.reduce_std(x, 0) + 1e-3)
 
 
+def _min_max_scaled(x):
+    """Per-feature min-max scaling by the batch: one record that is a batch's extreme moves
+    every other record's features (rarely one of 1000 digits is)."""
+    x = tf.reshape(x, (-1, 64))
+    low, high = tf.reduce_min(x, 0), tf.reduce_max(x, 0)
+    return (x - low) / (high - low + 1e-3)
+
+
+def _nan_ignoring_max_scaled(x):
+    """Division by the batch's largest value of each feature, NaN left aside (numpy)."""
+    x = np.asarray(x).reshape(-1, 64)
+    return x / (np.nanmax(np.abs(x), axis=0) + 1e-3)
+
+
+def _refusing_nan(x):
+    """Per example, but fails on a NaN input (its probe is then skipped)."""
+    return 2.0 * tf.debugging.check_numerics(tf.reshape(x, (-1, 64)), "NaN input")
+
+
 def test_a_feature_map_mixing_the_examples_or_adapted_on_data_is_refused():
-    """Features must be a function of their example alone: a map standardising by the batch's
-    statistics (one record moves every other record's features) and a Keras Normalization
-    adapted on the data (statistics of the records, without noise) used to be accepted
-    silently; both are refused. The same layer given public statistics is accepted."""
+    """Features must be a function of their example alone: a map standardising or min-max
+    scaling by the batch's statistics (one record moves every other record's features) and a
+    Keras Normalization adapted on the data (statistics of the records, without noise) used
+    to be accepted silently; they are refused. The min-max scalings passed the first probe
+    (an example replaced by another) alone. The Normalization layer given public statistics,
+    and a per-example map failing on NaN, are accepted."""
     raw = data.load_arrays("digits")
     flat = raw.x_train.reshape(-1, 64).astype(np.float32)
     adapted = tf.keras.layers.Normalization()
     adapted.adapt(flat)
     public = tf.keras.layers.Normalization(mean=8.0, variance=36.0)
-    for feature_map, refused in [(_standardised, "does not treat each example on its own"),
+    mixing = "does not treat each example on its own"
+    for feature_map, refused in [(_standardised, mixing), (_min_max_scaled, mixing),
+                                 (_nan_ignoring_max_scaled, mixing),
                                  (tf.keras.Sequential([tf.keras.layers.Reshape((64,)), adapted]),
                                   "adapted on data"),
                                  (tf.keras.Sequential([tf.keras.layers.Reshape((64,)), public]),
-                                  None)]:
+                                  None),
+                                 (_refusing_nan, None)]:
         def load():
             return data.load_dataset("digits", 50, bound_clip_value=1e6, seed=0,
                                      nb_samples_train=200, feature_map=feature_map)
