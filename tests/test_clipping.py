@@ -543,6 +543,17 @@ HIDDEN_COUPLING = {
                  L.Lambda(lambda t: t - tf.reduce_mean(t, axis=0, keepdims=True),
                           name="batch_mean"), L.Dense(1)],
         "other examples .* layer 'batch_mean' \\(Lambda\\) mixes the examples"),
+    "Lambda scaling by the batch's largest magnitude": (
+        lambda: [L.Input((4,)), L.Dense(3),
+                 L.Lambda(lambda t: t / tf.reduce_max(tf.abs(t)), name="batch_max"),
+                 L.Dense(1)],
+        "one example NaN in a batch .* layer 'batch_max' \\(Lambda\\) mixes the examples"),
+    "Lambda scaling by the batch's largest magnitude, NaN aside": (
+        lambda: [L.Input((4,)), L.Dense(3),
+                 L.Lambda(lambda t: t / tf.reduce_max(
+                     tf.where(tf.math.is_nan(t), tf.zeros_like(t), tf.abs(t))),
+                          name="batch_nanmax"), L.Dense(1)],
+        "beyond every value in a batch .* 'batch_nanmax' \\(Lambda\\) mixes the examples"),
     "running sum of the inputs": (
         lambda: [L.Input((4,)), L.Dense(3), _RunningSum(name="running"), L.Dense(1)],
         "'running/seen:0' of layer 'running' \\(_RunningSum\\) .* depends on the input data"),
@@ -569,7 +580,9 @@ def _adapted_normalization():
 def test_hidden_batch_coupling_and_data_written_state_are_refused_at_compile(case, engine):
     """Batch statistics below the top level (a custom layer's sub-layer, a wrapped layer)
     are found by type; a Lambda reducing over the batch axis by the probe (replacing example
-    0 moves the other examples' outputs: 9x the sensitivity through the ghost engine); state
+    0 moves the other examples' outputs: 9x the sensitivity through the ghost engine; a
+    division by the batch's largest magnitude, which the replacement rarely moves, by
+    example 0 made NaN, or, when the maximum leaves NaN aside, beyond every value); state
     written from the data in training by the probe (two batches give two values): released
     without noise, by either engine."""
     make_layers, message = HIDDEN_COUPLING[case]
@@ -579,15 +592,16 @@ def test_hidden_batch_coupling_and_data_written_state_are_refused_at_compile(cas
 
 def test_the_coupling_probe_accepts_per_example_models_and_has_no_side_effect():
     """Input-independent state (a call counter, SpectralDense's power iteration, both updated
-    by a training pass), dropout (random: held in inference mode, the rest in training mode)
-    and a centring over the feature axis pass; after compile every variable holds its value
-    from before."""
+    by a training pass), dropout (random: held in inference mode, the rest in training mode),
+    a centring over the feature axis and a check refusing NaN inputs (its probes skipped)
+    pass; after compile every variable holds its value from before."""
     from deel.lip.layers import SpectralDense
 
     tf.keras.utils.set_random_seed(7)
     model = DP_Sequential(
         [L.Input((4,)), SpectralDense(5), _CallCounter(name="counter"), L.Dropout(0.5),
-         L.Lambda(lambda t: t - tf.reduce_mean(t, axis=-1, keepdims=True)), L.Dense(1)],
+         L.Lambda(lambda t: t - tf.reduce_mean(t, axis=-1, keepdims=True)),
+         L.Lambda(lambda t: tf.debugging.check_numerics(t, "a NaN input")), L.Dense(1)],
         dp_parameters=_params(1.0, engine="vectorized"), dataset_metadata=_metadata((4,), 1))
     before = [v.numpy().copy() for v in model.variables]
     model.compile(loss="mse", optimizer=tf.keras.optimizers.SGD(0.1))

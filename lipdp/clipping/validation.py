@@ -62,9 +62,11 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
       like the model's input, all variables restored afterwards (no side effect).
       (i) A non-trainable variable whose value after a training-mode pass differs
       between two input batches is refused (state updated the same way for every input,
-      such as power-iteration vectors, passes). (ii) Replacing example 0 of the batch
-      must leave the outputs of the other examples unchanged, in training mode (in
-      inference mode when two training passes of one batch differ: random layers).
+      such as power-iteration vectors, passes). (ii) Replacing example 0 of the batch,
+      making it NaN, or moving it beyond every value of the batch (float inputs) must
+      leave the outputs of the other examples unchanged, in training mode (in inference
+      mode when two training passes of one batch differ: random layers); a pass that
+      fails on the NaN or the large example is not judged.
 
     Preprocessing layers adapted on data (`adapt`: a Normalization's mean and variance) are
     refused too. Coupling that the random probe does not trigger (data-dependent branches)
@@ -124,13 +126,40 @@ def _probe_batches(model: tf.keras.Model):
 
 
 def _differs(a: np.ndarray, b: np.ndarray) -> bool:
-    """Beyond `_PROBE_RTOL` times the larger magnitude of the two (exact for non-floats)."""
+    """Beyond `_PROBE_RTOL` times the larger finite magnitude of the two (exact for
+    non-floats); an entry finite in one and not in the other (NaN, inf) differs."""
     if a.shape != b.shape:
         return True
     if not np.issubdtype(a.dtype, np.floating):
         return not np.array_equal(a, b)
+    finite = np.isfinite(a)
+    if np.any(finite != np.isfinite(b)):
+        return True
+    a, b = a[finite].astype(np.float64), b[finite].astype(np.float64)
     scale = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)))
-    return bool(np.any(np.abs(a.astype(np.float64) - b) > _PROBE_RTOL * scale))
+    return bool(np.any(np.abs(a - b) > _PROBE_RTOL * scale))
+
+
+def _marked_batches(batch):
+    """`batch` with its first example changed in each float input: ``[("NaN", ...),
+    ("beyond", ...)]``, the example NaN, and the example beyond every value of the batch
+    (1000 times its largest magnitude, plus 1000); empty without a float input."""
+    flat = tf.nest.flatten(batch)
+    floats = [tf.as_dtype(t.dtype).is_floating for t in flat]
+    if not any(floats):
+        return []
+
+    def marked(value):
+        def mark(t, is_float):
+            if not is_float:
+                return t
+            first = tf.fill(tf.shape(t[:1]), tf.cast(value(t), t.dtype))
+            return tf.concat([first, t[1:]], 0)
+        return tf.nest.pack_sequence_as(batch, [mark(t, f) for t, f in zip(flat, floats)])
+
+    return [("making one example NaN", marked(lambda t: float("nan"))),
+            ("moving one example beyond every value",
+             marked(lambda t: 1e3 * (1.0 + tf.reduce_max(tf.abs(t)))))]
 
 
 @contextlib.contextmanager
@@ -243,28 +272,43 @@ def _probe(model: tf.keras.Model) -> None:
     replaced = tf.nest.map_structure(lambda t, u: tf.concat([u[:1], t[1:]], 0), a, b)
     with _recorded_outputs(_all_layers(model), held) as records_a:
         outputs_a, _ = forward(a, training)
-    with _recorded_outputs(_all_layers(model), held) as records_r:
-        outputs_r, _ = forward(replaced, training)
-    if not any(_differs(o[1:], p[1:]) for o, p in zip(outputs_a, outputs_r)):
-        return
+    # Replacing an example moves means and deviations; a NaN example reaches every reduction
+    # over the batch that propagates NaN (a maximum, a median), and an example beyond every
+    # value the extremes that ignore NaN: the replacement alone let a division by the
+    # batch's largest magnitude through 3 times in 4 (the replaced example is rarely it).
+    for probe, changed in [("replacing one example", replaced)] + _marked_batches(a):
+        with _recorded_outputs(_all_layers(model), held) as records_p:
+            try:
+                outputs_p, _ = forward(changed, training)
+            except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
+                if changed is replaced:
+                    raise
+                continue
+        if any(_differs(o[1:], p[1:]) for o, p in zip(outputs_a, outputs_p)):
+            _refuse_coupling(probe, training, records_a, records_p)
+
+
+def _refuse_coupling(probe, training, records_a, records_p):
+    """Raise `BatchCouplingError`, naming the first layer whose outputs for the examples the
+    `probe` left alone changed (`records_*`: each layer's outputs, `_recorded_outputs`)."""
     culprit = None
-    for (layer, out_a), (_, out_r) in zip(records_a, records_r):
-        flat_a, flat_r = tf.nest.flatten(out_a), tf.nest.flatten(out_r)
+    for (layer, out_a), (_, out_p) in zip(records_a, records_p):
+        flat_a, flat_p = tf.nest.flatten(out_a), tf.nest.flatten(out_p)
         if all(tf.is_tensor(t) and t.shape.rank and t.shape[0] == _PROBE_BATCH
-               for t in flat_a + flat_r) and any(
-                   _differs(np.array(o[1:]), np.array(p[1:])) for o, p in zip(flat_a, flat_r)):
+               for t in flat_a + flat_p) and any(
+                   _differs(np.array(o[1:]), np.array(p[1:])) for o, p in zip(flat_a, flat_p)):
             culprit = layer
             break
     where = (f"layer '{culprit.name}' ({type(culprit).__name__})" if culprit is not None
              else "a layer")
     raise BatchCouplingError(
-        f"Replacing one example of a batch changed the model's outputs for the other examples "
-        f"({'training' if training else 'inference'}-mode forward pass of a random probe "
-        f"batch): {where} mixes the examples of a batch (batch statistics, or a reduction "
-        "over the batch axis in a Lambda or custom layer). Per-example gradients are then "
-        "undefined, and one example can move the clipped update beyond the sensitivity. "
-        "Compute it per example (reduce over the feature axes only; LayerNormalization or "
-        "GroupNormalization instead of batch statistics).")
+        f"{probe[0].upper() + probe[1:]} in a batch changed the model's outputs for the other "
+        f"examples ({'training' if training else 'inference'}-mode forward pass of a random "
+        f"probe batch): {where} mixes the examples of a batch (batch statistics, or a "
+        "reduction over the batch axis in a Lambda or custom layer). Per-example gradients "
+        "are then undefined, and one example can move the clipped update beyond the "
+        "sensitivity. Compute it per example (reduce over the feature axes only; "
+        "LayerNormalization or GroupNormalization instead of batch statistics).")
 
 
 def per_example_loss(loss) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
