@@ -508,6 +508,36 @@ class _RunningSum(L.Layer):
         return x
 
 
+class _NonFiniteCounter(L.Layer):
+    """Counts the non-finite values of its training inputs: zero for every ordinary batch,
+    so two random batches agree, yet it records which training records were unusable."""
+
+    def build(self, input_shape):
+        self.count = self.add_weight(name="count", shape=(), initializer="zeros",
+                                     trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            self.count.assign_add(tf.reduce_sum(tf.cast(~tf.math.is_finite(x), tf.float32)))
+        return x
+
+
+class _OutlierMaximum(L.Layer):
+    """Keeps the largest training input above 100 (0 until one comes): ordinary batches
+    leave it alone."""
+
+    def build(self, input_shape):
+        self.largest = self.add_weight(name="largest", shape=(), initializer="zeros",
+                                       trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            top = tf.reduce_max(tf.where(tf.math.is_nan(x), tf.zeros_like(x), x))
+            self.largest.assign(tf.where(top > 100.0, tf.maximum(self.largest, top),
+                                         self.largest))
+        return x
+
+
 class _TrainingBatchCentring(L.Layer):
     """Subtracts the batch mean in training only: behind a random layer, the first probe
     compared rows in inference mode and passed it (2.5x the sensitivity, found by an audit);
@@ -557,6 +587,12 @@ HIDDEN_COUPLING = {
     "running sum of the inputs": (
         lambda: [L.Input((4,)), L.Dense(3), _RunningSum(name="running"), L.Dense(1)],
         "'running/seen:0' of layer 'running' \\(_RunningSum\\) .* depends on the input data"),
+    "a count of non-finite inputs": (
+        lambda: [L.Input((4,)), _NonFiniteCounter(name="counting"), L.Dense(1)],
+        "'counting/count:0' of layer 'counting' \\(_NonFiniteCounter\\) .* depends on the"),
+    "the largest outlier": (
+        lambda: [L.Input((4,)), _OutlierMaximum(name="outlier"), L.Dense(1)],
+        "'outlier/largest:0' of layer 'outlier' \\(_OutlierMaximum\\) .* depends on the"),
     "training-only centring behind a noise layer": (
         lambda: [L.Input((4,)), L.Dense(3), _TrainingBatchCentring(name="centring"),
                  L.GaussianNoise(1e-4), L.Dense(1)],
@@ -583,8 +619,9 @@ def test_hidden_batch_coupling_and_data_written_state_are_refused_at_compile(cas
     0 moves the other examples' outputs: 9x the sensitivity through the ghost engine; a
     division by the batch's largest magnitude, which the replacement rarely moves, by
     example 0 made NaN, or, when the maximum leaves NaN aside, beyond every value); state
-    written from the data in training by the probe (two batches give two values): released
-    without noise, by either engine."""
+    written from the data in training by the probe (two batches give two values, or one
+    batch with an example made NaN or moved beyond every value: a count of non-finite inputs,
+    the largest outlier): released without noise, by either engine."""
     make_layers, message = HIDDEN_COUPLING[case]
     with pytest.raises(BatchCouplingError, match=message):
         _compiled(make_layers, "flat", engine, "mse", shape=(4,), k=1)

@@ -61,8 +61,9 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
     * by behaviour (`_probe`): a few eager forward passes of a small random batch shaped
       like the model's input, all variables restored afterwards (no side effect).
       (i) A non-trainable variable whose value after a training-mode pass differs
-      between two input batches is refused (state updated the same way for every input,
-      such as power-iteration vectors, passes). (ii) Replacing example 0 of the batch,
+      between two input batches, or with the first example made NaN or moved beyond every
+      value as below, is refused (state updated the same way for every input, such as
+      power-iteration vectors, passes). (ii) Replacing example 0 of the batch,
       making it NaN, or moving it beyond every value of the batch (float inputs) must
       leave the outputs of the other examples unchanged, in training mode (in inference
       mode when two training passes of one batch differ: random layers); a pass that
@@ -255,9 +256,15 @@ def _probe(model: tf.keras.Model) -> None:
 
     a, b = _probe_batches(model)
     outputs_a, state_a = forward(a, True)
-    _, state_b = forward(b, True)
-    for v, value_a, value_b in zip(state, state_a, state_b):
-        if _differs(value_a, value_b):
+    states = [forward(b, True)[1]]
+    if state:  # also a state written only from unusual records (NaN seen, a largest value)
+        for _, changed in _marked_batches(a):
+            try:
+                states.append(forward(changed, True)[1])
+            except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
+                continue
+    for v, value_a, *values in zip(state, state_a, *states):
+        if any(_differs(value_a, value) for value in values):
             layer = owner.get(v.ref())
             where = f"layer '{layer.name}' ({type(layer).__name__})" if layer else "the model"
             raise BatchCouplingError(
