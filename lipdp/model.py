@@ -45,7 +45,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
                           dp_layers)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
-from lipdp.clipping.validation import leaf_layers
+from lipdp.clipping.validation import check_no_batch_coupling, leaf_layers
 from lipdp.data import (ShuffleSamplingWarning, repeated_pass, seeded_poisson_samplers,
                         unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
@@ -625,11 +625,23 @@ class _DPModelMixin:
             raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata declares "
                              f"nb_classes={self.dataset_metadata.nb_classes}.")
         check_float32(leaf_layers(self))
+        self._check_user_layers_per_example()
         self.dp_loss = loss
         self._loss_lipschitz = float(loss.lipschitz(nb_outputs))
         self._check_every_variable_bounded(layers)
         self._init_adaptive_clipping()
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def _check_user_layers_per_example(self):
+        """A DP layer defined outside lipdp (the `DPLayer` extension point) is probed as
+        classic DP-SGD probes every layer (`check_no_batch_coupling`): the bounds are
+        per-example bounds, and the step sums the batch's losses before differentiating, so a
+        layer mixing the examples of a batch, or writing the training data into its state,
+        escapes them whatever its bound methods say. lipdp's own layers are per-example by
+        construction (and tested so): not probed, no compile-time cost."""
+        if any(isinstance(layer, DPLayer) and not type(layer).__module__.startswith("lipdp.")
+               for layer in self._flatten_layers(include_self=False, recursive=True)):
+            check_no_batch_coupling(self)
 
     def _init_adaptive_clipping(self):
         clipping = self.dp_parameters.loss_gradient_clipping

@@ -313,8 +313,8 @@ def _refuse_coupling(probe, training, records_a, records_p):
         f"examples ({'training' if training else 'inference'}-mode forward pass of a random "
         f"probe batch): {where} mixes the examples of a batch (batch statistics, or a "
         "reduction over the batch axis in a Lambda or custom layer). Per-example gradients "
-        "are then undefined, and one example can move the clipped update beyond the "
-        "sensitivity. Compute it per example (reduce over the feature axes only; "
+        "are then undefined, and one example can move the update beyond its sensitivity. "
+        "Compute it per example (reduce over the feature axes only; "
         "LayerNormalization or GroupNormalization instead of batch statistics).")
 
 
