@@ -47,8 +47,9 @@ def train(mode, args, ds_train, ds_test, metadata):
     else:
         params = lipdp.DPParameters(**common, mode="clipped", clipping=args.clipping,
                                     l2_norm_clip=args.clip, engine=args.engine)
-    tf.keras.utils.set_random_seed(args.seed)
+    tf.keras.utils.set_random_seed(args.seed)  # the same initial weights in both modes
     model = build(metadata, params, args.width)
+    tf.random.set_seed(None)  # but noise that no seed in this file predicts (SeededNoiseWarning)
     model.compile(loss=DP_TauCategoricalCrossentropy(args.tau),
                   optimizer=tf.keras.optimizers.Adam(args.lr), metrics=["accuracy"])
     if mode == "clipless":

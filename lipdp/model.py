@@ -57,7 +57,7 @@ from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_boun
 from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
-from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise
+from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
 from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_ids_in_range, check_sparse_labels, embedding_id_limits,
@@ -332,6 +332,7 @@ class _DPModelMixin:
         self._build_metrics(args[0] if args else kwargs.get("x"),
                             args[1] if len(args) > 1 else kwargs.get("y"))
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
+            warn_if_seeded()
             self._resume_ledger()
             self._warn_if_a_seeded_pipeline_is_behind()
         result = super().train_on_batch(*args, **kwargs)
@@ -1060,6 +1061,7 @@ class _DPModelMixin:
             Other arguments: as for `tf.keras.Model.fit`.
         """
         self._check_compiled()
+        warn_if_seeded()
         md = self.dataset_metadata
         if validation_split:
             raise ValueError(

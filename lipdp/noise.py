@@ -38,14 +38,41 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
+import warnings
 from typing import Sequence
 
 import tensorflow as tf
 
 from lipdp import kernels
 
-__all__ = ["add_gaussian_noise", "drawing_at_step", "gaussian_noise", "salted_seeds",
-           "standard_normal"]
+__all__ = ["SeededNoiseWarning", "add_gaussian_noise", "drawing_at_step", "gaussian_noise",
+           "salted_seeds", "standard_normal", "warn_if_seeded"]
+
+
+class SeededNoiseWarning(UserWarning):
+    """Issued when a private step runs in a program that set TensorFlow's global seed: the
+    noise is then a function of that seed."""
+
+
+def warn_if_seeded(stacklevel: int = 3) -> None:
+    """Warn (`SeededNoiseWarning`) when TensorFlow's global seed is set
+    (``tf.random.set_seed``, ``tf.keras.utils.set_random_seed``): every random op, lipdp's
+    noise included, then draws from that seed and its place in the program, so whoever
+    knows the seed and the code regenerates the noise of every step and subtracts it from
+    what was released; epsilon holds only while the seed stays secret. Read without drawing
+    (``tf.compat.v1.random.get_seed`` would advance the program's op seeds)."""
+    from tensorflow.python.eager import context  # the global seed, read without a draw
+
+    seed = context.global_seed()
+    if seed is None:
+        return
+    warnings.warn(SeededNoiseWarning(
+        f"TensorFlow's global random seed is set ({seed}): the noise of every private step is "
+        "a function of this seed and of the program, so whoever knows both can regenerate "
+        "the noise and subtract it, and the reported epsilon holds only while the seed stays "
+        "secret (keep it out of published code and configs). To reproduce the weights' "
+        "initialisation, seed before building the model and call tf.random.set_seed(None) "
+        "before training; lipdp never seeds the noise."), stacklevel=stacklevel)
 
 
 def salted_seeds(salt=None):

@@ -13,6 +13,7 @@ uniforms). Seeded, so each test's outcome is fixed; the thresholds are those of 
 a false-failure rate of 1e-6 had the draws been fresh."""
 
 import math
+import warnings
 import subprocess
 import sys
 
@@ -22,7 +23,8 @@ import tensorflow as tf
 from scipy import stats
 
 from lipdp import kernels
-from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, standard_normal
+from lipdp.noise import (SeededNoiseWarning, add_gaussian_noise, drawing_at_step, gaussian_noise,
+                         standard_normal)
 from tests._stats import assert_gaussian_noise
 
 N = 2_000_001  # odd: the last Box–Muller pair is cut
@@ -338,3 +340,51 @@ def test_non_finite_tensors_fail_with_their_message_when_one_is_given(dtype, bad
         checked()
     unchecked = tf.function(lambda: add_gaussian_noise([tensor], [1.0]))()[0].numpy()
     assert not np.isfinite(unchecked[777]) and np.all(np.isfinite(np.delete(unchecked, 777)))
+
+
+def _trained_weights(unseed_before_training):
+    """A small model built and trained (4 noisy steps) right after
+    ``tf.keras.utils.set_random_seed(5)``, optionally unseeded before `fit`: ``(initial
+    weights, trained weights, SeededNoiseWarnings of fit, model)``."""
+    import lipdp
+    from lipdp.layers import DP_BoundedInput, DP_QuickSpectralDense
+    from lipdp.losses import DP_TauCategoricalCrossentropy
+
+    tf.keras.utils.set_random_seed(5)
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(4,)), DP_QuickSpectralDense(3)],
+        dp_parameters=lipdp.DPParameters(noise_multiplier=1.0, delta=1e-5),
+        dataset_metadata=lipdp.DatasetMetadata((4,), 3, 32, 8, 8, 1.0, "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    initial = model.get_weights()
+    if unseed_before_training:
+        tf.random.set_seed(None)
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+    y = np.eye(3, dtype=np.float32)[np.arange(32) % 3]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    seeded = [w for w in record if issubclass(w.category, SeededNoiseWarning)]
+    return initial, model.get_weights(), seeded, model
+
+
+def test_a_seeded_program_repeats_its_noise_and_fit_warns():
+    """After `tf.keras.utils.set_random_seed` (the Keras idiom for reproducible runs) the
+    noise of every step is a function of the seed: two runs release the same noisy updates,
+    so whoever knows the seed regenerates the noise and subtracts it. `fit` warns
+    (`SeededNoiseWarning`). Unseeded before training, as the warning advises, the weights
+    start the same and the noise differs, without a warning."""
+    first, second = _trained_weights(False), _trained_weights(False)
+    for a, b in zip(first[1], second[1]):
+        np.testing.assert_array_equal(a, b)  # the same noise, twice
+    assert first[2] and "global random seed is set (5)" in str(first[2][0].message)
+    first, second = _trained_weights(True), _trained_weights(True)
+    for a, b in zip(first[0], second[0]):
+        np.testing.assert_array_equal(a, b)  # the same initialisation
+    assert any(not np.array_equal(a, b) for a, b in zip(first[1], second[1]))
+    assert not first[2] and not second[2]
+    model = _trained_weights(True)[3]
+    tf.keras.utils.set_random_seed(6)  # train_on_batch in a seeded program
+    x, y = np.zeros((8, 4), np.float32), np.eye(3, dtype=np.float32)[np.arange(8) % 3]
+    with pytest.warns(SeededNoiseWarning, match="global random seed is set"):
+        model.train_on_batch(x, y)
