@@ -121,15 +121,43 @@ def _refuse_batch_iterators(x):
             "the batches in tf.data.Dataset.from_generator(...).")
 
 
-def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bool):
+def _validates_on_training_data(x, y, validation_data) -> bool:
+    """Whether `validation_data` holds only training records: the very dataset `fit` trains
+    on, a training pipeline of `lipdp.data.load_dataset` (it carries a Poisson sampler; its
+    test pipeline does not), or arrays every example of which (inputs and label) is one of
+    the training arrays' (the training arrays themselves, a slice of them)."""
+    if validation_data is None:
+        return False
+    if isinstance(validation_data, tf.data.Dataset):
+        return validation_data is x or getattr(validation_data, "lipdp_sampler", None) is not None
+    if not isinstance(validation_data, (tuple, list)) or len(validation_data) < 2 or \
+            x is None or y is None or isinstance(x, tf.data.Dataset):
+        return False
+
+    def rows(arrays):
+        flat = [np.asarray(a) for a in tf.nest.flatten(arrays)]
+        if not flat or any(a.ndim == 0 or len(a) != len(flat[0]) for a in flat):
+            return None
+        parts = [np.ascontiguousarray(a).reshape(len(a), -1) for a in flat]
+        return [b"".join(part[i].tobytes() for part in parts) for i in range(len(parts[0]))]
+
+    training, held = rows((x, y)), rows(tuple(validation_data[:2]))
+    return bool(training and held) and set(held) <= set(training)
+
+
+def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bool,
+                                     validation_is_training: bool = False):
     """Refuse callbacks that act on the model or its training from Keras' training loss and
     metrics: computed on the training records outside the noisy gradient, they are not
     private (`fit`), so a decision taken on them -- stopping (EarlyStopping), the learning
     rate (ReduceLROnPlateau), which weights are kept (ModelCheckpoint with
     ``save_best_only``), ending the run at a NaN loss (TerminateOnNaN) -- makes the model
     depend on the data beyond what epsilon covers. Validation metrics, epsilon and C_t
-    (``logit_clip``) are allowed, as is any value a callback writes itself."""
+    (``logit_clip``) are allowed, as is any value a callback writes itself -- but not the
+    validation metrics when `validation_is_training` (`_validates_on_training_data`)."""
     training = {"loss"} | set(model.metrics_names)
+    if validation_is_training:
+        training |= {f"val_{name}" for name in training}
     for callback in callbacks:
         name = type(callback).__name__
         if isinstance(callback, tf.keras.callbacks.TerminateOnNaN) and logs_training_metrics:
@@ -146,13 +174,15 @@ def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bo
         if isinstance(callback, tf.keras.callbacks.ModelCheckpoint) and \
                 not callback.save_best_only:
             continue  # saves every time: the monitored value is not used
+        held_out = "" if monitor.startswith("val_") else f"('val_{monitor}', "
         raise ValueError(
-            f"{name} monitors '{monitor}', a training metric: Keras computes it on the "
-            "training records outside the noisy gradient, so what the callback decides from "
-            "it (when to stop, the learning rate, which weights are kept) depends on the "
-            "data beyond what the reported epsilon covers. Monitor a validation metric "
-            f"('val_{monitor}', with validation_data held out of the training set) or a "
-            "private value ('epsilon' of DP_Accountant).")
+            f"{name} monitors '{monitor}', a training metric"
+            f"{' (validation_data holds the training records)' if not held_out else ''}: "
+            "Keras computes it on the training records outside the noisy gradient, so what "
+            "the callback decides from it (when to stop, the learning rate, which weights are "
+            "kept) depends on the data beyond what the reported epsilon covers. Monitor a "
+            f"validation metric {held_out or '('}with validation_data held out of the "
+            "training set) or a private value ('epsilon' of DP_Accountant).")
 
 
 #: A Poisson batch exceeds `largest_poisson_batch` with probability below 2^-POISSON_TAIL_BITS.
@@ -1047,7 +1077,10 @@ class _DPModelMixin:
         ``private_logs_only=True`` to omit them. Callbacks that would act on them
         (EarlyStopping, ReduceLROnPlateau or a best-only ModelCheckpoint monitoring
         them, TerminateOnNaN) are refused before the first step. Validation metrics are computed
-        on `validation_data`, outside the training set.
+        on `validation_data`, which must be held out: validation data holding only training
+        records (the training dataset or arrays, a slice of them, a `load_dataset` training
+        pipeline) makes its ``val_`` metrics training metrics for that check, and is refused
+        under ``private_logs_only``.
 
         Args:
             validate_data: check every training record for NaN/inf, token ids for
@@ -1100,7 +1133,16 @@ class _DPModelMixin:
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)
-        _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only)
+        on_training = _validates_on_training_data(x, y, validation_data)
+        if on_training and self._private_logs_only:
+            raise ValueError(
+                "validation_data holds the training records (the training dataset or arrays, "
+                "or a load_dataset training pipeline): its val_ metrics would be computed on "
+                "them outside the noisy gradient, while compile(private_logs_only=True) "
+                "promises logs that epsilon covers. Validate on held-out data (load_dataset's "
+                "test pipeline).")
+        _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only,
+                                         on_training)
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,

@@ -349,7 +349,7 @@ def test_private_logs_only_omits_training_metrics(tmp_path):
     private.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd", metrics=["accuracy"],
                     private_logs_only=True)
     history = private.fit(x, y, epochs=1, verbose=0, callbacks=[lipdp.DP_Accountant()],
-                          validation_data=(x[:8], y[:8]))
+                          validation_data=_arrays(np.random.default_rng(107), n=8))
     assert set(history.history) == {"epsilon", "delta", "val_loss", "val_accuracy"}
     assert private.dp_steps_taken == N // BATCH
     path = str(tmp_path / "private.keras")
@@ -702,16 +702,44 @@ def test_callbacks_deciding_from_private_or_validation_values_run(tmp_path):
     """Validation metrics (held-out records), epsilon, a value a callback writes itself, a
     checkpoint of every epoch, and TerminateOnNaN when the training metrics are not logged."""
     x, y = _arrays(np.random.default_rng(13))
+    held_out = _arrays(np.random.default_rng(113), n=8)
     model = _metric_model()
     for callbacks in ([_K.EarlyStopping(monitor="val_loss")],
                       [lipdp.DP_Accountant(), _K.EarlyStopping(monitor="epsilon")],
                       [_K.ModelCheckpoint(str(tmp_path / "w.weights.h5"), monitor="loss",
                                           save_weights_only=True)]):
-        model.fit(x, y, epochs=1, verbose=0, callbacks=callbacks, validation_data=(x[:8], y[:8]))
+        model.fit(x, y, epochs=1, verbose=0, callbacks=callbacks, validation_data=held_out)
     assert model.dp_steps_taken == 3 * N // BATCH
     quiet = _metric_model(private_logs_only=True)
     quiet.fit(x, y, epochs=1, verbose=0, callbacks=[_K.TerminateOnNaN()])
     assert quiet.dp_steps_taken == N // BATCH
+
+
+@pytest.mark.parametrize("validation", ["the training arrays", "a copy of a slice",
+                                        "the training dataset", "a load_dataset pipeline"])
+def test_validation_metrics_on_the_training_records_count_as_training_metrics(validation):
+    """`validation_data` holding training records (the arrays or dataset fit trains on, a
+    slice of them) gives val_ metrics computed on the training records outside the noisy
+    gradient: EarlyStopping on 'val_loss' then decided from them, silently. Refused, and so
+    is such validation under private_logs_only=True (the logs would not be private)."""
+    x, y = _arrays(np.random.default_rng(15))
+    model = _metric_model()
+    train, validation_data = (x, y), {"the training arrays": (x, y),
+                                      "a copy of a slice": (x[5:13].copy(), y[5:13].copy())
+                                      }.get(validation)
+    if validation == "the training dataset":
+        train = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH),)
+        validation_data = train[0]
+    if validation == "a load_dataset pipeline":  # its training pipeline: a Poisson sampler
+        validation_data = lipdp.data.load_dataset("digits", 50, bound_clip_value=8.0,
+                                                  nb_samples_train=100)[0]
+    with pytest.raises(ValueError, match=r"monitors 'val_loss', a training metric \(validation"):
+        model.fit(*train, epochs=1, verbose=0, validation_data=validation_data,
+                  callbacks=[_K.EarlyStopping(monitor="val_loss")])
+    with pytest.raises(ValueError, match="validation_data holds the training records"):
+        _metric_model(private_logs_only=True).fit(*train, epochs=1, verbose=0,
+                                                  validation_data=validation_data)
+    assert model.dp_steps_taken == 0
 
 
 @pytest.mark.parametrize("pipeline", ["records repeated", "batches repeated", "declared set"])
