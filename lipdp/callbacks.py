@@ -274,6 +274,10 @@ class _SampledGradients(tf.keras.callbacks.Callback):
     """Shared by `BoundMonitor` and `SignalToNoise`: the sample of an epoch and the
     tightness report (`lipdp.bounds.tightness`) of the model's current weights on it."""
 
+    #: The prefixes of the logs computed from the examples of `data` (the others are functions
+    #: of the weights): not private when `data` holds training records.
+    data_log_prefixes: Tuple[str, ...] = ()
+
     def __init__(self, data, sample_size: int = 256, seed: int = 0, chunk_size: int = 64):
         super().__init__()
         self.sample_size = _check_positive_int(sample_size, "sample_size")
@@ -320,6 +324,11 @@ class _SampledGradients(tf.keras.callbacks.Callback):
         return {"sample_size": self.sample_size, "seed": self.seed,
                 "chunk_size": self.chunk_size}
 
+    @property
+    def data(self):
+        """The examples the callback samples from (a batched dataset or ``(x, y)`` arrays)."""
+        return self._data
+
 
 class BoundMonitor(_SampledGradients):
     """Checks the invariant ``||grad_v loss(f(x), y)|| <= bound(v)`` after every epoch.
@@ -364,6 +373,8 @@ class BoundMonitor(_SampledGradients):
         rtol: relative tolerance for float32 rounding, ``>= 0`` (default 1e-4).
         chunk_size: examples whose per-example gradients are held at once.
     """
+
+    data_log_prefixes = ("tightness_max/", "tightness_mean/")
 
     def __init__(self, data, sample_size: int = 256, seed: int = 0, rtol: float = 1e-4,
                  chunk_size: int = 64):
@@ -426,6 +437,8 @@ class SignalToNoise(_SampledGradients):
     Args:
         data, sample_size, seed, chunk_size: as for `BoundMonitor`.
     """
+
+    data_log_prefixes = ("grad_norm_mean/", "signal_to_noise/")
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:  # nowhere to write: skip the per-example gradients

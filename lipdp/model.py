@@ -146,7 +146,7 @@ def _validates_on_training_data(x, y, validation_data) -> bool:
 
 
 def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bool,
-                                     validation_is_training: bool = False):
+                                     validation_is_training: bool = False, x=None, y=None):
     """Refuse callbacks that act on the model or its training from Keras' training loss and
     metrics: computed on the training records outside the noisy gradient, they are not
     private (`fit`), so a decision taken on them -- stopping (EarlyStopping), the learning
@@ -154,10 +154,19 @@ def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bo
     ``save_best_only``), ending the run at a NaN loss (TerminateOnNaN) -- makes the model
     depend on the data beyond what epsilon covers. Validation metrics, epsilon and C_t
     (``logit_clip``) are allowed, as is any value a callback writes itself -- but not the
-    validation metrics when `validation_is_training` (`_validates_on_training_data`)."""
+    validation metrics when `validation_is_training` (`_validates_on_training_data`), nor
+    the logs a `BoundMonitor` or `SignalToNoise` computes from training records `x, y`
+    (their ``data_log_prefixes``)."""
     training = {"loss"} | set(model.metrics_names)
     if validation_is_training:
         training |= {f"val_{name}" for name in training}
+    prefixes = tuple(prefix for callback in callbacks
+                     for prefix in getattr(callback, "data_log_prefixes", ())
+                     if _validates_on_training_data(x, y, callback.data))
+
+    def from_training(monitor):
+        return monitor in training or any(monitor.startswith(p) for p in prefixes)
+
     for callback in callbacks:
         name = type(callback).__name__
         if isinstance(callback, tf.keras.callbacks.TerminateOnNaN) and logs_training_metrics:
@@ -169,20 +178,27 @@ def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bo
                 "before a non-finite update). Remove it, or compile with "
                 "private_logs_only=True.")
         monitor = getattr(callback, "monitor", None)
-        if not isinstance(monitor, str) or monitor not in training:
+        if not isinstance(monitor, str) or not from_training(monitor):
             continue
         if isinstance(callback, tf.keras.callbacks.ModelCheckpoint) and \
                 not callback.save_best_only:
             continue  # saves every time: the monitored value is not used
-        held_out = "" if monitor.startswith("val_") else f"('val_{monitor}', "
+        if monitor not in training:  # a monitor callback's log
+            what, fix = ("a value computed from training records (the data given to "
+                         "BoundMonitor / SignalToNoise)", "give the monitor held-out data")
+        elif monitor.startswith("val_") and validation_is_training:
+            what, fix = ("a training metric (validation_data holds the training records)",
+                         "monitor a validation metric, with validation_data held out of the "
+                         "training set")
+        else:
+            what, fix = ("a training metric", f"monitor a validation metric ('val_{monitor}', "
+                         "with validation_data held out of the training set)")
         raise ValueError(
-            f"{name} monitors '{monitor}', a training metric"
-            f"{' (validation_data holds the training records)' if not held_out else ''}: "
-            "Keras computes it on the training records outside the noisy gradient, so what "
-            "the callback decides from it (when to stop, the learning rate, which weights are "
-            "kept) depends on the data beyond what the reported epsilon covers. Monitor a "
-            f"validation metric {held_out or '('}with validation_data held out of the "
-            "training set) or a private value ('epsilon' of DP_Accountant).")
+            f"{name} monitors '{monitor}', {what}: it is computed on the training records "
+            "outside the noisy gradient, so what the callback decides from it (when to stop, "
+            "the learning rate, which weights are kept) depends on the data beyond what the "
+            f"reported epsilon covers. Instead, {fix}, or a private value ('epsilon' of "
+            "DP_Accountant).")
 
 
 #: A Poisson batch exceeds `largest_poisson_batch` with probability below 2^-POISSON_TAIL_BITS.
@@ -1142,7 +1158,7 @@ class _DPModelMixin:
                 "promises logs that epsilon covers. Validate on held-out data (load_dataset's "
                 "test pipeline).")
         _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only,
-                                         on_training)
+                                         on_training, x, y)
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,

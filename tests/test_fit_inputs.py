@@ -742,6 +742,33 @@ def test_validation_metrics_on_the_training_records_count_as_training_metrics(va
     assert model.dp_steps_taken == 0
 
 
+def test_callbacks_deciding_from_a_monitor_of_training_records_are_refused():
+    """BoundMonitor and SignalToNoise compute per-example gradients of the examples they are
+    given: a callback acting on those logs (the tightness, the signal-to-noise ratio) acts
+    on the training records outside the noisy gradient when the monitor was given them.
+    Refused; the same callbacks on a monitor of held-out records, or on the logs that are
+    functions of the weights (the bound, the noise std), train."""
+    from lipdp.bounds import variable_names
+
+    x, y = _arrays(np.random.default_rng(16))
+    held_out = _arrays(np.random.default_rng(116), n=16)
+    model = _metric_model()
+    name = next(iter(variable_names(model).values()))
+    for monitor, key, callback in [
+            (lipdp.BoundMonitor((x, y), sample_size=8), f"tightness_max/{name}",
+             _K.EarlyStopping),
+            (lipdp.SignalToNoise((x[:32], y[:32]), sample_size=8), f"signal_to_noise/{name}",
+             _K.ReduceLROnPlateau)]:
+        with pytest.raises(ValueError, match="computed from training records .*BoundMonitor"):
+            model.fit(x, y, epochs=1, verbose=0, callbacks=[monitor, callback(monitor=key)])
+    assert model.dp_steps_taken == 0
+    for monitor, key in [(lipdp.BoundMonitor(held_out, sample_size=8), f"tightness_max/{name}"),
+                         (lipdp.BoundMonitor((x, y), sample_size=8), f"gradient_bound/{name}")]:
+        model.fit(x, y, epochs=1, verbose=0,
+                  callbacks=[monitor, _K.EarlyStopping(monitor=key)])
+    assert model.dp_steps_taken == 2 * N // BATCH
+
+
 @pytest.mark.parametrize("pipeline", ["records repeated", "batches repeated", "declared set"])
 def test_a_repeated_pipeline_must_go_through_the_declared_training_set(pipeline):
     """`.repeat()` with `steps_per_epoch` hides the pipeline's size from the batch count: 32
