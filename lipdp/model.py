@@ -134,15 +134,22 @@ def _validates_on_training_data(x, y, validation_data) -> bool:
             x is None or y is None or isinstance(x, tf.data.Dataset):
         return False
 
-    def rows(arrays):
-        flat = [np.asarray(a) for a in tf.nest.flatten(arrays)]
+    def arrays(structure):
+        flat = [np.asarray(a) for a in tf.nest.flatten(structure)]
         if not flat or any(a.ndim == 0 or len(a) != len(flat[0]) for a in flat):
             return None
-        parts = [np.ascontiguousarray(a).reshape(len(a), -1) for a in flat]
-        return [b"".join(part[i].tobytes() for part in parts) for i in range(len(parts[0]))]
+        return flat
 
-    training, held = rows((x, y)), rows(tuple(validation_data[:2]))
-    return bool(training and held) and set(held) <= set(training)
+    def digests(flat):  # one per example, of its bytes in every array
+        parts = [np.ascontiguousarray(a).reshape(len(a), -1) for a in flat]
+        return {hashlib.blake2b(b"".join(part[i].tobytes() for part in parts),
+                                digest_size=16).digest() for i in range(len(parts[0]))}
+
+    training, held = arrays((x, y)), arrays(tuple(validation_data[:2]))
+    if training is None or held is None or [(a.dtype, a.shape[1:]) for a in training] != \
+            [(a.dtype, a.shape[1:]) for a in held]:
+        return False
+    return digests(held) <= digests(training)
 
 
 def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bool,
