@@ -142,9 +142,9 @@ def _differs(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _marked_batches(batch):
-    """`batch` with its first example changed in each float input: ``[("NaN", ...),
-    ("beyond", ...)]``, the example NaN, and the example beyond every value of the batch
-    (1000 times its largest magnitude, plus 1000); empty without a float input."""
+    """``[(what was done, batch)]``: `batch` with its first example changed in each float
+    input, made NaN, and moved beyond every value of the batch (1000 times its largest
+    magnitude, plus 1000); empty without a float input."""
     flat = tf.nest.flatten(batch)
     floats = [tf.as_dtype(t.dtype).is_floating for t in flat]
     if not any(floats):
