@@ -587,6 +587,11 @@ HIDDEN_COUPLING = {
     "running sum of the inputs": (
         lambda: [L.Input((4,)), L.Dense(3), _RunningSum(name="running"), L.Dense(1)],
         "'running/seen:0' of layer 'running' \\(_RunningSum\\) .* depends on the input data"),
+    "token ids, then a division by the batch's largest magnitude": (
+        lambda: [L.Input((5,), dtype="int32"), L.Embedding(10, 4),
+                 L.Lambda(lambda t: t / tf.reduce_max(tf.abs(t)), name="ids_batch_max"),
+                 L.Flatten(), L.Dense(1)],
+        "NaN \\(in its first float activations\\) .* 'ids_batch_max' \\(Lambda\\) mixes"),
     "a count of non-finite inputs": (
         lambda: [L.Input((4,)), _NonFiniteCounter(name="counting"), L.Dense(1)],
         "'counting/count:0' of layer 'counting' \\(_NonFiniteCounter\\) .* depends on the"),
@@ -618,7 +623,8 @@ def test_hidden_batch_coupling_and_data_written_state_are_refused_at_compile(cas
     are found by type; a Lambda reducing over the batch axis by the probe (replacing example
     0 moves the other examples' outputs: 9x the sensitivity through the ghost engine; a
     division by the batch's largest magnitude, which the replacement rarely moves, by
-    example 0 made NaN, or, when the maximum leaves NaN aside, beyond every value); state
+    example 0 made NaN, or, when the maximum leaves NaN aside, beyond every value; behind
+    integer inputs, in its first float activations); state
     written from the data in training by the probe (two batches give two values, or one
     batch with an example made NaN or moved beyond every value: a count of non-finite inputs,
     the largest outlier): released without noise, by either engine."""

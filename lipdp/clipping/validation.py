@@ -64,7 +64,8 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
       between two input batches, or with the first example made NaN or moved beyond every
       value as below, is refused (state updated the same way for every input, such as
       power-iteration vectors, passes). (ii) Replacing example 0 of the batch,
-      making it NaN, or moving it beyond every value of the batch (float inputs) must
+      making it NaN, or moving it beyond every value of the batch (float inputs; with
+      integer inputs only, such as token ids, its first float activations) must
       leave the outputs of the other examples unchanged, in training mode (in inference
       mode when two training passes of one batch differ: random layers); a pass that
       fails on the NaN or the large example is not judged.
@@ -141,26 +142,49 @@ def _differs(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.any(np.abs(a - b) > _PROBE_RTOL * scale))
 
 
+#: What the marked probes of `_probe` do to the first example of a float tensor.
+_MARKS = (("making one example NaN", lambda t: float("nan")),
+          ("moving one example beyond every value",  # 1000 times the largest magnitude + 1000
+           lambda t: 1e3 * (1.0 + tf.reduce_max(tf.abs(t)))))
+
+
+def _marked_first_row(t, mark):
+    first = tf.fill(tf.shape(t[:1]), tf.cast(mark(t), t.dtype))
+    return tf.concat([first, t[1:]], 0)
+
+
 def _marked_batches(batch):
     """``[(what was done, batch)]``: `batch` with its first example changed in each float
-    input, made NaN, and moved beyond every value of the batch (1000 times its largest
-    magnitude, plus 1000); empty without a float input."""
+    input by each of `_MARKS`; empty without a float input."""
     flat = tf.nest.flatten(batch)
     floats = [tf.as_dtype(t.dtype).is_floating for t in flat]
     if not any(floats):
         return []
+    return [(what, tf.nest.pack_sequence_as(batch, [
+        _marked_first_row(t, mark) if is_float else t for t, is_float in zip(flat, floats)]))
+        for what, mark in _MARKS]
 
-    def marked(value):
-        def mark(t, is_float):
-            if not is_float:
-                return t
-            first = tf.fill(tf.shape(t[:1]), tf.cast(value(t), t.dtype))
-            return tf.concat([first, t[1:]], 0)
-        return tf.nest.pack_sequence_as(batch, [mark(t, f) for t, f in zip(flat, floats)])
 
-    return [("making one example NaN", marked(lambda t: float("nan"))),
-            ("moving one example beyond every value",
-             marked(lambda t: 1e3 * (1.0 + tf.reduce_max(tf.abs(t)))))]
+@contextlib.contextmanager
+def _first_float_output_marked(layers, mark):
+    """Within this context the first layer call to return a float tensor of the probe's
+    batch (eagerly: an Embedding's vectors, say) returns it with its first row changed by
+    `mark` (one of `_MARKS`): the marked probes of a model whose inputs are integers."""
+    marked = []
+
+    def wrap(layer, original):
+        def wrapper(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            if not marked and tf.executing_eagerly() and tf.is_tensor(outputs) and \
+                    outputs.dtype.is_floating and outputs.shape.rank and \
+                    outputs.shape[0] == _PROBE_BATCH:
+                marked.append(layer)
+                outputs = _marked_first_row(outputs, mark)
+            return outputs
+        return wrapper
+
+    with wrapped_calls(layers, wrap):
+        yield
 
 
 @contextlib.contextmanager
@@ -283,8 +307,16 @@ def _probe(model: tf.keras.Model) -> None:
     # over the batch that propagates NaN (a maximum, a median), and an example beyond every
     # value the extremes that ignore NaN: the replacement alone let a division by the
     # batch's largest magnitude through in 20 of 20 random models (rarely the replaced one).
-    for probe, changed in [("replacing one example", replaced)] + _marked_batches(a):
-        with _recorded_outputs(_all_layers(model), held) as records_p:
+    # Integer inputs (token ids) cannot be marked: their first float activations are.
+    marked = _marked_batches(a)
+    probes = [("replacing one example", replaced, None)] + [
+        (what, batch, None) for what, batch in marked] + [
+        (f"{what} (in its first float activations)", a, mark)
+        for what, mark in (_MARKS if not marked else ())]
+    for probe, changed, mark in probes:
+        activations = (_first_float_output_marked(_all_layers(model), mark) if mark
+                       else contextlib.nullcontext())
+        with activations, _recorded_outputs(_all_layers(model), held) as records_p:
             try:
                 outputs_p, _ = forward(changed, training)
             except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
