@@ -598,6 +598,10 @@ HIDDEN_COUPLING = {
     "the largest outlier": (
         lambda: [L.Input((4,)), _OutlierMaximum(name="outlier"), L.Dense(1)],
         "'outlier/largest:0' of layer 'outlier' \\(_OutlierMaximum\\) .* depends on the"),
+    "a count of non-finite activations behind token ids": (
+        lambda: [L.Input((5,), dtype="int32"), L.Embedding(10, 4),
+                 _NonFiniteCounter(name="id_counting"), L.Flatten(), L.Dense(1)],
+        "'id_counting/count:0' of layer 'id_counting' .* depends on the input data"),
     "training-only centring behind a noise layer": (
         lambda: [L.Input((4,)), L.Dense(3), _TrainingBatchCentring(name="centring"),
                  L.GaussianNoise(1e-4), L.Dense(1)],

@@ -62,7 +62,7 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
       like the model's input, all variables restored afterwards (no side effect).
       (i) A non-trainable variable whose value after a training-mode pass differs
       between two input batches, or with the first example made NaN or moved beyond every
-      value as below, is refused (state updated the same way for every input, such as
+      value as in (ii), is refused (state updated the same way for every input, such as
       power-iteration vectors, passes). (ii) Replacing example 0 of the batch,
       making it NaN, or moving it beyond every value of the batch (float inputs; with
       integer inputs only, such as token ids, its first float activations) must
@@ -281,10 +281,14 @@ def _probe(model: tf.keras.Model) -> None:
     a, b = _probe_batches(model)
     outputs_a, state_a = forward(a, True)
     states = [forward(b, True)[1]]
+    marked = _marked_batches(a)
     if state:  # also a state written only from unusual records (NaN seen, a largest value)
-        for _, changed in _marked_batches(a):
+        for changed, mark in ([(batch, None) for _, batch in marked] if marked
+                              else [(a, mark) for _, mark in _MARKS]):
             try:
-                states.append(forward(changed, True)[1])
+                with (_first_float_output_marked(_all_layers(model), mark) if mark
+                      else contextlib.nullcontext()):
+                    states.append(forward(changed, True)[1])
             except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
                 continue
     for v, value_a, *values in zip(state, state_a, *states):
@@ -308,7 +312,6 @@ def _probe(model: tf.keras.Model) -> None:
     # value the extremes that ignore NaN: the replacement alone let a division by the
     # batch's largest magnitude through in 20 of 20 random models (rarely the replaced one).
     # Integer inputs (token ids) cannot be marked: their first float activations are.
-    marked = _marked_batches(a)
     probes = [("replacing one example", replaced, None)] + [
         (what, batch, None) for what, batch in marked] + [
         (f"{what} (in its first float activations)", a, mark)
