@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import warnings
+from typing import Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -121,18 +122,14 @@ def _refuse_batch_iterators(x):
             "the batches in tf.data.Dataset.from_generator(...).")
 
 
-def _validates_on_training_data(x, y, validation_data) -> bool:
-    """Whether `validation_data` holds only training records: the very dataset `fit` trains
-    on, a training pipeline of `lipdp.data.load_dataset` (it carries a Poisson sampler; its
-    test pipeline does not), or arrays every example of which (inputs and label) is one of
-    the training arrays' (the training arrays themselves, a slice of them)."""
-    if validation_data is None:
-        return False
-    if isinstance(validation_data, tf.data.Dataset):
-        return validation_data is x or getattr(validation_data, "lipdp_sampler", None) is not None
-    if not isinstance(validation_data, (tuple, list)) or len(validation_data) < 2 or \
-            x is None or y is None or isinstance(x, tf.data.Dataset):
-        return False
+def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
+    """``(shared, n)``: how many of the n examples of the arrays ``data = (inputs, labels,
+    ...)`` are, inputs and label byte for byte, examples of the training arrays `x, y` (16-byte
+    digests: 0.3 s for 60000 Fashion-MNIST-sized examples); None when they cannot be compared
+    (datasets, other dtypes or shapes)."""
+    if not isinstance(data, (tuple, list)) or len(data) < 2 or x is None or y is None or \
+            isinstance(x, tf.data.Dataset):
+        return None
 
     def arrays(structure):
         flat = [np.asarray(a) for a in tf.nest.flatten(structure)]
@@ -142,14 +139,29 @@ def _validates_on_training_data(x, y, validation_data) -> bool:
 
     def digests(flat):  # one per example, of its bytes in every array
         parts = [np.ascontiguousarray(a).reshape(len(a), -1) for a in flat]
-        return {hashlib.blake2b(b"".join(part[i].tobytes() for part in parts),
-                                digest_size=16).digest() for i in range(len(parts[0]))}
+        return [hashlib.blake2b(b"".join(part[i].tobytes() for part in parts),
+                                digest_size=16).digest() for i in range(len(parts[0]))]
 
-    training, held = arrays((x, y)), arrays(tuple(validation_data[:2]))
+    training, held = arrays((x, y)), arrays(tuple(data[:2]))
     if training is None or held is None or [(a.dtype, a.shape[1:]) for a in training] != \
             [(a.dtype, a.shape[1:]) for a in held]:
+        return None
+    known = set(digests(training))
+    held = digests(held)
+    return sum(digest in known for digest in held), len(held)
+
+
+def _validates_on_training_data(x, y, data, shared=None) -> bool:
+    """Whether `data` (validation data, a monitor's examples) holds only training records: the
+    very dataset `fit` trains on, a training pipeline of `lipdp.data.load_dataset` (it carries
+    a Poisson sampler; its test pipeline does not), or arrays every example of which is a
+    training example (`_examples_shared`, or its result `shared`)."""
+    if data is None:
         return False
-    return digests(held) <= digests(training)
+    if isinstance(data, tf.data.Dataset):
+        return data is x or getattr(data, "lipdp_sampler", None) is not None
+    shared = shared if shared is not None else _examples_shared(x, y, data)
+    return shared is not None and shared[1] > 0 and shared[0] == shared[1]
 
 
 def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bool,
@@ -1103,7 +1115,8 @@ class _DPModelMixin:
         on `validation_data`, which must be held out: validation data holding only training
         records (the training dataset or arrays, a slice of them, a `load_dataset` training
         pipeline) makes its ``val_`` metrics training metrics for that check, and is refused
-        under ``private_logs_only``.
+        under ``private_logs_only``; arrays sharing only some examples with the training
+        arrays warn, with the count.
 
         Args:
             validate_data: check every training record for NaN/inf, token ids for
@@ -1156,7 +1169,14 @@ class _DPModelMixin:
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)
-        on_training = _validates_on_training_data(x, y, validation_data)
+        shared = _examples_shared(x, y, validation_data)
+        on_training = _validates_on_training_data(x, y, validation_data, shared)
+        if shared is not None and 0 < shared[0] < shared[1]:
+            warnings.warn(
+                f"validation_data shares {shared[0]} of its {shared[1]} examples with the "
+                "training arrays: its val_ metrics depend on those training records outside "
+                "the noisy gradient (not private), and so would anything decided from them.",
+                stacklevel=2)
         if on_training and self._private_logs_only:
             raise ValueError(
                 "validation_data holds the training records (the training dataset or arrays, "

@@ -742,6 +742,26 @@ def test_validation_metrics_on_the_training_records_count_as_training_metrics(va
     assert model.dp_steps_taken == 0
 
 
+def test_validation_data_sharing_some_training_records_warns():
+    """A validation set that only overlaps the training set (2 of its 10 examples) is not
+    refused (public test sets hold duplicates of training images); fit says how many of its
+    examples are training examples. Held-out data: no warning."""
+    x, y = _arrays(np.random.default_rng(17))
+    held_out = _arrays(np.random.default_rng(117), n=10)
+    overlapping = (np.concatenate([held_out[0][:8], x[3:5]]),
+                   np.concatenate([held_out[1][:8], y[3:5]]))
+    model = _metric_model()
+    for validation_data, warned in [(overlapping, True), (held_out, False)]:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            model.fit(x, y, epochs=1, verbose=0, validation_data=validation_data)
+        shared = [str(w.message) for w in record if "validation_data shares" in str(w.message)]
+        assert shared == (["validation_data shares 2 of its 10 examples with the training "
+                           "arrays: its val_ metrics depend on those training records outside "
+                           "the noisy gradient (not private), and so would anything decided "
+                           "from them."] if warned else [])
+
+
 def test_callbacks_deciding_from_a_monitor_of_training_records_are_refused():
     """BoundMonitor and SignalToNoise compute per-example gradients of the examples they are
     given: a callback acting on those logs (the tightness, the signal-to-noise ratio) acts
