@@ -744,8 +744,9 @@ def test_validation_metrics_on_the_training_records_count_as_training_metrics(va
 
 def test_validation_data_sharing_some_training_records_warns():
     """A validation set that only overlaps the training set (2 of its 10 examples) is not
-    refused (public test sets hold duplicates of training images); fit says how many of its
-    examples are training examples. Held-out data: no warning."""
+    refused (a held-out set can hold copies of training records, duplicates in the source
+    data); fit says how many of its examples are training examples. Held-out data: no
+    warning."""
     x, y = _arrays(np.random.default_rng(17))
     held_out = _arrays(np.random.default_rng(117), n=10)
     overlapping = (np.concatenate([held_out[0][:8], x[3:5]]),
