@@ -280,14 +280,20 @@ def _probe(model: tf.keras.Model) -> None:
 
     a, b = _probe_batches(model)
     outputs_a, state_a = forward(a, True)
+    # The marked probes: the first example made NaN, and beyond every value. Integer inputs
+    # (token ids) cannot be marked: their first float activations are (`mark`).
+    marked = [(what, batch, None) for what, batch in _marked_batches(a)] or [
+        (f"{what} (in its first float activations)", a, mark) for what, mark in _MARKS]
+
+    def marking(mark):
+        return (_first_float_output_marked(_all_layers(model), mark) if mark is not None
+                else contextlib.nullcontext())
+
     states = [forward(b, True)[1]]
-    marked = _marked_batches(a)
     if state:  # also a state written only from unusual records (NaN seen, a largest value)
-        for changed, mark in ([(batch, None) for _, batch in marked] if marked
-                              else [(a, mark) for _, mark in _MARKS]):
+        for _, changed, mark in marked:
             try:
-                with (_first_float_output_marked(_all_layers(model), mark) if mark
-                      else contextlib.nullcontext()):
+                with marking(mark):
                     states.append(forward(changed, True)[1])
             except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
                 continue
@@ -311,15 +317,8 @@ def _probe(model: tf.keras.Model) -> None:
     # over the batch that propagates NaN (a maximum, a median), and an example beyond every
     # value the extremes that ignore NaN: the replacement alone let a division by the
     # batch's largest magnitude through in 20 of 20 random models (rarely the replaced one).
-    # Integer inputs (token ids) cannot be marked: their first float activations are.
-    probes = [("replacing one example", replaced, None)] + [
-        (what, batch, None) for what, batch in marked] + [
-        (f"{what} (in its first float activations)", a, mark)
-        for what, mark in (_MARKS if not marked else ())]
-    for probe, changed, mark in probes:
-        activations = (_first_float_output_marked(_all_layers(model), mark) if mark
-                       else contextlib.nullcontext())
-        with activations, _recorded_outputs(_all_layers(model), held) as records_p:
+    for probe, changed, mark in [("replacing one example", replaced, None)] + marked:
+        with marking(mark), _recorded_outputs(_all_layers(model), held) as records_p:
             try:
                 outputs_p, _ = forward(changed, training)
             except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
