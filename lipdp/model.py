@@ -147,8 +147,7 @@ def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
             [(a.dtype, a.shape[1:]) for a in held]:
         return None
     known = set(digests(training))
-    held = digests(held)
-    return sum(digest in known for digest in held), len(held)
+    return sum(digest in known for digest in digests(held)), len(held[0])
 
 
 def _validates_on_training_data(x, y, data, shared=None) -> bool:
@@ -179,9 +178,13 @@ def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bo
     training = {"loss"} | set(model.metrics_names)
     if validation_is_training:
         training |= {f"val_{name}" for name in training}
+    monitored = [m for m in (getattr(c, "monitor", None) for c in callbacks) if isinstance(m, str)]
+    # A monitor's data is compared with the training records (a pass over them) only when
+    # some callback acts on one of its logs.
     prefixes = tuple(prefix for callback in callbacks
                      for prefix in getattr(callback, "data_log_prefixes", ())
-                     if _validates_on_training_data(x, y, callback.data))
+                     if any(m.startswith(prefix) for m in monitored)
+                     and _validates_on_training_data(x, y, callback.data))
 
     def from_training(monitor):
         return monitor in training or any(monitor.startswith(p) for p in prefixes)
