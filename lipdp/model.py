@@ -46,7 +46,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
                           dp_layers)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
-from lipdp.clipping.validation import check_no_batch_coupling, leaf_layers
+from lipdp.clipping.validation import _probe_batches, check_no_batch_coupling, leaf_layers
 from lipdp.data import (ShuffleSamplingWarning, repeated_pass, seeded_poisson_samplers,
                         unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
@@ -63,6 +63,7 @@ from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_ids_in_range, check_sparse_labels, embedding_id_limits,
                            into_range, realigned, sparse_label_classes)
+from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -706,11 +707,23 @@ class _DPModelMixin:
         classic DP-SGD probes every layer (`check_no_batch_coupling`): the bounds are
         per-example bounds, and the step sums the batch's losses before differentiating, so a
         layer mixing the examples of a batch, or writing the training data into its state,
-        escapes them whatever its bound methods say. lipdp's own layers are per-example by
-        construction (and tested so): not probed, no compile-time cost."""
+        escapes them whatever its bound methods say. Its bound methods also speak of its own
+        variables' use by its own call: a forward pass that reads a variable elsewhere (a
+        layer holding another layer's kernel in a closure: tied weights) is refused
+        (`lipdp.variable_reads`). lipdp's own layers are per-example and read only their own
+        variables by construction (and tested so): not probed, no compile-time cost."""
         if any(isinstance(layer, DPLayer) and not type(layer).__module__.startswith("lipdp.")
                for layer in self._flatten_layers(include_self=False, recursive=True)):
             check_no_batch_coupling(self)
+            probe = _probe_batches(self)[0]
+            reads = traced_reads_outside_owners(self, lambda: self(probe, training=True))
+            if reads:
+                raise ValueError(
+                    "Variables are read outside their own layer's call in the forward pass "
+                    f"({describe_reads(reads)}): the gradient of such a variable sums every "
+                    "use, while its bound covers its own layer's (tied weights). Clipless "
+                    "DP-SGD cannot bound it; classic DP-SGD (mode='clipped') takes exact "
+                    "per-example gradients of such variables.")
 
     def _init_adaptive_clipping(self):
         clipping = self.dp_parameters.loss_gradient_clipping

@@ -80,6 +80,8 @@ from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
 from lipdp.clipping.rules import ClippingRule
 from lipdp.clipping.validation import leaf_layers, wrapped_calls
 from lipdp.per_example import per_example_gradients
+from lipdp.variable_reads import (describe_reads, reads_outside_owners,
+                                   traced_reads_outside_owners)
 
 
 _LOGGER = logging.getLogger("lipdp")
@@ -353,7 +355,9 @@ class GhostEngine:
     from its recorded input and output cotangent (`_replayed_gradients`);
     variables that cannot be attributed to a single call of one layer (shared
     variables, model-level variables, a layer called several times or with
-    tensor arguments) get exact per-example gradients with each example alone
+    tensor arguments, a variable that the forward pass also reads outside its
+    layer's call: tied weights, `lipdp.variable_reads`, whose ghost norm would miss
+    that use) get exact per-example gradients with each example alone
     through the model (`lipdp.per_example.per_example_gradients`): row i depends on
     example i only, also when another row is NaN or inf (the Jacobian of the batch's
     losses, which this engine took before 2026-12-05, summed ``0 x NaN`` over the
@@ -379,6 +383,7 @@ class GhostEngine:
         self.norm_method = norm_method
         self.name = "ghost" if norm_method == "gram" else "mixed-ghost"
         self.plan = ghost_plan(model)
+        self._eager_reads = None
         check_no_replayed_randomness(self.plan)
         check_float32_compute(model)
         _LOGGER.info("Ghost clipping plan:\n%s", self.plan.describe())
@@ -393,11 +398,14 @@ class GhostEngine:
         plan = self.plan
         # Layers traced separately: a fused pair would leave a recorded output out of the
         # autodiff graph, and its layer with a zero cotangent (`lipdp.kernels.separate_layers`).
-        with _recording(plan.ghost, plan.fallback_layers) as records, kernels.separate_layers():
+        with reads_outside_owners(model) as outside, kernels.separate_layers(), \
+                _recording(plan.ghost, plan.fallback_layers) as records:
             with tf.GradientTape(persistent=True) as tape:
                 y_pred = model(x, training=True)
                 losses = loss_fn(y, y_pred)
                 total = tf.reduce_sum(losses)
+        if tf.executing_eagerly():
+            outside = self._eager_reads_outside(model, loss_fn, x, y)
         variables = list(model.trainable_variables)
         for layer in plan.ghost + plan.fallback_layers:
             if len(records[id(layer)]) != 1:
@@ -405,9 +413,20 @@ class GhostEngine:
                               f"{len(records[id(layer)])} times in one forward pass; its "
                               "variables get exact per-example gradients (whole model).",
                               GhostFallbackWarning, stacklevel=4)
-        ghost = [layer for layer in plan.ghost if len(records[id(layer)]) == 1]
+        read_elsewhere = {variable.ref() for variable, _ in outside}
+        if outside:
+            warnings.warn("Ghost clipping: variables read outside their own layer's call in "
+                          f"the forward pass ({describe_reads(outside)}; tied weights?): their "
+                          "layers get exact per-example gradients (whole model), which sum "
+                          "every use.", GhostFallbackWarning, stacklevel=4)
+
+        def alone(layer):  # called once, none of its variables read elsewhere
+            return len(records[id(layer)]) == 1 and not any(
+                v.ref() in read_elsewhere for v in layer.trainable_weights)
+
+        ghost = [layer for layer in plan.ghost if alone(layer)]
         replay = [layer for layer in plan.fallback_layers
-                  if len(records[id(layer)]) == 1 and _replayable(records[id(layer)][0])]
+                  if alone(layer) and _replayable(records[id(layer)][0])]
         # First backward pass: the cotangent of every recorded output.
         targets = [records[id(layer)][0].outputs for layer in ghost]
         targets += [tf.nest.flatten(records[id(layer)][0].outputs) for layer in replay]
@@ -440,6 +459,14 @@ class GhostEngine:
             squared[ref] = squared_norms_of([jac])[0]
         return _NormPass(tape, variables, [squared[v.ref()] for v in variables], local, exact,
                          losses, y_pred)
+
+    def _eager_reads_outside(self, model, loss_fn, x, y):
+        """`reads_outside_owners` of the forward pass, for a pass run eagerly: traced once
+        in a scratch graph (the reads do not change between calls)."""
+        if self._eager_reads is None:
+            self._eager_reads = traced_reads_outside_owners(
+                model, lambda: loss_fn(y, model(x, training=True)))
+        return self._eager_reads
 
     def per_example_squared_norms(self, model, loss_fn: Callable, x, y) -> List[tf.Tensor]:
         """``||grad_v loss_i||^2``, ``(batch,)`` per trainable variable: upper bounds that
