@@ -6,7 +6,8 @@ or a per-example transformation downstream of it sees none. Until 2026-12-05 the
 stopped at the step that sampled such a record ("Non-finite loss"), which tells when it was
 sampled. Such an example now contributes zero (`DP_Model._clipless_sums`), an allowed
 contribution, as in clipped mode (`tests/test_clipping_unusable_records.py`); a record with
-huge finite features is an ordinary record (the input clipping maps it into the ball).
+huge finite features is an ordinary record (the input clipping maps it into the ball), and a
+float64 record finite there but beyond float32's range (an infinity in the model) is unusable.
 
 Reference: exact per-example gradients of the usable records, one tape each, summed and
 divided by D; sigma = 0, so the released gradient is the clean one.
@@ -66,6 +67,12 @@ CNN_CASES = {
     "y inf": (lambda x, y: (x, _set(y, (BAD, 0), np.inf)), False),
     # Finite: the input clipping maps the record to the zero vector (its norm overflows).
     "x 3e38": (lambda x, y: (_set(x, BAD, 3e38), y), True),
+    # float64 batches: finite there, but an infinity once cast to the model's float32 (the
+    # step stopped on them until 2026-12-05); 3e38 stays finite in float32.
+    "x 1e39 float64": (lambda x, y: (_set(x.astype(np.float64), (BAD, 1, 1, 0), 1e39), y),
+                       False),
+    "y -1e39 float64": (lambda x, y: (x, _set(y.astype(np.float64), (BAD, 2), -1e39)), False),
+    "x 3e38 float64": (lambda x, y: (_set(x.astype(np.float64), BAD, 3e38), y), True),
 }
 MAE_CASES = {
     "y nan": (lambda x, y: (x, _set(y, (BAD, 2), np.nan)), False),

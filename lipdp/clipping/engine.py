@@ -55,15 +55,21 @@ def without_unusable(factors: List[tf.Tensor], usable: tf.Tensor) -> List[tf.Ten
     return [tf.where(usable, nu, tf.zeros_like(nu)) for nu in factors]
 
 
-def finite_rows(structure) -> Optional[tf.Tensor]:
+def finite_rows(structure, dtype=tf.float32) -> Optional[tf.Tensor]:
     """``(batch,)`` bool: every floating-point value of row i of every tensor of `structure`
-    (inputs or labels, batch first) is finite; None when no tensor is floating-point."""
+    (inputs or labels, batch first) is finite, also once cast to `dtype` (the model's
+    compute dtype: a float64 value beyond float32's range becomes an infinity there); None
+    when no tensor is floating-point."""
+    dtype = tf.as_dtype(dtype)
     flags = None
     for t in tf.nest.flatten(structure):
         t = tf.convert_to_tensor(t)
         if not t.dtype.is_floating:
             continue
-        row = tf.reduce_all(tf.reshape(tf.math.is_finite(t), [tf.shape(t)[0], -1]), axis=1)
+        finite = tf.math.is_finite(t)
+        if t.dtype.max > dtype.max:  # a cast to dtype can overflow
+            finite = tf.logical_and(finite, tf.abs(t) <= tf.constant(dtype.max, t.dtype))
+        row = tf.reduce_all(tf.reshape(finite, [tf.shape(t)[0], -1]), axis=1)
         flags = row if flags is None else tf.logical_and(flags, row)
     return flags
 
