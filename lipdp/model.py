@@ -651,6 +651,12 @@ class _DPModelMixin:
 
     def _compile_dp(self, optimizer, loss, metrics, loss_weights, **kwargs):
         _refuse_regularization(self)
+        outputs = getattr(self, "outputs", None)
+        if outputs is not None and len(outputs) != 1:
+            raise ValueError(
+                f"The model has {len(outputs)} output tensors, a DP model one: the logits of "
+                "its loss (the bound, or the clipping, covers one loss per example). "
+                "Concatenate the heads into one output, or train one model per head.")
         if self.dp_parameters.mode is DPMode.CLIPPED:
             # Classic DP-SGD (lipdp.clipping): any loss with per-example values, any layer
             # without batch coupling; no bounds to check.

@@ -136,6 +136,21 @@ def test_logits_of_rank_3_are_refused(make):
         make().call(tf.zeros((2, 9, 4)), tf.zeros((2, 9, 4)))
 
 
+@pytest.mark.parametrize("mode", ["clipless", "clipped"])
+def test_several_outputs_are_refused_by_name(mode):
+    """Two output tensors failed in the step's arithmetic with "int() argument must be ... not
+    'tuple'" (clipless, 2026-12-05)."""
+    inputs = tf.keras.Input((DIM,))
+    logits = DP_QuickSpectralDense(3)(DP_BoundedInput(X0)(inputs))
+    parameters = lipdp.DPParameters(1.0, 1e-5, mode=mode,
+                                    l2_norm_clip=1.0 if mode == "clipped" else None)
+    model = lipdp.DP_Model(inputs, [logits, logits], dp_parameters=parameters,
+                           dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, 64, 8, 8, X0,
+                                                                  "shuffle"))
+    with pytest.raises(ValueError, match="2 output tensors, a DP model one"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+
+
 def _shared(case):
     dense = DP_QuickSpectralDense(DIM, use_bias=False)
     head = [DP_QuickSpectralDense(3)]
