@@ -29,7 +29,7 @@ from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, Noi
                             Sampling)
 
 __all__ = ["StepMechanism", "Segment", "PrivacyLedger", "LedgerMismatchError", "ROW_SIZE",
-           "EMPTY_STORAGE", "segment_rows"]
+           "EMPTY_STORAGE", "segment_rows", "continues", "concatenated"]
 
 
 class LedgerMismatchError(ValueError):
@@ -159,6 +159,27 @@ def segment_rows(stored) -> np.ndarray:
     rows = (np.asarray(stored, dtype=np.float64).reshape(-1, ROW_SIZE) if np.size(stored)
             else np.zeros((0, ROW_SIZE)))
     return rows[:0] if np.array_equal(rows, EMPTY_STORAGE) else rows
+
+
+def continues(earlier, later) -> bool:
+    """Whether the stored ledger ``later = (steps, rows)`` continues ``earlier``: the same
+    segments (first steps and mechanisms) up to ``earlier``'s step count, then perhaps more
+    steps. A ledger without steps is continued by every ledger."""
+    (steps_a, stored_a), (steps_b, stored_b) = earlier, later
+    a, b = segment_rows(stored_a), segment_rows(stored_b)
+    if steps_a > steps_b or len(a) > len(b) or not np.array_equal(a, b[:len(a)]):
+        return steps_a == 0 and not len(a)
+    return len(a) == len(b) or b[len(a), 0] >= steps_a
+
+
+def concatenated(first, then):
+    """The stored ledger ``(steps, rows)`` of ``first``'s steps followed by ``then``'s: what
+    a model holding weights from two runs has cost (the composition of both)."""
+    (steps_a, stored_a), (steps_b, stored_b) = first, then
+    a, b = segment_rows(stored_a), segment_rows(stored_b).copy()
+    b[:, 0] += steps_a
+    rows = np.concatenate([a, b]) if len(a) + len(b) else EMPTY_STORAGE
+    return steps_a + steps_b, rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,8 @@ from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
                                with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
-from lipdp.ledger import EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, segment_rows
+from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, concatenated,
+                          continues, segment_rows)
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
@@ -389,11 +390,43 @@ class _DPModelMixin:
         self._keep_ledger(kept, "set_weights")
 
     def load_weights(self, *args, **kwargs):
-        """Keras `load_weights`; the privacy ledger never loses steps (`_keep_ledger`)."""
+        """Keras `load_weights`; the privacy ledger never loses steps (`_keep_ledger`).
+
+        The step counter and the ledger's rows must come from the same file: a load that
+        sets one of them without the other (``by_name=True, skip_mismatch=True`` on an HDF5
+        file skips the ledger, whose stored shape differs from its declared one, and loads
+        the counter) is undone and refused; it used to stretch the model's own mechanism
+        over the loaded step count (an epsilon of 0.81 reported for weights that had cost
+        68.9). A file holding neither leaves the ledger as it was."""
         kept = self._ledger_state()
-        status = super().load_weights(*args, **kwargs)
+        before = super().get_weights()
+        self._dp_steps.assign(-1)  # sentinels: what the file sets is what changes
+        self._dp_ledger.assign(np.full((1, ROW_SIZE), np.nan))
+        try:
+            status = super().load_weights(*args, **kwargs)
+        except BaseException:
+            self._restore_ledger(kept)
+            raise
+        steps_loaded = self.dp_steps_taken != -1
+        rows_loaded = not np.isnan(self._dp_ledger.numpy()).any()
+        if steps_loaded != rows_loaded:
+            super().set_weights(before)
+            self._restore_ledger(kept)
+            raise ValueError(
+                "load_weights set the privacy ledger's step counter without its segments (or "
+                "the segments without the counter): a partial load (by_name=True with "
+                "skip_mismatch=True skips the ledger of an HDF5 file) would attach the loaded "
+                "steps to another mechanism. Nothing was loaded. Load the whole file, or load "
+                "the layers' weights with layer.set_weights and account for their origin.")
+        if not steps_loaded:
+            self._restore_ledger(kept)
         self._keep_ledger(kept, "load_weights")
         return status
+
+    def _restore_ledger(self, state):
+        steps, rows = state
+        self._dp_steps.assign(steps)
+        self._dp_ledger.assign(rows)
 
     def train_on_batch(self, *args, **kwargs):
         """Keras `train_on_batch` (one private step, recorded in the ledger)."""
@@ -487,23 +520,38 @@ class _DPModelMixin:
 
     def _keep_ledger(self, kept, how: str):
         """The ledger and step counter are among the model's weights (so checkpoints and
-        saved models carry them), but weights loaded into a model that took more private
-        steps than they record must not roll its ledger back: Keras' EarlyStopping
-        (``restore_best_weights=True``) restores an earlier epoch's weights after later
-        epochs ran, and those epochs were released to choose them. The ledger keeps the
-        larger count (conservative when the weights come from elsewhere)."""
-        steps, rows = kept
+        saved models carry them). After weights were loaded over the ledger `kept`, the
+        model's ledger is:
+
+        * the loaded one when it continues `kept` (`lipdp.ledger.continues`: a fresh model
+          loading trained weights, a run resumed from its last checkpoint);
+        * `kept` when it continues the loaded one: an earlier checkpoint of the same run
+          (Keras' EarlyStopping with ``restore_best_weights=True`` restores an earlier
+          epoch's weights after later epochs ran, and those epochs were released to choose
+          them, so the count is never rolled back);
+        * both, one after the other (`lipdp.ledger.concatenated`), when neither continues the
+          other: weights of another run loaded into a model that trained on its own. Keeping
+          the longer one, as before 2026-12-05, reported the small epsilon of a long,
+          noisy run for weights that came from a short run with little noise.
+        """
         current = self._ledger_state()
-        if current[0] >= steps:
+        if continues(kept, current):
             self._note_ledger(current)
             return
-        loaded = current[0]
+        if continues(current, kept):
+            steps, rows = kept
+            message = (f"the weights loaded record {current[0]} private steps in their ledger, "
+                       f"but the model took {steps}: the ledger keeps the {steps} steps "
+                       "(weights chosen among the iterates of a run cost the whole run's "
+                       "epsilon)")
+        else:
+            steps, rows = concatenated(kept, current)
+            message = ("the weights loaded record a ledger that does not continue the model's, "
+                       "nor the model's theirs (another run): the ledger now holds both, the "
+                       f"model's {kept[0]} steps then the loaded {current[0]}")
         self._dp_steps.assign(steps)
         self._dp_ledger.assign(rows)
-        warnings.warn(
-            f"{how}: the weights loaded record {loaded} private steps in their ledger, but the "
-            f"model took {steps}: the ledger keeps the {steps} steps (weights chosen among the "
-            "iterates of a run cost the whole run's epsilon).", stacklevel=3)
+        warnings.warn(f"{how}: {message}.", stacklevel=3)
 
     def _resume_ledger(self):
         """Before steps run (`fit`, `train_on_batch`): the ledger back to its high-water mark

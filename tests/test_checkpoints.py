@@ -243,6 +243,49 @@ def test_loading_older_weights_keeps_the_ledger(trained, tmp_path):
     np.testing.assert_array_equal(model.layers[1].kernel.numpy(), fresh.layers[1].kernel.numpy())
 
 
+def test_weights_of_another_run_add_their_ledger_to_the_models(trained, tmp_path):
+    """A model that trained 18 steps with little noise loads the weights of another run (12
+    steps, four times the noise's inverse): its ledger now holds both runs. Keeping the longer
+    ledger, as before, reported the small epsilon of the quiet run for the other's weights."""
+    model, metadata = trained
+    path = str(tmp_path / "other.weights.h5")
+    model.save_weights(path)
+    ds, _, _ = _data()
+    quiet = _model(metadata, sigma=8.0)
+    quiet.fit(ds, epochs=3, verbose=0)
+    assert quiet.dp_steps_taken == 18
+    own = lipdp.accounting.epsilon_spent(quiet)
+    with pytest.warns(UserWarning, match="holds both, the model's 18 steps then the loaded 12"):
+        quiet.load_weights(path)
+    segments = quiet.privacy_ledger.segments
+    assert [(s.start, s.steps) for s in segments] == [(0, 18), (18, 12)]
+    assert [s.mechanism for s in segments] == [quiet.step_mechanism,
+                                               model.privacy_ledger.segments[0].mechanism]
+    loaded = lipdp.accounting.epsilon_spent(model)
+    assert own < loaded < lipdp.accounting.epsilon_spent(quiet)
+    for a, b in zip(quiet.trainable_variables, model.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_load_that_skips_the_ledger_is_refused_and_undone(trained, tmp_path):
+    """HDF5 by name with ``skip_mismatch=True`` skipped the ledger's rows (stored shape (1,
+    11), declared (None, 11)) and loaded the step counter: the model's own mechanism was then
+    stretched over the loaded steps (0.81 reported for weights that had cost 68.9)."""
+    model, metadata = trained
+    path = str(tmp_path / "by_name.h5")
+    model.save_weights(path)
+    ds, _, _ = _data()
+    other = _model(metadata, sigma=8.0)
+    other.fit(ds, epochs=1, verbose=0)
+    weights, ledger = other.get_weights(), other._dp_ledger.numpy()
+    with pytest.raises(ValueError, match="step counter without its segments"):
+        other.load_weights(path, by_name=True, skip_mismatch=True)
+    assert other.dp_steps_taken == 6
+    np.testing.assert_array_equal(other._dp_ledger.numpy(), ledger)
+    for a, b in zip(other.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_restoring_an_older_checkpoint_does_not_roll_the_ledger_back(tmp_path):
     """`tf.train.Checkpoint.restore` assigns the variables directly (no set_weights): the
     ledger read afterwards is put back to the most steps it held after a fit epoch or a
