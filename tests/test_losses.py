@@ -122,8 +122,11 @@ def test_deel_lip_multiclass_kr_is_not_per_example():
 
 @pytest.mark.parametrize("make,arg", [(DP_TauCategoricalCrossentropy, "tau"), (DP_TauBCE, "tau"),
                                       (DP_MulticlassHinge, "min_margin"), (DP_KCosineSimilarity, "K")])
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), 1e-39, 1e39])
 def test_bad_hyper_parameters_are_echoed(make, arg, bad):
+    """Also outside float32's normal range, where the step computes: a temperature of 1e-39
+    (subnormal, flushed to 0 by TensorFlow's threads) gave NaN gradients on every record, a
+    K-cosine floor of 1e-39 on the all-zero record only (the step that sampled it stopped)."""
     with pytest.raises(ValueError, match=arg):
         make(bad)
 

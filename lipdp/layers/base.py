@@ -48,6 +48,7 @@ import abc
 import contextlib
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from lipdp.operator_norms import certified_norms, without_projection_certificate
@@ -365,10 +366,19 @@ def pin_input_shape(layer, input_shape):
         shape=(None,) + tuple(tf.TensorShape(input_shape)[1:].as_list()))
 
 
+_FLOAT32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
+
+
 def check_positive(value, name) -> float:
-    """``float(value)`` for a finite positive number; a ValueError naming `name` otherwise."""
+    """``float(value)`` for a positive number in float32's normal range (``1.2e-38`` to
+    ``3.4e38``: the step computes in float32); a ValueError naming `name` otherwise. Below
+    it a temperature or a floor is flushed to 0 in the step (a temperature of 1e-39 gave NaN
+    gradients on every record, a K-cosine floor of 1e-39 on the all-zero record only, which
+    stopped the step that sampled it); above it, it is an infinity."""
+    low, high = _FLOAT32_NORMAL
     if not isinstance(value, (int, float)) or isinstance(value, bool) \
-            or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"Received an invalid value for `{name}`, expected a finite positive "
-                         f"number. Received: {name}={value!r}")
+            or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"Received an invalid value for `{name}`, expected a positive number "
+                         f"in float32's normal range [{low:.3g}, {high:.3g}]. Received: "
+                         f"{name}={value!r}")
     return float(value)
