@@ -91,7 +91,8 @@ class NormEngine(str, enum.Enum):
       and Embedding layers from their inputs and output cotangents
       (`lipdp.clipping.ghost_norms`, Gram identities: no per-example gradient of
       those layers is ever formed), exact per-example gradients for the other
-      layers only, then a reweighted second backward pass.
+      layers only, then the clipped sum from each layer's output and its
+      reweighted cotangents.
     - ``MIXED_GHOST``: as ``GHOST``, but a Dense/Conv2D layer whose Gram
       matrices (``2 T^2`` numbers per example, T positions or patches) would be
       larger than its per-example gradient (``m n``) gets its norm from that

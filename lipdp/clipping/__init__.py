@@ -10,8 +10,8 @@ layers (anything without batch statistics), DP layers too.
 * `vectorized`: exact per-example gradients (optionally perturbed before
   clipping, Chen, Wu & Hong 2020), clipped and summed.
 * `ghost` / `ghost_norms`: Lee & Kifer's fast clipping -- per-example norms from
-  layer inputs and output cotangents (Dense, Conv2D, Embedding), a reweighted
-  second backward pass; other layers fall back to exact gradients, visibly
+  layer inputs and output cotangents (Dense, Conv2D, Embedding), the clipped sum
+  from each layer's output and its reweighted cotangents; other layers fall back to exact gradients, visibly
   (`ghost_plan`), and are refused when they draw random numbers in training
   (`GhostRandomnessError`), when a layer does not see one row per example (a
   batch axis folded with positions: `GhostRowsError`) and when layers compute in

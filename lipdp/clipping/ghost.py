@@ -18,11 +18,14 @@ One private step:
 5. clipped sum: every variable whose per-example gradients were materialised
    in step 3 (replayed fallback layers, whole-model fallbacks) gets
    ``sum_i nu_{i,v} G_{i,v}`` from those very tensors ``G``. Ghost-rule
-   variables get, for rules with one factor per example (flat, global), the
-   gradient of the reweighted loss ``sum_i nu_i loss_i``, a second backward
-   pass on the same tape (Algorithm 1, line 14); for per-layer factors, the
-   local vector-Jacobian product of ``z`` with the reweighted cotangents
-   ``nu_{i,v} g_i``.
+   variables get the local vector-Jacobian product of their layer's ``z`` with
+   the reweighted cotangents ``nu_{i,v} g_i``: the very ``(a_i, g_i)`` whose
+   norms were clipped. (Algorithm 1's second backward pass of the reweighted
+   loss ``sum_i nu_i loss_i``, which lipdp took for flat and global clipping
+   until 2026-12-05, equals that sum only when every backward step between the
+   losses and ``z`` is linear in its cotangent: a custom gradient that clips or
+   renormalises the cotangent rows, lipdp's own `DP_ClipGradient` among them,
+   undid the factors, and one example moved the clipped sum by 24 C.)
 
 The result equals clipping exact per-example gradients (`vectorized`), up to
 float rounding, for every layer that is a deterministic function of its inputs
@@ -483,7 +486,7 @@ class GhostEngine:
 
         * ghost-rule variables: ``grad_v loss_i`` of the forward pass on the tape.
           Their norms come from that pass's ``(a_i, g_i)``, and their sums from the
-          same tape (the reweighted loss, or ``z`` with cotangents ``nu g``);
+          same tape (``z`` with cotangents ``nu g``);
         * materialised variables (`_NormPass.exact`): the per-example tensors
           themselves, summed with `weighted_sum` -- never a second backward pass,
           since a replayed layer may have drawn other random values than the tape.
@@ -497,7 +500,7 @@ class GhostEngine:
         An example whose loss or norms are not finite (`usable_examples`) contributes
         zero: the batch is then passed again with that example's inputs and labels
         zeroed and its factors set to 0 (a zero factor alone would leave its NaN or inf
-        activations in the reweighted backward pass). The losses, norms and outputs
+        activations in the cotangents of the other examples). The losses, norms and outputs
         returned are the first pass's.
         """
         def one_pass(x, y, usable):
@@ -518,16 +521,7 @@ class GhostEngine:
         """One pass of `clipped_sum`, the factors of examples outside `usable` set to 0."""
         result = self._norms(model, loss_fn, x, y)
         factors = without_unusable(rule.factors(result.squared), usable)
-        on_tape = [v for v in result.variables if v.ref() not in result.exact]
-        reweighted = {}
-        if rule.uniform and on_tape:
-            # Algorithm 1, line 14: the gradient of sum_i nu_i loss_i (nu held constant).
-            grads = result.tape.gradient(result.losses, on_tape,
-                                         output_gradients=tf.stop_gradient(factors[0]),
-                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            reweighted = {v.ref(): g for v, g in zip(on_tape, grads)}
-        sums = [reweighted[v.ref()] if v.ref() in reweighted
-                else self._per_variable_sum(result, v, nu)
+        sums = [self._per_variable_sum(result, v, nu)
                 for v, nu in zip(result.variables, factors)]
         del result.tape
         sums = [tf.convert_to_tensor(g) for g in sums]

@@ -30,15 +30,7 @@ def _total_norm(squared_norms: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 class ClippingRule(abc.ABC):
-    """Maps per-example squared norms to clipping factors.
-
-    Attributes:
-        uniform: True when every variable of an example gets the same factor (the
-            clipped gradient is then the gradient of the reweighted loss
-            ``sum_i nu_i loss_i``, which the ghost engine exploits).
-    """
-
-    uniform: bool = True
+    """Maps per-example squared norms to clipping factors."""
 
     @abc.abstractmethod
     def factors(self, squared_norms: Sequence[tf.Tensor]) -> List[tf.Tensor]:
@@ -105,8 +97,6 @@ class PerLayerClipping(ClippingRule):
     ``sigma * sqrt(sum_v C_v^2)`` then makes the step a Gaussian mechanism with
     noise multiplier sigma.
     """
-
-    uniform = False
 
     def __init__(self, thresholds: Sequence[float]):
         self.thresholds = [float(c) for c in thresholds]

@@ -68,7 +68,10 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
       integer inputs only, such as token ids, its first float activations) must
       leave the outputs of the other examples unchanged, in training mode (in inference
       mode when two training passes of one batch differ: random layers); a pass that
-      fails on the NaN or the large example is not judged.
+      fails on the NaN or the large example is not judged. (iii) The same changes must
+      leave the gradient reaching every layer's output for the other examples unchanged
+      (of ``sum_i ||f(x_i)||^2 / 2``): a custom gradient mixing the rows of the batch in
+      the backward pass, which no forward pass shows.
 
     Preprocessing layers adapted on data (`adapt`: a Normalization's mean and variance) are
     refused too. Coupling that the random probe does not trigger (data-dependent branches)
@@ -327,6 +330,61 @@ def _probe(model: tf.keras.Model) -> None:
                 continue
         if any(_differs(o[1:], p[1:]) for o, p in zip(outputs_a, outputs_p)):
             _refuse_coupling(probe, training, records_a, records_p)
+    # The backward pass: with the forward rows of the other examples unchanged, the gradient
+    # reaching each layer's output for them must be too (a custom gradient may mix the rows).
+    backward_a = _output_cotangents(model, a, training, held, variables)
+    for probe, changed, mark in [("replacing one example", replaced, None)] + marked:
+        try:
+            with marking(mark):
+                backward_p = _output_cotangents(model, changed, training, held, variables)
+        except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
+            continue
+        _refuse_backward_coupling(probe, training, backward_a, backward_p)
+
+
+def _output_cotangents(model, batch, training, held, variables):
+    """``[(layer, cotangent)]``: the gradient of ``sum_i ||f(x_i)||^2 / 2`` (row i depends on
+    example i alone) with respect to every float output of every layer call of one eager
+    forward pass, in call order; every variable is restored afterwards."""
+    snapshot = [tf.identity(v) for v in variables]
+    try:
+        with _recorded_outputs(_all_layers(model), held) as records, \
+                tf.GradientTape() as tape:
+            for t in tf.nest.flatten(batch):
+                if t.dtype.is_floating:
+                    tape.watch(t)
+            outputs = [t for t in tf.nest.flatten(model(batch, training=training))
+                       if t.dtype.is_floating]
+            total = tf.add_n([0.5 * tf.reduce_sum(tf.square(tf.cast(t, tf.float32)))
+                              for t in outputs])
+        targets = [(layer, t) for layer, out in records for t in tf.nest.flatten(out)
+                   if tf.is_tensor(t) and t.dtype.is_floating and t.shape.rank
+                   and t.shape[0] == _PROBE_BATCH]
+        gradients = tape.gradient(total, [t for _, t in targets],
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    finally:
+        for v, value in zip(variables, snapshot):
+            v.assign(value)
+    return [(layer, np.array(g)) for (layer, _), g in zip(targets, gradients)]
+
+
+def _refuse_backward_coupling(probe, training, backward_a, backward_p):
+    """Raise `BatchCouplingError` when the gradient reaching some layer's output for the
+    examples the `probe` left alone changed, naming the last such layer in call order (the
+    mixing happens in the backward pass of a layer after it)."""
+    changed = [layer for (layer, g_a), (_, g_p) in zip(backward_a, backward_p)
+               if _differs(g_a[1:], g_p[1:])]
+    if not changed:
+        return
+    raise BatchCouplingError(
+        f"{probe[0].upper() + probe[1:]} in a batch changed the gradient reaching the output "
+        f"of layer '{changed[-1].name}' ({type(changed[-1]).__name__}) for the other examples "
+        f"({'training' if training else 'inference'}-mode backward pass of a random probe "
+        "batch), while their forward values stayed the same: a layer after it mixes the "
+        "examples of a batch in its backward pass (a custom gradient over the batch axis). "
+        "Per-example gradients are then undefined, and one example can move the update "
+        "beyond its sensitivity (a custom gradient rolling the rows along the batch moved "
+        "the ghost engine's clipped sum by 92 C). Compute the gradient example by example.")
 
 
 def _refuse_coupling(probe, training, records_a, records_p):
