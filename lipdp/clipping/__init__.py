@@ -9,14 +9,14 @@ layers (anything without batch statistics), DP layers too.
   keep an example's gradient only when its norm is at most C).
 * `vectorized`: exact per-example gradients (optionally perturbed before
   clipping, Chen, Wu & Hong 2020), clipped and summed.
-* `ghost` / `ghost_norms`: Lee & Kifer's fast clipping -- per-example norms from
-  layer inputs and output cotangents (Dense, Conv2D, Embedding), the clipped sum
-  from each layer's output and its reweighted cotangents; other layers fall back to exact gradients, visibly
-  (`ghost_plan`), and are refused when they draw random numbers in training
-  (`GhostRandomnessError`), when a layer does not see one row per example (a
-  batch axis folded with positions: `GhostRowsError`) and when layers compute in
-  float16 or bfloat16 (their norms underflow): use ``"vectorized"``. Engine ``"ghost"`` uses Gram
-  identities only; ``"mixed-ghost"`` forms a layer's per-example gradient
+* `ghost` / `ghost_norms`: Lee & Kifer's fast clipping -- per-example norms from layer
+  inputs and output cotangents (Dense, Conv2D, Embedding), the clipped sum from each
+  layer's output and its reweighted cotangents; other layers fall back to exact
+  gradients, visibly (`ghost_plan`), and are refused when they draw random numbers in
+  training (`GhostRandomnessError`), when a layer does not see one row per example (a
+  batch axis folded with positions: `GhostRowsError`) and when layers compute in float16
+  or bfloat16 (their norms underflow): use ``"vectorized"``. Engine ``"ghost"`` uses
+  Gram identities only; ``"mixed-ghost"`` forms a layer's per-example gradient
   (transiently, for its norm) when that is smaller than its Gram matrices.
 * `mechanism`: `ClippedDPSGD`, what the model's ``private_gradients`` uses in
   clipped mode: the sum of clipped gradients (divided by D there) and the

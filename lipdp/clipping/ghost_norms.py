@@ -27,8 +27,8 @@ per-example gradient (an early convolution: many patches, few channels), method
 patches) and the "mixed ghost clipping" of Bu et al. (2022) do: that layer's
 per-example gradient exists transiently, chunk by chunk, and only its norm is
 kept (it never enters the update, which comes from the layer's output and its
-reweighted cotangents). For a convolution the direct form never unfolds patches: the gradient block of
-each kernel offset is a strided slice of the padded input times the cotangent
+reweighted cotangents). For a convolution the direct form never unfolds patches:
+the gradient block of each kernel offset is a strided slice of the padded input times the cotangent
 (`_conv_direct_squared_norms`; 2.1x faster than the unfolded form on the zoo VGG's first
 convolution, 1.9x on its second, at batch 2000). Both forms are computed over chunks of the
 batch so that at most ``_CHUNK_ELEMENTS`` intermediate numbers live at once.
