@@ -272,14 +272,9 @@ def _probe(model: tf.keras.Model) -> None:
     def forward(inputs, training):
         """Outputs (flattened, numpy) and non-trainable values after one pass; every
         variable is restored afterwards."""
-        snapshot = [tf.identity(v) for v in variables]  # resource variables copy on write
-        try:
+        with _restored(variables):
             outputs = [np.array(t) for t in tf.nest.flatten(model(inputs, training=training))]
-            after = [v.numpy() for v in state]
-        finally:
-            for v, value in zip(variables, snapshot):
-                v.assign(value)
-        return outputs, after
+            return outputs, [v.numpy() for v in state]
 
     a, b = _probe_batches(model)
     outputs_a, state_a = forward(a, True)
@@ -320,7 +315,8 @@ def _probe(model: tf.keras.Model) -> None:
     # over the batch that propagates NaN (a maximum, a median), and an example beyond every
     # value the extremes that ignore NaN: the replacement alone let a division by the
     # batch's largest magnitude through in 20 of 20 random models (rarely the replaced one).
-    for probe, changed, mark in [("replacing one example", replaced, None)] + marked:
+    probes = [("replacing one example", replaced, None)] + marked
+    for probe, changed, mark in probes:
         with marking(mark), _recorded_outputs(_all_layers(model), held) as records_p:
             try:
                 outputs_p, _ = forward(changed, training)
@@ -333,7 +329,7 @@ def _probe(model: tf.keras.Model) -> None:
     # The backward pass: with the forward rows of the other examples unchanged, the gradient
     # reaching each layer's output for them must be too (a custom gradient may mix the rows).
     backward_a = _output_cotangents(model, a, training, held, variables)
-    for probe, changed, mark in [("replacing one example", replaced, None)] + marked:
+    for probe, changed, mark in probes:
         try:
             with marking(mark):
                 backward_p = _output_cotangents(model, changed, training, held, variables)
@@ -346,10 +342,8 @@ def _output_cotangents(model, batch, training, held, variables):
     """``[(layer, cotangent)]``: the gradient of ``sum_i ||f(x_i)||^2 / 2`` (row i depends on
     example i alone) with respect to every float output of every layer call of one eager
     forward pass, in call order; every variable is restored afterwards."""
-    snapshot = [tf.identity(v) for v in variables]
-    try:
-        with _recorded_outputs(_all_layers(model), held) as records, \
-                tf.GradientTape() as tape:
+    with _restored(variables):
+        with _recorded_outputs(_all_layers(model), held) as records, tf.GradientTape() as tape:
             for t in tf.nest.flatten(batch):
                 if t.dtype.is_floating:
                     tape.watch(t)
@@ -362,10 +356,19 @@ def _output_cotangents(model, batch, training, held, variables):
                    and t.shape[0] == _PROBE_BATCH]
         gradients = tape.gradient(total, [t for _, t in targets],
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return [(layer, np.array(g)) for (layer, _), g in zip(targets, gradients)]
+
+
+@contextlib.contextmanager
+def _restored(variables):
+    """Every variable of `variables` back to its value at entry when the block exits (the
+    probes' passes leave no trace in the model)."""
+    snapshot = [tf.identity(v) for v in variables]  # resource variables copy on write
+    try:
+        yield
     finally:
         for v, value in zip(variables, snapshot):
             v.assign(value)
-    return [(layer, np.array(g)) for (layer, _), g in zip(targets, gradients)]
 
 
 def _refuse_backward_coupling(probe, training, backward_a, backward_p):
