@@ -74,18 +74,13 @@ def reads_outside_owners(model: tf.keras.Model):
         for variable in layer.trainable_weights:
             own.setdefault(variable.ref(), []).extend(spans[id(layer)])
     handles = {id(external): internal for external, internal in graph.captures}
-    seen = set()
-    for layer in layers:
-        for variable in layer.trainable_weights:
-            internal = handles.get(id(variable.handle))
-            if internal is None or variable.ref() in seen:
-                continue
-            seen.add(variable.ref())
-            for consumer in internal.consumers():
-                index = created.get(consumer.name)
-                if index is not None and not any(a <= index < b
-                                                 for a, b in own[variable.ref()]):
-                    found.append((variable, consumer.name))
+    for ref, calls in own.items():
+        variable = ref.deref()
+        internal = handles.get(id(variable.handle))
+        for consumer in internal.consumers() if internal is not None else ():
+            index = created.get(consumer.name)
+            if index is not None and not any(a <= index < b for a, b in calls):
+                found.append((variable, consumer.name))
 
 
 def traced_reads_outside_owners(model: tf.keras.Model, forward: Callable[[], object]
