@@ -405,13 +405,13 @@ class _DPModelMixin:
         try:
             status = super().load_weights(*args, **kwargs)
         except BaseException:
-            self._restore_ledger(kept)
+            self._set_ledger(kept)
             raise
         steps_loaded = self.dp_steps_taken != -1
         rows_loaded = not np.isnan(self._dp_ledger.numpy()).any()
         if steps_loaded != rows_loaded:
             super().set_weights(before)
-            self._restore_ledger(kept)
+            self._set_ledger(kept)
             raise ValueError(
                 "load_weights set the privacy ledger's step counter without its segments (or "
                 "the segments without the counter): a partial load (by_name=True with "
@@ -419,11 +419,12 @@ class _DPModelMixin:
                 "steps to another mechanism. Nothing was loaded. Load the whole file, or load "
                 "the layers' weights with layer.set_weights and account for their origin.")
         if not steps_loaded:
-            self._restore_ledger(kept)
+            self._set_ledger(kept)
         self._keep_ledger(kept, "load_weights")
         return status
 
-    def _restore_ledger(self, state):
+    def _set_ledger(self, state):
+        """The step counter and the ledger's rows set to ``state = (steps, rows)``."""
         steps, rows = state
         self._dp_steps.assign(steps)
         self._dp_ledger.assign(rows)
@@ -549,8 +550,7 @@ class _DPModelMixin:
             message = ("the weights loaded record a ledger that does not continue the model's, "
                        "nor the model's theirs (another run): the ledger now holds both, the "
                        f"model's {kept[0]} steps then the loaded {current[0]}")
-        self._dp_steps.assign(steps)
-        self._dp_ledger.assign(rows)
+        self._set_ledger((steps, rows))
         warnings.warn(f"{how}: {message}.", stacklevel=3)
 
     def _resume_ledger(self):
