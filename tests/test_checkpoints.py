@@ -243,16 +243,21 @@ def test_loading_older_weights_keeps_the_ledger(trained, tmp_path):
     np.testing.assert_array_equal(model.layers[1].kernel.numpy(), fresh.layers[1].kernel.numpy())
 
 
+def _saved_and_a_quiet_run(trained, path, epochs):
+    """``(model, path, quiet)``: the trained model, its weights saved at `path`, and another
+    run of the same architecture with four times the noise, trained `epochs` epochs."""
+    model, metadata = trained
+    model.save_weights(path)
+    quiet = _model(metadata, sigma=8.0)
+    quiet.fit(_data()[0], epochs=epochs, verbose=0)
+    return model, path, quiet
+
+
 def test_weights_of_another_run_add_their_ledger_to_the_models(trained, tmp_path):
     """A model that trained 18 steps with little noise loads the weights of another run (12
     steps, four times the noise's inverse): its ledger now holds both runs. Keeping the longer
     ledger, as before, reported the small epsilon of the quiet run for the other's weights."""
-    model, metadata = trained
-    path = str(tmp_path / "other.weights.h5")
-    model.save_weights(path)
-    ds, _, _ = _data()
-    quiet = _model(metadata, sigma=8.0)
-    quiet.fit(ds, epochs=3, verbose=0)
+    model, path, quiet = _saved_and_a_quiet_run(trained, str(tmp_path / "other.weights.h5"), 3)
     assert quiet.dp_steps_taken == 18
     own = lipdp.accounting.epsilon_spent(quiet)
     with pytest.warns(UserWarning, match="holds both, the model's 18 steps then the loaded 12"):
@@ -271,12 +276,7 @@ def test_a_load_that_skips_the_ledger_is_refused_and_undone(trained, tmp_path):
     """HDF5 by name with ``skip_mismatch=True`` skipped the ledger's rows (stored shape (1,
     11), declared (None, 11)) and loaded the step counter: the model's own mechanism was then
     stretched over the loaded steps (0.81 reported for weights that had cost 68.9)."""
-    model, metadata = trained
-    path = str(tmp_path / "by_name.h5")
-    model.save_weights(path)
-    ds, _, _ = _data()
-    other = _model(metadata, sigma=8.0)
-    other.fit(ds, epochs=1, verbose=0)
+    model, path, other = _saved_and_a_quiet_run(trained, str(tmp_path / "by_name.h5"), 1)
     weights, ledger = other.get_weights(), other._dp_ledger.numpy()
     with pytest.raises(ValueError, match="step counter without its segments"):
         other.load_weights(path, by_name=True, skip_mismatch=True)
