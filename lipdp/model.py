@@ -430,7 +430,21 @@ class _DPModelMixin:
         self._dp_ledger.assign(rows)
 
     def train_on_batch(self, *args, **kwargs):
-        """Keras `train_on_batch` (one private step, recorded in the ledger)."""
+        """Keras `train_on_batch` (one private step, recorded in the ledger).
+
+        Raises:
+            ValueError: the model was compiled with ``steps_per_execution`` above 1: Keras'
+                train function would take that many batches from the one given, take one
+                private step and fail on the second draw (``OutOfRangeError``), with
+                ``optimizer.iterations`` advanced twice.
+        """
+        steps = getattr(self, "_steps_per_execution", None)
+        if steps is not None and int(steps.numpy()) > 1:
+            raise ValueError(
+                f"train_on_batch runs one batch, but the model was compiled with "
+                f"steps_per_execution={int(steps.numpy())}: Keras' train function would draw "
+                "that many batches from it. Compile with steps_per_execution=1 for "
+                "train_on_batch (fit uses the value you compile with).")
         self._build_optimizer()
         self._build_metrics(args[0] if args else kwargs.get("x"),
                             args[1] if len(args) > 1 else kwargs.get("y"))

@@ -382,3 +382,18 @@ def test_a_delta_that_allows_publishing_a_record_is_warned_at_compile():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _compile(model)
+
+
+def test_train_on_batch_refuses_several_steps_per_execution():
+    """Keras' train function under steps_per_execution=3 draws 3 batches from the one
+    train_on_batch gives it: one private step, then an OutOfRangeError with the optimizer's
+    iterations at 2. Refused before anything runs."""
+    x, y = _data(8)
+    model = _model()
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0),
+                  optimizer=tf.keras.optimizers.SGD(0.01), steps_per_execution=3)
+    before = [w.numpy() for w in model.trainable_weights]
+    with pytest.raises(ValueError, match="steps_per_execution=3"):
+        model.train_on_batch(x[:16], y[:16])
+    assert model.dp_steps_taken == 0 and int(model.optimizer.iterations.numpy()) == 0
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.trainable_weights))
