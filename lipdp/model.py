@@ -125,12 +125,18 @@ def _refuse_batch_iterators(x):
 
 
 def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
-    """``(shared, n)``: how many of the n examples of the arrays ``data = (inputs, labels,
-    ...)`` are, inputs and label byte for byte, examples of the training arrays `x, y` (16-byte
-    digests: 0.3 s for 60000 Fashion-MNIST-sized examples); None when they cannot be compared
-    (datasets, other dtypes or shapes)."""
-    if not isinstance(data, (tuple, list)) or len(data) < 2 or x is None or y is None or \
-            isinstance(x, tf.data.Dataset):
+    """``(shared, n)``: how many of the n examples of `data` are, inputs and label, examples
+    of the training arrays `x, y` (16-byte digests: 0.3 s for 60000 Fashion-MNIST-sized
+    examples). `data` is ``(inputs, labels, ...)`` arrays or a finite `tf.data.Dataset` of
+    such batches (read once); an array of another numeric dtype than its training
+    counterpart is compared by value (both in float64: a float64 copy of float32 inputs, or
+    labels of another dtype, are the same examples). None when they cannot be compared
+    (training from a dataset, an infinite or unreadable dataset, other shapes)."""
+    if x is None or y is None or isinstance(x, tf.data.Dataset):
+        return None
+    if isinstance(data, tf.data.Dataset):
+        data = _dataset_arrays(data)
+    if not isinstance(data, (tuple, list)) or len(data) < 2:
         return None
 
     def arrays(structure):
@@ -139,28 +145,53 @@ def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
             return None
         return flat
 
+    training, held = arrays((x, y)), arrays(tuple(data[:2]))
+    if training is None or held is None or len(training) != len(held) or \
+            [a.shape[1:] for a in training] != [a.shape[1:] for a in held]:
+        return None
+    by_value = [a.dtype != b.dtype for a, b in zip(training, held)]
+    if any(flag and not (_numeric(a) and _numeric(b))
+           for flag, a, b in zip(by_value, training, held)):
+        return None
+
     def digests(flat):  # one per example, of its bytes in every array
         parts = [np.ascontiguousarray(a).reshape(len(a), -1) for a in flat]
-        return [hashlib.blake2b(b"".join(part[i].tobytes() for part in parts),
+        return [hashlib.blake2b(b"".join((part[i].astype(np.float64) if cast else part[i])
+                                         .tobytes() for part, cast in zip(parts, by_value)),
                                 digest_size=16).digest() for i in range(len(parts[0]))]
 
-    training, held = arrays((x, y)), arrays(tuple(data[:2]))
-    if training is None or held is None or [(a.dtype, a.shape[1:]) for a in training] != \
-            [(a.dtype, a.shape[1:]) for a in held]:
-        return None
     known = set(digests(training))
     return sum(digest in known for digest in digests(held)), len(held[0])
+
+
+def _numeric(array) -> bool:
+    return np.issubdtype(array.dtype, np.number) or array.dtype == bool
+
+
+def _dataset_arrays(dataset: tf.data.Dataset):
+    """The ``(inputs, labels)`` arrays of a finite dataset of batches, read once; None for
+    an infinite or unknown-length dataset, or elements that are not such batches."""
+    if int(dataset.cardinality()) < 0:
+        return None
+    try:
+        batches = [tuple(element)[:2] for element in dataset.as_numpy_iterator()]
+        if not batches:
+            return None
+        return tuple(tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches))
+    except (TypeError, ValueError):
+        return None
 
 
 def _validates_on_training_data(x, y, data, shared=None) -> bool:
     """Whether `data` (validation data, a monitor's examples) holds only training records: the
     very dataset `fit` trains on, a training pipeline of `lipdp.data.load_dataset` (it carries
-    a Poisson sampler; its test pipeline does not), or arrays every example of which is a
-    training example (`_examples_shared`, or its result `shared`)."""
+    a Poisson sampler; its test pipeline does not), or arrays (or a finite dataset) every
+    example of which is a training example (`_examples_shared`, or its result `shared`)."""
     if data is None:
         return False
-    if isinstance(data, tf.data.Dataset):
-        return data is x or getattr(data, "lipdp_sampler", None) is not None
+    if isinstance(data, tf.data.Dataset) and (
+            data is x or getattr(data, "lipdp_sampler", None) is not None):
+        return True
     shared = shared if shared is not None else _examples_shared(x, y, data)
     return shared is not None and shared[1] > 0 and shared[0] == shared[1]
 
@@ -176,7 +207,19 @@ def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bo
     (``logit_clip``) are allowed, as is any value a callback writes itself -- but not the
     validation metrics when `validation_is_training` (`_validates_on_training_data`), nor
     the logs a `BoundMonitor` or `SignalToNoise` computes from training records `x, y`
-    (their ``data_log_prefixes``)."""
+    (their ``data_log_prefixes``). Under ``private_logs_only`` (`logs_training_metrics`
+    False), such a monitor on training records is refused whatever acts on its logs: they
+    would enter the History that option keeps private."""
+    if not logs_training_metrics:  # private_logs_only: History holds what epsilon covers
+        for callback in callbacks:
+            prefixes = getattr(callback, "data_log_prefixes", ())
+            if prefixes and _validates_on_training_data(x, y, callback.data):
+                raise ValueError(
+                    f"{type(callback).__name__} computes its logs {', '.join(prefixes)} from "
+                    "the training records it was given, outside the noisy gradient, while "
+                    "compile(private_logs_only=True) promises logs that epsilon covers. Give "
+                    "it held-out data (within the input bound), or compile with "
+                    "private_logs_only=False and keep its logs to yourself.")
     training = {"loss"} | set(model.metrics_names)
     if validation_is_training:
         training |= {f"val_{name}" for name in training}

@@ -731,17 +731,23 @@ def test_callbacks_deciding_from_private_or_validation_values_run(tmp_path):
 
 
 @pytest.mark.parametrize("validation", ["the training arrays", "a copy of a slice",
-                                        "the training dataset", "a load_dataset pipeline"])
+                                        "the training dataset", "a load_dataset pipeline",
+                                        "a dataset of the arrays", "float64 inputs",
+                                        "float64 labels"])
 def test_validation_metrics_on_the_training_records_count_as_training_metrics(validation):
     """`validation_data` holding training records (the arrays or dataset fit trains on, a
     slice of them) gives val_ metrics computed on the training records outside the noisy
     gradient: EarlyStopping on 'val_loss' then decided from them, silently. Refused, and so
-    is such validation under private_logs_only=True (the logs would not be private)."""
+    is such validation under private_logs_only=True (the logs would not be private). The
+    training arrays in a dataset of their own or in another dtype were not recognised (an
+    audit)."""
     x, y = _arrays(np.random.default_rng(15))
     model = _metric_model()
-    train, validation_data = (x, y), {"the training arrays": (x, y),
-                                      "a copy of a slice": (x[5:13].copy(), y[5:13].copy())
-                                      }.get(validation)
+    train, validation_data = (x, y), {
+        "the training arrays": (x, y), "a copy of a slice": (x[5:13].copy(), y[5:13].copy()),
+        "a dataset of the arrays": tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
+        "float64 inputs": (x.astype(np.float64), y), "float64 labels": (x, y.astype(np.float64))
+    }.get(validation)
     if validation == "the training dataset":
         train = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH),)
         validation_data = train[0]
@@ -827,3 +833,21 @@ def test_a_repeated_pipeline_must_go_through_the_declared_training_set(pipeline)
     with pytest.raises(ValueError, match=f"repeats a pass of {size} "):
         model.fit(dataset, **fit)
     assert model.dp_steps_taken == 0
+
+
+def test_monitors_of_training_records_are_refused_under_private_logs_only():
+    """BoundMonitor and SignalToNoise write logs computed from the examples they are given
+    into the History: under private_logs_only=True, which promises logs that epsilon covers,
+    they ran on the training records unrefused (an audit). Refused; on held-out records they
+    train."""
+    x, y = _arrays(np.random.default_rng(18))
+    held_out = _arrays(np.random.default_rng(118), n=16)
+    model = _metric_model(private_logs_only=True)
+    for monitor in (lipdp.BoundMonitor((x, y), sample_size=8),
+                    lipdp.SignalToNoise((x[:32].astype(np.float64), y[:32]), sample_size=8)):
+        with pytest.raises(ValueError, match="from the training records it was given"):
+            model.fit(x, y, epochs=1, verbose=0, callbacks=[monitor])
+    assert model.dp_steps_taken == 0
+    model.fit(x, y, epochs=1, verbose=0,
+              callbacks=[lipdp.BoundMonitor(held_out, sample_size=8)])
+    assert model.dp_steps_taken == N // BATCH
