@@ -19,7 +19,8 @@ def per_example_gradients(model: tf.keras.Model, per_example_loss: Callable, x, 
     """``(gradients, losses, y_pred)`` with ``gradients[v][i] = grad_v loss(f(x_i), y_i)``.
 
     Each example goes through the model alone (a batch of one) inside
-    `tf.vectorized_map`, so row i depends on example i only, by construction,
+    `tf.vectorized_map` (`tf.map_fn` through a recurrent layer's time loop:
+    `loops_over_time`), so row i depends on example i only, by construction,
     and the cost grows linearly with the batch. (The Jacobian of the vector of
     per-example losses would give the same values, but its vectorised backward
     pass runs over the whole batch for every example: quadratic time and memory.)
@@ -47,8 +48,36 @@ def per_example_gradients(model: tf.keras.Model, per_example_loss: Callable, x, 
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return [tf.convert_to_tensor(g) for g in gradients], loss, y_pred[0]
 
-    gradients, losses, y_pred = tf.vectorized_map(one, (x, y))
+    gradients, losses, y_pred = map_examples(one, (x, y), loops_over_time([model]))
     return list(gradients), losses, y_pred
+
+
+def loops_over_time(layers: Iterable[tf.keras.layers.Layer]) -> bool:
+    """Whether any of `layers` or of their sub-layers is a Keras recurrent layer that runs
+    a symbolic loop over time (``unroll=False``: LSTM, GRU, SimpleRNN, any ``RNN`` cell,
+    alone or in ``Bidirectional``). TensorFlow 2.15's `tf.vectorized_map` cannot vectorise
+    the gradient of that loop (its converters fail on the loop's TensorList state with a
+    `TypeError`), so per-example gradients through such a layer go one example after the
+    other (`map_examples`)."""
+    return any(isinstance(sub, tf.keras.layers.RNN) and not sub.unroll
+               for layer in layers
+               for sub in layer._flatten_layers(include_self=True, recursive=True))
+
+
+def map_examples(one: Callable, elems, sequential: bool = False):
+    """``one`` applied to each example of `elems` (tensors batched along their first axis),
+    the results stacked: `tf.vectorized_map`, or with `sequential` `tf.map_fn` (a loop over
+    the examples: the same values, the batch's cost times its size), its output
+    signature read from a trace of `one` in a graph of its own (no op of that trace
+    enters the caller's graph)."""
+    if not sequential:
+        return tf.vectorized_map(one, elems)
+    element = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(tf.convert_to_tensor(t).shape[1:], t.dtype), elems)
+    traced = tf.function(one, autograph=False).get_concrete_function(element)
+    signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                                      traced.structured_outputs)
+    return tf.map_fn(one, elems, fn_output_signature=signature)
 
 
 def per_example_gradient_norms(gradients: Sequence[tf.Tensor]) -> List[tf.Tensor]:

@@ -165,6 +165,24 @@ class _SwitchedScale(L.Layer):
         return inputs
 
 
+def _recurrent_layers(kind):
+    recurrent = {"lstm": lambda: L.LSTM(5), "gru": lambda: L.GRU(5, return_sequences=True),
+                 "bidirectional": lambda: L.Bidirectional(L.LSTM(3))}[kind]()
+    return [L.Input((5, 3)), recurrent, L.Flatten(), L.Dense(4)]
+
+
+@pytest.mark.parametrize("engine,kind", [("ghost", "bidirectional"), ("mixed-ghost", "gru"),
+                                         ("vectorized", "lstm")])
+def test_recurrent_layers_are_clipped_example_by_example(engine, kind):
+    """TensorFlow 2.15's tf.vectorized_map cannot vectorise the gradient of a Keras RNN's
+    time loop (a TypeError from its converters: every engine failed to trace). Their
+    per-example gradients go one example after the other (`lipdp.per_example.map_examples`):
+    each engine's clipped sum equals the example-by-example reference."""
+    x, y = _data(6, shape=(5, 3), seed=3)
+    _check_against_reference(lambda: _recurrent_layers(kind), "flat", engine, CCE, x, y,
+                             shape=(5, 3))
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_layer_with_python_control_flow_on_tensors_trains_in_every_engine(engine):
     """The ghost engines trace their pass as a nested function; built without AutoGraph

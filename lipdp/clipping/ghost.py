@@ -82,7 +82,7 @@ from lipdp.clipping.engine import (ClippedBatch, squared_norms_of, usable_exampl
 from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
 from lipdp.clipping.rules import ClippingRule
 from lipdp.clipping.validation import leaf_layers, wrapped_calls
-from lipdp.per_example import per_example_gradients
+from lipdp.per_example import loops_over_time, map_examples, per_example_gradients
 from lipdp.variable_reads import (describe_reads, reads_outside_owners,
                                    traced_reads_outside_owners)
 
@@ -330,7 +330,7 @@ def _replayed_gradients(layer, call: _Call, cotangents: List[tf.Tensor],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return [tf.convert_to_tensor(g) for g in grads]
 
-    return list(tf.vectorized_map(one, (call.inputs, list(cotangents))))
+    return list(map_examples(one, (call.inputs, list(cotangents)), loops_over_time([layer])))
 
 
 def _every_row(structure) -> tf.Tensor:
