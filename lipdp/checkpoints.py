@@ -23,6 +23,7 @@ the noise of its first steps again: do not seed the noise of runs you resume.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -32,8 +33,8 @@ import tensorflow as tf
 
 from lipdp.ledger import LedgerMismatchError
 
-__all__ = ["BackupAndRestore", "LedgerMismatchError", "check_resume", "load_model",
-           "save_model_atomically"]
+__all__ = ["BackupAndRestore", "FinishedTraining", "LedgerMismatchError", "check_resume",
+           "finished_training", "load_model", "save_model_atomically"]
 
 logger = logging.getLogger("lipdp")
 
@@ -66,6 +67,67 @@ class BackupAndRestore(tf.keras.callbacks.BackupAndRestore):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         check_resume(self.model)
+
+
+class FinishedTraining(tf.keras.callbacks.Callback):
+    """Keeps the trained weights (privacy ledger included) and the epochs' logs in `folder`
+    when `fit` ends -- before a `BackupAndRestore` placed after it in the callback list
+    deletes its backup. A process killed after its training, while it evaluates, certifies,
+    saves or reports, then leaves the finished training behind, and a resume completes the
+    run from it (`finished_training`) instead of training a second model on the same
+    records: two runs' privacy, one run's epsilon reported (found by an audit).
+
+    Args:
+        folder: where the weights (TensorFlow checkpoint format, written atomically) and
+            ``history.json`` (the History's logs and 0-based epoch indices, and
+            `train_seconds`, the wall time from the first epoch to the end) go.
+    """
+
+    HISTORY = "history.json"
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+        self.epoch, self.history, self._start = [], {}, None
+
+    def on_train_begin(self, logs=None):
+        import time
+
+        self.epoch, self.history, self._start = [], {}, time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch.append(int(epoch))
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(float(value))
+
+    def on_train_end(self, logs=None):
+        import time
+
+        os.makedirs(self.folder, exist_ok=True)
+        record = {"epoch": self.epoch, "history": self.history,
+                  "train_seconds": time.perf_counter() - self._start}
+        handle, temporary = tempfile.mkstemp(prefix=".history.", dir=self.folder)
+        with os.fdopen(handle, "w") as f:
+            json.dump(record, f)
+        os.replace(temporary, os.path.join(self.folder, self.HISTORY))
+        # Last: its checkpoint index, written after the weights' files, marks a whole record.
+        self.model.save_weights(os.path.join(self.folder, "weights"))
+
+
+def finished_training(folder: str, model):
+    """The training a `FinishedTraining` callback kept in `folder`: its weights (and privacy
+    ledger) loaded into `model` (built from the same config), and its History (``epoch``,
+    ``history``, and ``train_seconds``); None when `folder` holds no whole record."""
+    checkpoint = tf.train.latest_checkpoint(folder) if os.path.isdir(folder) else None
+    if checkpoint is None:
+        return None
+    with open(os.path.join(folder, FinishedTraining.HISTORY)) as f:
+        record = json.load(f)
+    model.load_weights(checkpoint).expect_partial()
+    history = tf.keras.callbacks.History()
+    history.epoch, history.history = record["epoch"], record["history"]
+    history.train_seconds = float(record["train_seconds"])
+    return history
 
 
 def load_model(path, custom_objects=None, compile=True, **kwargs):

@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -34,7 +35,7 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_DATA, EXIT_CONFIG = 0, 1, 2
 # In a run folder: the validated config (written first) and the training checkpoint.
-CONFIG_FILE, CHECKPOINT_DIR = "config.json", "checkpoint"
+CONFIG_FILE, CHECKPOINT_DIR, TRAINED_DIR = "config.json", "checkpoint", "trained"
 
 _VERBOSE_HELP = ("also show TensorFlow's start-up log and warnings (hidden by default unless "
                  "TF_CPP_MIN_LOG_LEVEL is set)")
@@ -299,7 +300,8 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
 
     # Heavy imports only once the config is known to be valid.
     from lipdp import accounting, reports
-    from lipdp.checkpoints import BackupAndRestore, save_model_atomically
+    from lipdp.checkpoints import (BackupAndRestore, FinishedTraining, finished_training,
+                                   save_model_atomically)
     from lipdp.config import build_from_config, certification_target
 
     _section("Data")
@@ -308,8 +310,11 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
         os.makedirs(run_dir, exist_ok=True)
         reports.atomic_write(os.path.join(run_dir, CONFIG_FILE),
                              lambda f: f.write(json.dumps(cfg, indent=1).encode()))
+    # FinishedTraining before BackupAndRestore: the trained weights are kept before the
+    # backup is deleted, until the report is written.
+    trained_dir = os.path.join(run_dir, TRAINED_DIR)
     fit_kwargs["callbacks"] = fit_kwargs["callbacks"] + [
-        BackupAndRestore(os.path.join(run_dir, CHECKPOINT_DIR))]
+        FinishedTraining(trained_dir), BackupAndRestore(os.path.join(run_dir, CHECKPOINT_DIR))]
     print(f"{cfg['dataset']['name']}: {metadata.nb_samples_train} train / "
           f"{metadata.nb_samples_test} test examples of shape {metadata.input_shape}, "
           f"{metadata.nb_classes} classes; inputs bounded by {cfg['dataset']['bound']} to L2 "
@@ -347,13 +352,23 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
         print("note: the loss and accuracy Keras prints for training are computed on the "
               "training data outside the noisy gradient: NOT PRIVATE (not covered by epsilon). "
               "training.private_logs_only=true omits them; val_* and epsilon are what to share.")
-    print(f"checkpoint after every epoch in {os.path.join(run_dir, CHECKPOINT_DIR)} (a killed "
-          f"run resumes with 'lipdp train --resume {run_dir}')"
-          + ("; resuming from it now" if resume else ""))
-    verbose = 1 if sys.stdout.isatty() else 2
-    start = time.perf_counter()
-    history = model.fit(ds_train, verbose=verbose, **fit_kwargs)
-    wall = time.perf_counter() - start
+    history = finished_training(trained_dir, model) if resume else None
+    if history is not None:
+        print(f"the run's training had finished ({model.dp_steps_taken} steps) when it was "
+              f"killed: its trained weights and privacy ledger are restored from {trained_dir}; "
+              "no step is taken again")
+        wall = history.train_seconds
+    else:
+        print(f"checkpoint after every epoch in {os.path.join(run_dir, CHECKPOINT_DIR)} (a "
+              f"killed run resumes with 'lipdp train --resume {run_dir}')"
+              + ("; resuming from it now" if resume else ""))
+        # A per-step progress bar only without per-step private values (C_t of adaptive
+        # clipping): those of steps after the last checkpoint would be printed, and a resume
+        # discards those steps from the ledger.
+        per_step = sys.stdout.isatty() and model.dp_parameters.loss_gradient_clipping is None
+        start = time.perf_counter()
+        history = model.fit(ds_train, verbose=1 if per_step else 2, **fit_kwargs)
+        wall = time.perf_counter() - start
     with contextlib.suppress(OSError):  # BackupAndRestore leaves its folder empty
         os.rmdir(os.path.join(run_dir, CHECKPOINT_DIR))
 
@@ -406,6 +421,7 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
                "steps": int(model.dp_steps_taken), "train_seconds": wall,
                "sampling": metadata.sampling.value, "seed": cfg["dataset"]["seed"]}
     _write_run(run_dir, cfg, history, results, model, ds_train, ds_test)
+    shutil.rmtree(trained_dir, ignore_errors=True)  # report.json now marks the run finished
     return {**results, "run_dir": run_dir}
 
 
@@ -430,7 +446,7 @@ def _resume(args) -> int:
         print(f"lipdp: {run_dir} is not a run folder written by 'lipdp train' (no "
               f"{CONFIG_FILE})", file=sys.stderr)
         return EXIT_DATA
-    if not os.path.isdir(os.path.join(run_dir, CHECKPOINT_DIR)):
+    if not any(os.path.isdir(os.path.join(run_dir, d)) for d in (CHECKPOINT_DIR, TRAINED_DIR)):
         print(f"lipdp: no checkpoint in {run_dir}: the run was killed before its first "
               "epoch ended; start it again", file=sys.stderr)
         return EXIT_DATA

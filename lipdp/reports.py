@@ -224,7 +224,9 @@ def build_report(cfg: dict, history, results: Optional[dict], *,
             ``seed``, else ``results["seed"]``).
         history: the `tf.keras.callbacks.History` that ``fit`` returned, its
             ``.history`` dict, or None. Its `EPOCH_KEYS` lists that are present are
-            copied to ``per_epoch``, with ``epoch`` = 1, 2, ... numbering the longest.
+            copied to ``per_epoch``, with ``epoch`` numbering the longest: the History's
+            own 0-based ``epoch`` indices plus one when it has one per value (a run
+            resumed at its fifth epoch starts at 5), else 1, 2, ...
         results: the final results the CLI prints (epsilon, delta, test_accuracy,
             certified_accuracy, ...), or None.
         gradient_norms: `gradient_norm_sample`'s output.
@@ -246,7 +248,10 @@ def build_report(cfg: dict, history, results: Optional[dict], *,
                         f"Received: {type(history).__name__}")
     per_epoch = {key: [_jsonable(v) for v in logs[key]] for key in EPOCH_KEYS if key in logs}
     epochs = max((len(values) for values in per_epoch.values()), default=0)
-    per_epoch = {"epoch": list(range(1, epochs + 1)), **per_epoch}
+    indices = list(getattr(history, "epoch", None) or [])
+    numbers = ([int(i) + 1 for i in indices] if len(indices) == epochs
+               else list(range(1, epochs + 1)))
+    per_epoch = {"epoch": numbers, **per_epoch}
     if tightness is None and gradient_norms:
         tightness = tightness_from_norms(_jsonable(gradient_norms))
     seed = (cfg.get("dataset") or {}).get("seed", (results or {}).get("seed"))

@@ -836,3 +836,47 @@ def test_scattering_padding_reaches_every_scattering_layer_and_its_constant():
     assert all(branch[0].padding == "zero" for branch in multi.branches)
     with pytest.raises(ConfigError, match="scattering_padding"):
         load_config(None, ["model.scattering_padding=circular"])
+
+
+def test_a_run_killed_after_its_training_is_completed_by_resume_without_training(
+        fake_fashion, tmp_path, monkeypatch, capsys):
+    """A run killed after its training ended -- while it certified, saved or wrote its
+    report -- had lost its checkpoint (deleted at the end of fit), and `--resume` told the
+    user to start it again: a second model trained on the same records, each run reporting
+    one run's epsilon (an audit). The trained weights and ledger are kept until report.json
+    exists, and a resume completes the run from them without a step. On a terminal, a run
+    with adaptive clipping prints no per-step progress bar: it showed each step's C_t, of
+    steps a resume would discard from the ledger."""
+    import sys
+
+    path = write_yaml(tmp_path / "tiny.yaml", {
+        "dataset": {"name": "fashion_mnist", "batch_size": 10, "nb_samples_train": 40,
+                    "input_bound": 10.0, "seed": 0},
+        "model": {"architecture": "mlp", "widths": [8]},
+        "privacy": {"noise_multiplier": 3.0, "delta": 1e-5, "epsilon_budget": None,
+                    "adaptive_clip_quantile": 0.5, "adaptive_clip_noise": 10.0},
+        "training": {"epochs": 2},
+        "certification": {"radii": [0.0]},
+    })
+    run_dir = str(tmp_path / "run")
+    write_run = cli._write_run
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed while writing the report")
+
+    monkeypatch.setattr(cli, "_write_run", killed)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    with pytest.raises(RuntimeError, match="killed"):
+        cli.main(["train", path, "--run-dir", run_dir])
+    first = capsys.readouterr().out
+    assert "Epoch 2/2" in first and "logit_clip" in first and "[=" not in first
+    privacy = first.split("privacy            : ")[1].split("\n")[0]
+    monkeypatch.setattr(cli, "_write_run", write_run)
+    assert cli.main(["train", "--resume", run_dir]) == 0
+    out = capsys.readouterr().out
+    assert "training had finished (8 steps)" in out and "no step is taken again" in out
+    assert "Epoch 1/" not in out and f"privacy            : {privacy}" in out
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["results"]["steps"] == 8
+    assert report["per_epoch"]["epoch"] == [1, 2] and len(report["per_epoch"]["epsilon"]) == 2
+    assert not os.path.exists(os.path.join(run_dir, cli.TRAINED_DIR))

@@ -97,6 +97,10 @@ def test_resumed_run_matches_the_uninterrupted_run(runs):
     assert got["steps"] == expected["steps"] == 342  # the budget's stop, mid-epoch
     assert got["epsilon"] == expected["epsilon"] <= 2.0
     assert got["epochs"] == expected["epochs"] == 15
+    # The resumed run's report numbers its epochs from the one it resumed at (1, 2, ... before).
+    with open(os.path.join(killed, "report.json")) as f:
+        numbers = json.load(f)["per_epoch"]["epoch"]
+    assert numbers == list(range(state["checkpoint_steps"] // 23 + 1, 16))
     assert "resuming from it now" in resumed_output
     assert f"{expected['steps']} steps" in resumed_output
     # The backup is deleted when the run ends; no temporary file is left in the folder.
