@@ -274,6 +274,24 @@ def test_dtype_policies_other_than_float32_are_refused_by_name(policy):
         one_layer.compile(loss=DP_TauCategoricalCrossentropy(1.0))
 
 
+def test_a_float16_layer_inside_a_residual_branch_is_refused_and_certifies_nothing():
+    """The float32 check looked at the residual wrapper, not at the layers of its branch: a
+    float16 Dense inside one trained under bounds proven for float32, and its certificate's
+    rounding bound stayed finite (an audit flipped a prediction at 0.06 of the radius)."""
+    from lipdp.certify import float_error_bound
+    from lipdp.layers import DP_SplitResidual, DP_MergeResidual, DP_WrappedResidual
+
+    model = DP_Sequential(
+        [DP_BoundedInput(X0, input_shape=(10,)), DP_SplitResidual(),
+         DP_WrappedResidual([DP_QuickSpectralDense(10, dtype="mixed_float16"), DP_GroupSort(2),
+                             DP_QuickSpectralDense(10)]),
+         DP_MergeResidual("1-lip-add"), DP_QuickSpectralDense(3)],
+        dp_parameters=DPParameters(1.0), dataset_metadata=metadata((10,), 3))
+    assert float_error_bound(model) == float("inf")
+    with pytest.raises(ValueError, match="computes in float16"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0))
+
+
 @pytest.mark.parametrize("loss", ["categorical_crossentropy", tf.keras.losses.CategoricalCrossentropy(), None])
 def test_losses_without_lipschitz_constant_are_refused(loss):
     with pytest.raises(TypeError, match="DP loss"):

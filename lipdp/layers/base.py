@@ -200,8 +200,12 @@ def check_float32(layers):
     """Raise a ValueError naming the first of `layers` that computes or stores its weights in
     another dtype than float32: lipdp's bounds and their rounding proofs (`lipdp.rounding`,
     the clipping targets, the certified norms) are stated for float32 arithmetic, and a
-    float16 or float64 policy breaks them or the step."""
-    for layer in layers:
+    float16 or float64 policy breaks them or the step. Each layer's sub-layers are checked
+    too, at any depth: a float16 layer inside a residual branch (`DP_WrappedResidual` of a
+    list) passed when only the wrapper was, and rounding an audit made flip a prediction at
+    0.06 of its certified radius."""
+    for layer in (inner for outer in layers
+                  for inner in outer._flatten_layers(include_self=True, recursive=True)):
         dtypes = {getattr(layer, "compute_dtype", "float32"), getattr(layer, "dtype", "float32")}
         if dtypes - {"float32", None}:
             policy = getattr(getattr(layer, "dtype_policy", None), "name", "?")
