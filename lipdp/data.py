@@ -197,12 +197,17 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     return None
 
 
-def repeated_pass(dataset: tf.data.Dataset) -> Optional[Tuple[str, int]]:
+def repeated_pass(dataset: tf.data.Dataset,
+                  count_limit: Optional[int] = None) -> Optional[Tuple[str, int]]:
     """What a repeated pipeline goes through again and again: ``("records", R)`` when its
     last ``repeat`` comes before its batching (R records a pass), ``("batches", B)`` when
-    after it; None without a repeat, or when the pass's size is unknown (a ``filter``).
-    Read from tf.data's dataset objects (each holds its ``_input_dataset``), from the
-    output down to the first repeat met."""
+    after it; None without a repeat. Read from tf.data's dataset objects (each holds its
+    ``_input_dataset``), from the output down to the first repeat met.
+
+    A pass of unknown size (a ``filter``, a generator) is counted when `count_limit` is
+    given: its records are read once, ``("records", R)``, or ``("records", None)`` as soon
+    as more than `count_limit` were read; None without `count_limit`, or when the pass is
+    infinite (a repeat inside the repeat)."""
     def chain(d):
         while d is not None:
             yield d
@@ -212,12 +217,27 @@ def repeated_pass(dataset: tf.data.Dataset) -> Optional[Tuple[str, int]]:
         if "Repeat" not in type(d).__name__:
             continue
         inner = getattr(d, "_input_dataset", None)
-        size = int(inner.cardinality()) if inner is not None else -1
-        if size < 0:
+        if inner is None:
             return None
+        size = int(inner.cardinality())
         batched = any("Batch" in type(below).__name__ for below in chain(inner))
-        return ("batches" if batched else "records"), size
+        if size >= 0:
+            return ("batches" if batched else "records"), size
+        if size == tf.data.INFINITE_CARDINALITY or count_limit is None:
+            return None
+        return "records", _records_in_pass(inner, batched, count_limit)
     return None
+
+
+def _records_in_pass(dataset: tf.data.Dataset, batched: bool, limit: int) -> Optional[int]:
+    """The records of one pass over `dataset` (batches: their rows), read; None as soon as
+    more than `limit` were read."""
+    count = 0
+    for element in dataset:
+        count += int(tf.shape(tf.nest.flatten(element)[0])[0]) if batched else 1
+        if count > limit:
+            return None
+    return count
 
 
 def _check_max_norm(max_norm, argname="max_norm") -> float:

@@ -811,21 +811,29 @@ def test_callbacks_deciding_from_a_monitor_of_training_records_are_refused():
     assert model.dp_steps_taken == 2 * N // BATCH
 
 
-@pytest.mark.parametrize("pipeline", ["records repeated", "batches repeated", "declared set"])
+@pytest.mark.parametrize("pipeline", ["records repeated", "batches repeated", "declared set",
+                                      "filtered batches", "filtered records",
+                                      "filtered declared set"])
 def test_a_repeated_pipeline_must_go_through_the_declared_training_set(pipeline):
     """`.repeat()` with `steps_per_epoch` hides the pipeline's size from the batch count: 32
     records repeated under metadata of 64 trained silently, each record drawn twice as often
     as the accountant assumed. Refused before the first step, whether the repeat comes
-    before the batching (records) or after it (batches); the declared 64 records train."""
+    before the batching (records) or after it (batches); the declared 64 records train. A
+    `filter` makes the pass's size unknown: it is counted (a filter keeping half the
+    records ran silently, an audit)."""
     x, y = _arrays(np.random.default_rng(14))
-    n = N if pipeline == "declared set" else N // 2
-    records = tf.data.Dataset.from_tensor_slices((x[:n], y[:n])).shuffle(n)
-    dataset = (records.batch(BATCH).repeat() if pipeline == "batches repeated"
-               else records.repeat().batch(BATCH))
+    n = N if "declared set" in pipeline else N // 2
+    if pipeline.startswith("filtered"):  # all N records, a filter keeping the first n
+        indexed = tf.data.Dataset.from_tensor_slices((np.arange(N), x, y))
+        records = indexed.filter(lambda i, *_: i < n).map(lambda i, a, b: (a, b)).shuffle(N)
+    else:
+        records = tf.data.Dataset.from_tensor_slices((x[:n], y[:n])).shuffle(n)
+    dataset = (records.batch(BATCH).repeat() if pipeline.endswith("batches")
+               or pipeline == "batches repeated" else records.repeat().batch(BATCH))
     model = _model(3, sigma=1.0)
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
     fit = dict(epochs=1, verbose=0, steps_per_epoch=N // BATCH)
-    if pipeline == "declared set":
+    if "declared set" in pipeline:
         model.fit(dataset, **fit)
         assert model.dp_steps_taken == N // BATCH
         return
