@@ -446,3 +446,16 @@ def test_l2_norm_pooling_refuses_a_coefficient_that_is_not_finite_and_positive(k
         DP_ScaledL2NormPooling2D(pool_size=(1, 1), k_coef_lip=k)
     with pytest.raises(ValueError, match="k_coef_lip"):
         DP_GlobalL2NormPooling2D(k_coef_lip=k)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-39, -1e-6, float("nan")])
+def test_l2_norm_pooling_refuses_a_square_root_epsilon_that_is_not_positive(eps):
+    """deel-lip's square root backpropagates dy / (2 (sqrt(u) + eps)): with eps = 0 (or one
+    flushed to 0 in float32) an all-zero window of a finite record gave a NaN gradient,
+    which stopped the private step that sampled it (an audit)."""
+    from lipdp.layers import DP_GlobalL2NormPooling2D, DP_ScaledL2NormPooling2D
+
+    with pytest.raises(ValueError, match="eps_grad_sqrt"):
+        DP_ScaledL2NormPooling2D(pool_size=(2, 2), eps_grad_sqrt=eps)
+    with pytest.raises(ValueError, match="eps_grad_sqrt"):
+        DP_GlobalL2NormPooling2D(eps_grad_sqrt=eps)

@@ -259,8 +259,13 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
     """
 
     def __init__(self, *args, **kwargs):
+        # deel-lip's square root backpropagates dy / (2 (sqrt(u) + eps)): with eps = 0 an
+        # all-zero window gives 0 / 0, a NaN gradient from a finite record (an audit).
+        if "eps_grad_sqrt" in kwargs:  # before deel-lip's own check (a RuntimeError)
+            check_positive(float(kwargs["eps_grad_sqrt"]), "eps_grad_sqrt")
         super().__init__(*args, **kwargs)
         check_positive(float(self.k_coef_lip), "k_coef_lip")
+        check_positive(float(self.eps_grad_sqrt), "eps_grad_sqrt")
 
     def call(self, x):
         """deel-lip's computation; as one fused CPU kernel each way when

@@ -32,6 +32,9 @@ class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
         if kwargs.pop("keepdims", False):
             raise ValueError("DP_GlobalL2NormPooling2D does not support keepdims=True.")
         check_positive(float(k_coef_lip), "k_coef_lip")
+        # deel-lip's square root backpropagates dy / (2 (sqrt(u) + eps)): with eps = 0 an
+        # all-zero input block gives 0 / 0, a NaN gradient from a finite record (an audit).
+        check_positive(float(eps_grad_sqrt), "eps_grad_sqrt")
         super().__init__(data_format="channels_last", k_coef_lip=k_coef_lip,
                          eps_grad_sqrt=eps_grad_sqrt, **kwargs)
 
