@@ -197,17 +197,21 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     return None
 
 
-def repeated_pass(dataset: tf.data.Dataset,
-                  count_limit: Optional[int] = None) -> Optional[Tuple[str, int]]:
+def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,
+                  count_limit: Optional[int] = None) -> Optional[Tuple[str, Optional[int]]]:
     """What a repeated pipeline goes through again and again: ``("records", R)`` when its
     last ``repeat`` comes before its batching (R records a pass), ``("batches", B)`` when
     after it; None without a repeat. Read from tf.data's dataset objects (each holds its
     ``_input_dataset``), from the output down to the first repeat met.
 
-    A pass of unknown size (a ``filter``, a generator) is counted when `count_limit` is
-    given: its records are read once, ``("records", R)``, or ``("records", None)`` as soon
-    as more than `count_limit` were read; None without `count_limit`, or when the pass is
-    infinite (a repeat inside the repeat)."""
+    With `example_rank` (the rank of one example's first input tensor) and `count_limit`,
+    the pass's records are counted whenever its size is not a known count of records: a
+    pass of batches (told from unbatched records by the rank of its elements; their
+    number says nothing of their size) or of unknown size (a ``filter``, a generator) is
+    read once and ``("records", R)`` returned, R None as soon as more than `count_limit`
+    were read. No verdict (None) for an infinite pass (a repeat inside the repeat), a pass
+    holding a `load_dataset` Poisson pipeline (random sizes: its sampler keeps the rate),
+    or without `count_limit` a pass of unknown size."""
     def chain(d):
         while d is not None:
             yield d
@@ -217,15 +221,23 @@ def repeated_pass(dataset: tf.data.Dataset,
         if "Repeat" not in type(d).__name__:
             continue
         inner = getattr(d, "_input_dataset", None)
-        if inner is None:
+        if inner is None or any(getattr(below, "lipdp_sampler", None) is not None
+                                for below in chain(inner)):
             return None
         size = int(inner.cardinality())
-        batched = any("Batch" in type(below).__name__ for below in chain(inner))
-        if size >= 0:
-            return ("batches" if batched else "records"), size
-        if size == tf.data.INFINITE_CARDINALITY or count_limit is None:
+        if size == tf.data.INFINITE_CARDINALITY:
             return None
-        return "records", _records_in_pass(inner, batched, count_limit)
+        rank = tf.nest.flatten(inner.element_spec)[0].shape.rank
+        if count_limit is not None and example_rank is not None and \
+                rank in (example_rank, example_rank + 1):
+            batched = rank == example_rank + 1
+            if not batched and size >= 0:
+                return "records", size
+            return "records", _records_in_pass(inner, batched, count_limit)
+        if size < 0:
+            return None
+        batched = any("Batch" in type(below).__name__ for below in chain(inner))
+        return ("batches" if batched else "records"), size
     return None
 
 
