@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 
 import tensorflow as tf
 
@@ -91,8 +92,6 @@ class FinishedTraining(tf.keras.callbacks.Callback):
         self.epoch, self.history, self._start = [], {}, None
 
     def on_train_begin(self, logs=None):
-        import time
-
         self.epoch, self.history, self._start = [], {}, time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -101,8 +100,6 @@ class FinishedTraining(tf.keras.callbacks.Callback):
             self.history.setdefault(key, []).append(float(value))
 
     def on_train_end(self, logs=None):
-        import time
-
         os.makedirs(self.folder, exist_ok=True)
         record = {"epoch": self.epoch, "history": self.history,
                   "train_seconds": time.perf_counter() - self._start}
