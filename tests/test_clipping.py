@@ -565,6 +565,40 @@ class _TrainingBatchCentring(L.Layer):
         return x - tf.reduce_mean(x, 0, keepdims=True) if training else x
 
 
+class _RunningMeanWeight(L.Layer):
+    """Adds a trainable offset to its input, then assigns the offset half the batch mean:
+    per example forward (the offset is read first), yet a weight written from the data."""
+
+    def build(self, input_shape):
+        self.offset = self.add_weight(name="offset", shape=input_shape[1:], initializer="zeros")
+
+    def call(self, x, training=None):
+        out = x + tf.identity(self.offset)
+        if training:
+            with tf.control_dependencies([out]):
+                self.offset.assign(0.5 * self.offset + 0.5 * tf.reduce_mean(x, 0))
+        return out
+
+
+class _CotangentMaximum(L.Layer):
+    """The identity, whose custom gradient keeps the largest cotangent it passes back in a
+    non-trainable variable: no forward pass writes it."""
+
+    def build(self, input_shape):
+        self.largest = self.add_weight(name="largest", shape=(), initializer="zeros",
+                                       trainable=False)
+
+    def call(self, x):
+        @tf.custom_gradient
+        def recorded(t):
+            def gradient(dy):
+                self.largest.assign(tf.maximum(self.largest, tf.reduce_max(tf.abs(dy))))
+                return dy
+            return tf.identity(t), gradient
+
+        return recorded(x)
+
+
 class _CallCounter(L.Layer):
     """Counts its training calls in a non-trainable variable: the same for every input."""
 
@@ -624,6 +658,12 @@ HIDDEN_COUPLING = {
         lambda: [L.Input((4,)), L.Dense(3), _TrainingBatchCentring(name="centring"),
                  L.GaussianNoise(1e-4), L.Dense(1)],
         "layer 'centring' \\(_TrainingBatchCentring\\) mixes the examples"),
+    "a trainable weight assigned from the batch mean": (
+        lambda: [L.Input((4,)), _RunningMeanWeight(name="drifting"), L.Dense(1)],
+        "'drifting/offset:0' of layer 'drifting' .* in a training-mode forward pass"),
+    "a custom gradient recording its largest cotangent": (
+        lambda: [L.Input((4,)), L.Dense(3), _CotangentMaximum(name="recording"), L.Dense(1)],
+        "'recording/largest:0' of layer 'recording' .* in a training-mode backward pass"),
     "Normalization adapted on the data": (
         lambda: [L.Input((4,)), _adapted_normalization(), L.Dense(1)],
         "'adapted' \\(Normalization\\) was adapted on data"),
@@ -649,7 +689,9 @@ def test_hidden_batch_coupling_and_data_written_state_are_refused_at_compile(cas
     integer inputs, in its first float activations); state
     written from the data in training by the probe (two batches give two values, or one
     batch with an example made NaN or moved beyond every value: a count of non-finite inputs,
-    the largest outlier): released without noise, by either engine."""
+    the largest outlier; a trainable weight assigned from the batch, or a custom gradient
+    recording its cotangents, which only the non-trainable state after forward passes was
+    compared for: an audit) is released without noise, by either engine."""
     make_layers, message = HIDDEN_COUPLING[case]
     with pytest.raises(BatchCouplingError, match=message):
         _compiled(make_layers, "flat", engine, "mse", shape=(4,), k=1)

@@ -52,7 +52,7 @@ def _all_layers(model: tf.keras.Model) -> List[tf.keras.layers.Layer]:
 
 def check_no_batch_coupling(model: tf.keras.Model) -> None:
     """Refuse models whose output for one example depends on the other examples, or whose
-    non-trainable variables record the training data.
+    variables record the training data in a forward or backward pass.
 
     Two checks, both at compile time:
 
@@ -60,10 +60,14 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
       statistics (BatchNormalization and its variants);
     * by behaviour (`_probe`): a few eager forward passes of a small random batch shaped
       like the model's input, all variables restored afterwards (no side effect).
-      (i) A non-trainable variable whose value after a training-mode pass differs
+      (i) A variable (trainable or not) whose value after a training-mode pass differs
       between two input batches, or with the first example made NaN or moved beyond every
       value as in (ii), is refused (state updated the same way for every input, such as
-      power-iteration vectors, passes). (ii) Replacing example 0 of the batch,
+      power-iteration vectors, passes); so is one whose value after the backward pass of
+      (iii) depends on the batch (a custom gradient recording its cotangents). A trainable
+      variable assigned a running mean of the inputs, or a non-trainable one the largest
+      cotangent, passed when only non-trainable state after forward passes was compared
+      (an audit: a weight within 0.2 of one training record). (ii) Replacing example 0 of the batch,
       making it NaN, or moving it beyond every value of the batch (float inputs; with
       integer inputs only, such as token ids, its first float activations) must
       leave the outputs of the other examples unchanged, in training mode (in inference
@@ -263,14 +267,14 @@ def _training_mode_without_draws(model, batch, forward):
 def _probe(model: tf.keras.Model) -> None:
     """The behavioural half of `check_no_batch_coupling` (its docstring)."""
     variables = list({v.ref(): v for v in model.variables}.values())
-    state = [v for v in variables if not v.trainable]
+    state = variables  # trainable ones too: a layer may assign its weights from the batch
     owner: Dict[object, tf.keras.layers.Layer] = {}
     for layer in _all_layers(model):  # parents first: the deepest layer holding v wins
         for v in layer.weights:
             owner[v.ref()] = layer
 
     def forward(inputs, training):
-        """Outputs (flattened, numpy) and non-trainable values after one pass; every
+        """Outputs (flattened, numpy) and the variables' values after one pass; every
         variable is restored afterwards."""
         with _restored(variables):
             outputs = [np.array(t) for t in tf.nest.flatten(model(inputs, training=training))]
@@ -300,7 +304,7 @@ def _probe(model: tf.keras.Model) -> None:
             layer = owner.get(v.ref())
             where = f"layer '{layer.name}' ({type(layer).__name__})" if layer else "the model"
             raise BatchCouplingError(
-                f"The non-trainable variable '{v.name}' of {where} takes a value that depends "
+                f"The variable '{v.name}' of {where} takes a value that depends "
                 "on the input data in a training-mode forward pass (moving statistics, a "
                 "running average of the inputs): the training data is written into it "
                 "without noise and released with the model, outside the privacy guarantee. "
@@ -328,20 +332,38 @@ def _probe(model: tf.keras.Model) -> None:
             _refuse_coupling(probe, training, records_a, records_p)
     # The backward pass: with the forward rows of the other examples unchanged, the gradient
     # reaching each layer's output for them must be too (a custom gradient may mix the rows).
-    backward_a = _output_cotangents(model, a, training, held, variables)
+    backward_a, state_a = _output_cotangents(model, a, training, held, variables)
     for probe, changed, mark in probes:
         try:
             with marking(mark):
-                backward_p = _output_cotangents(model, changed, training, held, variables)
+                backward_p, state_p = _output_cotangents(model, changed, training, held,
+                                                         variables)
         except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
             continue
         _refuse_backward_coupling(probe, training, backward_a, backward_p)
+        _refuse_backward_state(probe, variables, state_a, state_p, owner)
+
+
+def _refuse_backward_state(probe, variables, state_a, state_p, owner):
+    """Raise `BatchCouplingError` when a variable's value after the probe's backward pass
+    differs from its value after the first batch's: the backward pass writes the data."""
+    for v, value_a, value_p in zip(variables, state_a, state_p):
+        if _differs(value_a, value_p):
+            layer = owner.get(v.ref())
+            where = f"layer '{layer.name}' ({type(layer).__name__})" if layer else "the model"
+            raise BatchCouplingError(
+                f"The variable '{v.name}' of {where} takes a value that depends on the input "
+                f"data in a training-mode backward pass ({probe}): a custom gradient records "
+                "its cotangents (a running maximum, a norm) into it, writing the training "
+                "data into the model without noise, outside the privacy guarantee. Remove "
+                "that state.")
 
 
 def _output_cotangents(model, batch, training, held, variables):
-    """``[(layer, cotangent)]``: the gradient of ``sum_i ||f(x_i)||^2 / 2`` (row i depends on
-    example i alone) with respect to every float output of every layer call of one eager
-    forward pass, in call order; every variable is restored afterwards."""
+    """``([(layer, cotangent)], values)``: the gradient of ``sum_i ||f(x_i)||^2 / 2`` (row i
+    depends on example i alone) with respect to every float output of every layer call of
+    one eager forward pass, in call order, and the values of `variables` after that
+    backward pass; every variable is restored afterwards."""
     with _restored(variables):
         with _recorded_outputs(_all_layers(model), held) as records, tf.GradientTape() as tape:
             for t in tf.nest.flatten(batch):
@@ -356,7 +378,8 @@ def _output_cotangents(model, batch, training, held, variables):
                    and t.shape[0] == _PROBE_BATCH]
         gradients = tape.gradient(total, [t for _, t in targets],
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return [(layer, np.array(g)) for (layer, _), g in zip(targets, gradients)]
+        values = [v.numpy() for v in variables]
+    return [(layer, np.array(g)) for (layer, _), g in zip(targets, gradients)], values
 
 
 @contextlib.contextmanager
