@@ -411,6 +411,36 @@ class _DPModelMixin:
         return int(self._dp_steps.numpy())
 
     @property
+    def updates_outside_the_ledger(self) -> int:
+        """How many more updates the optimizer has applied than the ledger records private
+        steps (``optimizer.iterations - dp_steps_taken``, at least 0). Each private step
+        applies one update; more come from outside it -- a `train_step` override applying
+        its own gradients, ``optimizer.apply_gradients`` in a custom loop (even of
+        `private_gradients`' noisy output) -- and epsilon does not cover them. `fit` and
+        `train_on_batch` refuse to train such a model, and check after their steps."""
+        iterations = getattr(getattr(self, "optimizer", None), "iterations", None)
+        if iterations is None:
+            return 0
+        return max(0, int(iterations.numpy()) - self.dp_steps_taken)
+
+    def _check_updates_recorded(self, when: str):
+        """Raise a RuntimeError when the optimizer applied updates the ledger does not record
+        (`updates_outside_the_ledger`): an audit's `train_step` override taking plain steps
+        trained 30 of them under a Poisson pipeline with an epsilon of 0 reported, and one
+        calling ``super().train_step`` then applying its own gradients had half its
+        updates un-noised."""
+        outside = self.updates_outside_the_ledger
+        if outside:
+            raise RuntimeError(
+                f"{when}, the optimizer has applied {outside} more updates than the privacy "
+                f"ledger records private steps ({self.dp_steps_taken}): gradients were applied "
+                "outside lipdp's private step (a train_step override that applies its own "
+                "gradients or skips super().train_step, optimizer.apply_gradients in a custom "
+                "loop). Epsilon does not cover them, and these weights are not private. Train "
+                "with fit or train_on_batch only, and override train_step only around "
+                "super().train_step(data).")
+
+    @property
     def privacy_ledger(self) -> PrivacyLedger:
         """Every segment of training: its steps and the mechanism they ran (`lipdp.ledger`).
 
@@ -495,9 +525,11 @@ class _DPModelMixin:
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
             warn_if_seeded()
             self._resume_ledger()
+            self._check_updates_recorded("Before this train_on_batch")
             self._warn_if_a_seeded_pipeline_is_behind()
         result = super().train_on_batch(*args, **kwargs)
         self._note_ledger()
+        self._check_updates_recorded("After this train_on_batch")
         if kwargs.get("reset_metrics", args[4] if len(args) > 4 else True):
             # The returned values are this batch's; the state left would be saved by
             # `tf.keras.models.save_model` (which does not call `save`): training totals.
@@ -988,7 +1020,10 @@ class _DPModelMixin:
         Not a training step: nothing is applied and nothing is recorded in the
         privacy ledger. Noisy gradients released from here (applied by your own
         loop) are outside the epsilon lipdp reports; train with `fit`,
-        `train_on_batch` or `train_step`, which record every step.
+        `train_on_batch` or `train_step`, which record every step. Applied with the
+        model's own optimizer, they are updates outside the ledger
+        (`updates_outside_the_ledger`): `lipdp.accounting.epsilon_spent` warns, and
+        `fit` and `train_on_batch` refuse to train on.
 
         Returns:
             ``(gradients, noisy_gradients, sensitivities, per_example_losses, y_pred)``,
@@ -1180,7 +1215,11 @@ class _DPModelMixin:
         if self.dp_parameters.loss_gradient_clipping is not None:
             with tf.control_dependencies(noisy):  # C_t served this step's bounds first
                 self._update_logit_clip(y, y_pred)
-        self.optimizer.apply_gradients(zip(noisy, self.trainable_variables))
+        # After the noisy gradients: a call that finds the iterator exhausted (a dataset of
+        # unknown length) no longer counts an update, so optimizer.iterations follows the
+        # ledger step for step (`updates_outside_the_ledger`).
+        with tf.control_dependencies(noisy):
+            self.optimizer.apply_gradients(zip(noisy, self.trainable_variables))
         self.project(self._bjorck_due())
         # The ledger depends on the released gradients: in a compiled `fit` over a dataset of
         # unknown length, the call that finds the iterator exhausted must not count a step.
@@ -1608,16 +1647,20 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
 class _NoteLedger(tf.keras.callbacks.Callback):
     """The ledger resumed before training (`_resume_ledger`: after any checkpoint was
     restored by a callback listed before), its high-water mark after every epoch and at
-    the end of training."""
+    the end of training; before, after every epoch and at the end, no update applied
+    outside the ledger (`_check_updates_recorded`)."""
 
     def on_train_begin(self, logs=None):
         self.model._resume_ledger()
+        self.model._check_updates_recorded("Before this fit")
 
     def on_epoch_end(self, epoch, logs=None):
         self.model._note_ledger()
+        self.model._check_updates_recorded(f"At the end of epoch {epoch + 1}")
 
     def on_train_end(self, logs=None):
         self.model._note_ledger()
+        self.model._check_updates_recorded("At the end of this fit")
 
 
 class _StartSampler(tf.keras.callbacks.Callback):

@@ -10,6 +10,7 @@ allowed.
 """
 
 import math
+import warnings
 
 import dp_accounting
 import numpy as np
@@ -397,3 +398,89 @@ def test_train_on_batch_refuses_several_steps_per_execution():
         model.train_on_batch(x[:16], y[:16])
     assert model.dp_steps_taken == 0 and int(model.optimizer.iterations.numpy()) == 0
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.trainable_weights))
+
+
+class _PlainSteps(lipdp.DP_Sequential):
+    """Overrides train_step with an ordinary, non-private step (no super())."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(self.dp_loss.call(y, self(x, training=True)))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables),
+                                           self.trainable_variables))
+        return {}
+
+
+class _ExtraSteps(lipdp.DP_Sequential):
+    """Takes the private step, then applies a plain gradient of its own."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(self.dp_loss.call(y, self(x, training=True)))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables),
+                                           self.trainable_variables))
+        return logs
+
+
+@pytest.mark.parametrize("cls", [_PlainSteps, _ExtraSteps])
+def test_updates_applied_outside_the_private_step_stop_fit(cls):
+    """A train_step override taking plain steps trained with an epsilon of 0 reported, and
+    one applying its own gradients after super().train_step had half its updates un-noised
+    (an audit): the optimizer's update count must follow the ledger's steps. fit stops at
+    the end of the first epoch, naming the difference (under Poisson metadata, where no
+    count of the epoch's examples sees the plain steps)."""
+    x, y = _data(9)
+    metadata = lipdp.DatasetMetadata((DIM,), K, N, 8, 16, 2.0, "poisson")
+    model = cls(_model().layers, dp_parameters=lipdp.DPParameters(1.0, DELTA),
+                dataset_metadata=metadata)
+    _compile(model)
+    with pytest.warns(UserWarning, match="arrays"), \
+            pytest.raises(RuntimeError, match="At the end of epoch 1, the optimizer has applied "
+                                              "4 more updates than the privacy ledger records"):
+        model.fit(x, y, epochs=3, verbose=0)
+
+
+def test_a_custom_loop_applying_gradients_is_warned_and_refused_by_fit():
+    """Noisy gradients of `private_gradients` applied by the user's own loop are not recorded
+    (its docstring says so): epsilon_spent warns that it does not cover them, and fit and
+    train_on_batch refuse to train on from such weights. fit and train_on_batch alone: no
+    warning."""
+    x, y = _data(10)
+    model = _model()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.train_on_batch(x[:16], y[:16])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accounting.epsilon_spent(model)
+    _, noisy, _, _, _ = model.private_gradients(x[:16], y[:16])
+    model.optimizer.apply_gradients(zip(noisy, model.trainable_variables))
+    assert model.updates_outside_the_ledger == 1
+    with pytest.warns(UserWarning, match="applied 1 updates that its privacy ledger does not"):
+        accounting.epsilon_spent(model)
+    with pytest.raises(RuntimeError, match="Before this fit, the optimizer has applied 1 more"):
+        model.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(RuntimeError, match="Before this train_on_batch"):
+        model.train_on_batch(x[:16], y[:16])
+    assert model.dp_steps_taken == 5
+
+
+def test_a_dataset_of_unknown_length_counts_no_update_for_its_exhausted_call():
+    """Keras' step that finds the iterator of a dataset of unknown length exhausted used to
+    advance optimizer.iterations without an update (9 for 8 steps, an audit), which would
+    look like an update outside the ledger; the optimizer's update now waits for the noisy
+    gradients: the counts agree, and fit trains on."""
+    x, y = _data(11)
+
+    def batches():
+        for start in range(0, N, 16):
+            yield x[start:start + 16], y[start:start + 16]
+
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=(
+        tf.TensorSpec((None, DIM), tf.float32), tf.TensorSpec((None, K), tf.float32)))
+    model = _model()
+    for _ in range(2):
+        model.fit(dataset, epochs=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == model.dp_steps_taken == 16
