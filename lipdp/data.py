@@ -185,7 +185,8 @@ def unshuffled_batching(dataset: tf.data.Dataset,
                     "the input order, so its batch is largely known in advance")
         return None
 
-    batches = [n for n in graph.node if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))]
+    batches = [n for n in _data_path(graph, node_of)
+               if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))]
     if not batches:
         return None
     for batch in batches:
@@ -195,6 +196,28 @@ def unshuffled_batching(dataset: tf.data.Dataset,
         if None not in flaws:
             return flaws[0]
     return None
+
+
+def _data_path(graph, node_of) -> list:
+    """The nodes of a serialized pipeline that its records pass through: everything upstream
+    of its output, except what only feeds the selector of a ``DirectedInterleaveDataset``
+    (`sample_from_datasets` / `choose_from_datasets` batch a random stream to pick the next
+    input: a batch of indices, not of records, once taken for unshuffled batching)."""
+    consumed = {node_of(name).name for n in graph.node for name in n.input
+                if node_of(name) is not None}
+    stack = [n for n in graph.node if n.name not in consumed]
+    seen, path = set(), []
+    while stack:
+        node = stack.pop()
+        if node.name in seen:
+            continue
+        seen.add(node.name)
+        path.append(node)
+        inputs = list(node.input)
+        if node.op.startswith("DirectedInterleaveDataset"):
+            inputs = inputs[1:]
+        stack.extend(parent for parent in map(node_of, inputs) if parent is not None)
+    return path
 
 
 def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,

@@ -658,6 +658,9 @@ def test_arrays_are_refused_without_shuffling(shuffle):
     (lambda d: d.shuffle(N, seed=0).map(lambda x, y: (x, y)).batch(BATCH).prefetch(1), None),
     (lambda d: d.shuffle(N).shuffle(4).batch(BATCH), None),  # one shuffle of every record
     (lambda d: d.shuffle(4).shuffle(2 * N).batch(BATCH), None),
+    # sample_from_datasets batches its random selector stream: not a batch of records
+    (lambda d: tf.data.Dataset.sample_from_datasets(
+        [d.take(N // 2).shuffle(N), d.skip(N // 2).shuffle(N)], seed=0).batch(BATCH), None),
 ])
 def test_a_dataset_batching_unshuffled_records_warns(pipeline, warned):
     """The same for a tf.data pipeline, read from its graph (`lipdp.data.unshuffled_batching`):
