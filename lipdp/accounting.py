@@ -653,17 +653,8 @@ def epsilon_spent(model, delta: Optional[float] = None) -> float:
 
     The composition of the mechanisms the train step actually ran, segment by
     segment (`compose_epsilon`), at `delta` (default: the model's
-    ``dp_parameters.delta``); never a recomputation from today's parameters. Warns when
-    the model's optimizer applied updates that the ledger does not record
-    (``model.updates_outside_the_ledger``: a custom loop's ``apply_gradients``): the
-    epsilon returned does not cover them.
+    ``dp_parameters.delta``); never a recomputation from today's parameters.
     """
     if delta is None:
         delta = _attr(model, "dp_parameters").delta
-    outside = getattr(model, "updates_outside_the_ledger", 0)
-    if outside:
-        warnings.warn(
-            f"The model's optimizer applied {outside} updates that its privacy ledger does not "
-            "record (gradients applied outside lipdp's private step): the epsilon returned "
-            "covers the recorded steps only, not these weights.", stacklevel=2)
     return _attr(model, "privacy_ledger").epsilon(_check_delta(delta))

@@ -410,35 +410,31 @@ class _DPModelMixin:
         """Number of private steps recorded in this model's ledger."""
         return int(self._dp_steps.numpy())
 
-    @property
-    def updates_outside_the_ledger(self) -> int:
-        """How many more updates the optimizer has applied than the ledger records private
-        steps (``optimizer.iterations - dp_steps_taken``, at least 0). Each private step
-        applies one update; more come from outside it -- a `train_step` override applying
-        its own gradients, ``optimizer.apply_gradients`` in a custom loop (even of
-        `private_gradients`' noisy output) -- and epsilon does not cover them. `fit` and
-        `train_on_batch` refuse to train such a model, and check after their steps."""
+    def _update_counts(self) -> Tuple[int, int]:
+        """``(optimizer.iterations, dp_steps_taken)``: the baseline of
+        `_check_updates_recorded` (iterations 0 without an optimizer)."""
         iterations = getattr(getattr(self, "optimizer", None), "iterations", None)
-        if iterations is None:
-            return 0
-        return max(0, int(iterations.numpy()) - self.dp_steps_taken)
+        return (0 if iterations is None else int(iterations.numpy())), self.dp_steps_taken
 
-    def _check_updates_recorded(self, when: str):
-        """Raise a RuntimeError when the optimizer applied updates the ledger does not record
-        (`updates_outside_the_ledger`): an audit's `train_step` override taking plain steps
-        trained 30 of them under a Poisson pipeline with an epsilon of 0 reported, and one
-        calling ``super().train_step`` then applying its own gradients had half its
-        updates un-noised."""
-        outside = self.updates_outside_the_ledger
-        if outside:
+    def _check_updates_recorded(self, baseline: Tuple[int, int], when: str):
+        """Raise a RuntimeError when, since `baseline` (`_update_counts` taken when `fit` or
+        `train_on_batch` began), the optimizer applied more updates than the ledger recorded
+        private steps: each private step applies exactly one update, after its noisy
+        gradients, so any other came from outside it -- an audit's `train_step` override
+        taking plain steps trained 30 of them under a Poisson pipeline with an epsilon of 0
+        reported, and one calling ``super().train_step`` then applying its own gradients
+        had half its updates un-noised. Counted from the baseline, not from zero: an
+        optimizer may arrive with updates of its own (public pretraining, a reused
+        optimizer), which are not this model's private steps."""
+        iterations, steps = self._update_counts()
+        outside = (iterations - baseline[0]) - (steps - baseline[1])
+        if outside > 0:
             raise RuntimeError(
-                f"{when}, the optimizer has applied {outside} more updates than the privacy "
-                f"ledger records private steps ({self.dp_steps_taken}): gradients were applied "
+                f"{when}, the optimizer applied {outside} more updates than the privacy ledger "
+                f"recorded private steps ({steps - baseline[1]}): gradients were applied "
                 "outside lipdp's private step (a train_step override that applies its own "
-                "gradients or skips super().train_step, optimizer.apply_gradients in a custom "
-                "loop). Epsilon does not cover them, and these weights are not private. Train "
-                "with fit or train_on_batch only, and override train_step only around "
-                "super().train_step(data).")
+                "gradients or skips super().train_step). Epsilon does not cover them. "
+                "Override train_step only around super().train_step(data).")
 
     @property
     def privacy_ledger(self) -> PrivacyLedger:
@@ -525,12 +521,12 @@ class _DPModelMixin:
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
             warn_if_seeded()
             self._resume_ledger()
-            self._check_updates_recorded("Before this train_on_batch")
             self._warn_if_a_seeded_pipeline_is_behind()
             self._warn_once_that_batches_are_unchecked()
+        baseline = self._update_counts()
         result = super().train_on_batch(*args, **kwargs)
         self._note_ledger()
-        self._check_updates_recorded("After this train_on_batch")
+        self._check_updates_recorded(baseline, "In this train_on_batch")
         if kwargs.get("reset_metrics", args[4] if len(args) > 4 else True):
             # The returned values are this batch's; the state left would be saved by
             # `tf.keras.models.save_model` (which does not call `save`): training totals.
@@ -1038,10 +1034,7 @@ class _DPModelMixin:
         Not a training step: nothing is applied and nothing is recorded in the
         privacy ledger. Noisy gradients released from here (applied by your own
         loop) are outside the epsilon lipdp reports; train with `fit`,
-        `train_on_batch` or `train_step`, which record every step. Applied with the
-        model's own optimizer, they are updates outside the ledger
-        (`updates_outside_the_ledger`): `lipdp.accounting.epsilon_spent` warns, and
-        `fit` and `train_on_batch` refuse to train on.
+        `train_on_batch` or `train_step`, which record every step.
 
         Returns:
             ``(gradients, noisy_gradients, sensitivities, per_example_losses, y_pred)``,
@@ -1235,7 +1228,7 @@ class _DPModelMixin:
                 self._update_logit_clip(y, y_pred)
         # After the noisy gradients: a call that finds the iterator exhausted (a dataset of
         # unknown length) no longer counts an update, so optimizer.iterations follows the
-        # ledger step for step (`updates_outside_the_ledger`).
+        # ledger step for step (`_check_updates_recorded`).
         with tf.control_dependencies(noisy):
             self.optimizer.apply_gradients(zip(noisy, self.trainable_variables))
         self.project(self._bjorck_due())
@@ -1665,20 +1658,20 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
 class _NoteLedger(tf.keras.callbacks.Callback):
     """The ledger resumed before training (`_resume_ledger`: after any checkpoint was
     restored by a callback listed before), its high-water mark after every epoch and at
-    the end of training; before, after every epoch and at the end, no update applied
-    outside the ledger (`_check_updates_recorded`)."""
+    the end of training; after every epoch and at the end, no update applied outside the
+    ledger since training began (`_check_updates_recorded`)."""
 
     def on_train_begin(self, logs=None):
         self.model._resume_ledger()
-        self.model._check_updates_recorded("Before this fit")
+        self._baseline = self.model._update_counts()
 
     def on_epoch_end(self, epoch, logs=None):
         self.model._note_ledger()
-        self.model._check_updates_recorded(f"At the end of epoch {epoch + 1}")
+        self.model._check_updates_recorded(self._baseline, f"By the end of epoch {epoch + 1}")
 
     def on_train_end(self, logs=None):
         self.model._note_ledger()
-        self.model._check_updates_recorded("At the end of this fit")
+        self.model._check_updates_recorded(self._baseline, "In this fit")
 
 
 class _StartSampler(tf.keras.callbacks.Callback):
