@@ -264,6 +264,16 @@ def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,
     return None
 
 
+def holds_repeat(dataset: tf.data.Dataset) -> bool:
+    """Whether a ``repeat`` is on `dataset`'s chain of tf.data datasets (`repeated_pass`)."""
+    d = dataset
+    while d is not None:
+        if "Repeat" in type(d).__name__:
+            return True
+        d = getattr(d, "_input_dataset", None)
+    return False
+
+
 def _records_in_pass(dataset: tf.data.Dataset, batched: bool, limit: int) -> Optional[int]:
     """The records of one pass over `dataset` (batches: their rows), read; None as soon as
     more than `limit` were read."""

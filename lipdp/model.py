@@ -47,8 +47,8 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import _probe_batches, check_no_batch_coupling, leaf_layers
-from lipdp.data import (ShuffleSamplingWarning, repeated_pass, seeded_poisson_samplers,
-                        unshuffled_batching)
+from lipdp.data import (ShuffleSamplingWarning, holds_repeat, repeated_pass,
+                        seeded_poisson_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -169,13 +169,23 @@ def _numeric(array) -> bool:
     return np.issubdtype(array.dtype, np.number) or array.dtype == bool
 
 
+_MAX_VALIDATION_ROWS = 1_000_000  # read to compare with the training arrays, at most
+
+
 def _dataset_arrays(dataset: tf.data.Dataset):
-    """The ``(inputs, labels)`` arrays of a finite dataset of batches, read once; None for
-    an infinite or unknown-length dataset, or elements that are not such batches."""
-    if int(dataset.cardinality()) < 0:
+    """The ``(inputs, labels)`` arrays of a finite dataset of batches, read once (a dataset
+    of unknown length too: a ``filter`` hid the training arrays, an audit); None for an
+    infinite one, one of more than `_MAX_VALIDATION_ROWS` rows, or elements that are not
+    such batches."""
+    if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
         return None
     try:
-        batches = [tuple(element)[:2] for element in dataset.as_numpy_iterator()]
+        batches, rows = [], 0
+        for element in dataset.as_numpy_iterator():
+            batches.append(tuple(element)[:2])
+            rows += len(tf.nest.flatten(batches[-1])[0])
+            if rows > _MAX_VALIDATION_ROWS:
+                return None
         if not batches:
             return None
         return tuple(tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches))
@@ -1326,7 +1336,10 @@ class _DPModelMixin:
             if validate_data:
                 batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
                 check_finite_dataset(x, batches, dtype=self.compute_dtype)
-                if md.sampling == Sampling.SHUFFLE and getattr(x, "lipdp_sampler", None) is None:
+                # A repeated pipeline's pass is counted instead (`_check_repeated_pass`): a
+                # shuffle after the repeat mixes two passes in one epoch's batches.
+                if md.sampling == Sampling.SHUFFLE and getattr(x, "lipdp_sampler", None) is None \
+                        and not holds_repeat(x):
                     self._warn_on_repeated_records(records_in_a_pass(x, batches),
                                                    f"One epoch of the dataset ({batches} batches)")
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names, batches)
