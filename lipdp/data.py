@@ -1213,7 +1213,12 @@ def load_dataset(
                          f"{raw.input_shape}.")
     x_train, y_train = raw.x_train, raw.y_train
     if augmentation is not None:
+        # Also at the batch size (up to 1024): an augmentation that mixes only batches above
+        # 16 images passed the first probe alone (an audit).
         _check_augmentation_per_example(augmentation, x_train[:16])
+        if batch_size > 16:
+            _check_augmentation_per_example(augmentation, x_train[:min(batch_size, 1024)],
+                                            tries=4)
     if nb_samples_train is not None:
         if nb_samples_train > len(y_train):
             raise ValueError(

@@ -230,5 +230,20 @@ def load_and_prepare_data(
         dataset_name, batch_size, sampling="poisson", feature_map=colour_map,
         **bound_fct.load_dataset_keyword(), **load_dataset_kwargs)
     if augmentation_fct is not None:
+        _check_per_example(augmentation_fct, ds_test)
         ds_train = _augmented(ds_train, augmentation_fct, bound_fct)
     return ds_train, ds_test, metadata
+
+
+def _check_per_example(augmentation_fct, ds_test):
+    """`lipdp.data`'s probe of augmentations that mix the images of a batch, on
+    `augmentation_fct` applied example by example as `_augmented` applies it, over a batch of
+    test images (drawing a training batch would use up a draw of the Poisson sampler):
+    applied to each example alone, it can mix them only through state it keeps (an audit's
+    kept the previous image and averaged it in: 198 of 199 outputs mixed two records)."""
+    images, labels = next(iter(ds_test))
+
+    def per_example(batch):
+        return tf.map_fn(lambda image: augmentation_fct(image, labels[0])[0], batch)
+
+    data._check_augmentation_per_example(per_example, images.numpy()[:16])

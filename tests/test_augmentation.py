@@ -183,6 +183,17 @@ def test_an_augmentation_mixing_the_images_of_a_batch_is_refused(fashion_dir, au
             _load(fashion_dir, **options)
 
 
+def test_an_augmentation_mixing_only_large_batches_is_refused(fashion_dir):
+    """A mixup of batches above 16 images passed the probe batch of 16 (an audit): the
+    augmentation is also probed at the batch size (up to 1024)."""
+    def mix_large(images):
+        return tf.cond(tf.shape(images)[0] > 16, lambda: _mixup(images), lambda: images)
+
+    with pytest.raises(ValueError, match="does not transform each image on its own"):
+        lipdp.data.load_dataset("fashion_mnist", 32, bound_clip_value=X0, data_dir=fashion_dir,
+                                download=False, augmentation=mix_large)
+
+
 def test_metadata_round_trip_keeps_the_multiplicity(fashion_dir):
     _, _, metadata = _load(fashion_dir)
     again = lipdp.DatasetMetadata.from_config(metadata.get_config())

@@ -287,6 +287,27 @@ def test_augmentation_is_bounded_again(mnist):
     np.testing.assert_allclose(norms, 2.0, rtol=1e-5)  # every shifted image was clipped
 
 
+def test_a_paper_augmentation_mixing_examples_through_its_state_is_refused(mnist):
+    """`augmentation_fct` is applied example by example, but one keeping the previous image
+    in a variable averaged it into the next: 198 of 199 outputs mixed two training records,
+    and the pipeline kept its Poisson sampler, so fit saw nothing (an audit). Probed as
+    `load_dataset` probes its augmentations; a stateless one passes."""
+    from lipdp.pipeline import bound_clip_value, load_and_prepare_data
+
+    previous = tf.Variable(tf.zeros((28, 28, 1)))
+
+    def with_the_previous_image(x, y):
+        mixed = 0.5 * x + 0.5 * previous
+        with tf.control_dependencies([mixed]):
+            previous.assign(x)
+        return mixed, y
+
+    options = dict(bound_fct=bound_clip_value(2.0), nb_samples_train=100, seed=0)
+    with pytest.raises(ValueError, match="does not transform each image on its own"):
+        load_and_prepare_data("mnist", 50, augmentation_fct=with_the_previous_image, **options)
+    load_and_prepare_data("mnist", 50, augmentation_fct=lambda x, y: (1.0 - x, y), **options)
+
+
 def test_warnings_are_one_time(mnist):
     from lipdp.pipeline import PaperCompatibilityWarning, bound_normalize, load_and_prepare_data
 
