@@ -1031,6 +1031,8 @@ class BatchSampler:
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
         self.next_step = None
         self.started_at = 0  # the step of the first draw since construction or `start_at`
+        # id(model) -> the private steps that model trained on from this pipeline (`fit`).
+        self.steps_drawn_by = {}
         if sampling is Sampling.POISSON:
             if tf.distribute.has_strategy():
                 raise RuntimeError(

@@ -1689,16 +1689,36 @@ class _NoteLedger(tf.keras.callbacks.Callback):
 
 class _StartSampler(tf.keras.callbacks.Callback):
     """A `lipdp.data.BatchSampler` draws next the batch of the model's next private step
-    (``dp_steps_taken``, read after any checkpoint was restored)."""
+    (``dp_steps_taken``, read after any checkpoint was restored); warns when those draws
+    already served another model (the sampler's ``steps_drawn_by``): a second model fitted
+    on the same pipeline replayed the first one's batches exactly (an audit)."""
 
     def __init__(self, sampler):
         super().__init__()
         self.sampler = sampler
 
     def on_train_begin(self, logs=None):
+        if self.sampler is None:
+            return
+        start = self.model.dp_steps_taken
+        self.sampler.start_at(start)
+        self.model._samplers_seen.add(id(self.sampler))
+        replayed = max((steps for key, steps in self.sampler.steps_drawn_by.items()
+                        if key != id(self.model)), default=0)
+        if self.sampler.next_step is not None and replayed > start:
+            warnings.warn(ShuffleSamplingWarning(
+                f"This pipeline's Poisson draws of steps {start} to {replayed - 1} already "
+                "served another model's training: this model trains on the same batches. Each "
+                "model's epsilon holds alone, but releasing both is not covered by composing "
+                "them (their samplings are the same, not independent). Build a new pipeline "
+                "(lipdp.data.load_dataset again, a fresh secret seed) for each model."),
+                stacklevel=2)
+
+    def on_train_end(self, logs=None):
         if self.sampler is not None:
-            self.sampler.start_at(self.model.dp_steps_taken)
-            self.model._samplers_seen.add(id(self.sampler))
+            key = id(self.model)
+            self.sampler.steps_drawn_by[key] = max(self.sampler.steps_drawn_by.get(key, 0),
+                                                   self.model.dp_steps_taken)
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")

@@ -237,6 +237,27 @@ def test_fit_continues_the_sampler_at_the_model_step(tmp_path):
     assert int(again.lipdp_sampler.next_step.numpy()) == 2 * steps
 
 
+def test_a_second_model_fitted_on_the_same_pipeline_is_warned_of_the_replayed_draws():
+    """fit starts the sampler at the model's own step: a second model fitted on the pipeline
+    a first one trained on replayed its batches exactly (an audit: 15 of 15 batches), and the
+    pair's privacy is not the composition of their epsilons. fit warns, naming the steps; a
+    model continuing on its own pipeline, or a new pipeline, does not."""
+    import warnings
+
+    ds, _, metadata = lipdp.data.load_dataset("digits", 256, bound_clip_value=8.0)
+    first = _digits_model(metadata)
+    first.fit(ds, epochs=1, verbose=0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first.fit(ds, epochs=1, verbose=0)
+        _digits_model(metadata).fit(
+            lipdp.data.load_dataset("digits", 256, bound_clip_value=8.0)[0], epochs=1,
+            verbose=0)
+    assert not [w for w in record if "already served another model" in str(w.message)]
+    with pytest.warns(UserWarning, match="draws of steps 0 to 11 already served another"):
+        _digits_model(metadata).fit(ds, epochs=1, verbose=0)
+
+
 def test_train_on_batch_warns_when_a_seeded_pipeline_would_replay_earlier_draws():
     """A resumed custom loop: a model that took a first epoch's steps, then train_on_batch on
     a new pipeline of the same explicit seed, not started at the model's step (fit starts
