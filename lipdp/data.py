@@ -235,17 +235,12 @@ def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,
     were read. No verdict (None) for an infinite pass (a repeat inside the repeat), a pass
     holding a `load_dataset` Poisson pipeline (random sizes: its sampler keeps the rate),
     or without `count_limit` a pass of unknown size."""
-    def chain(d):
-        while d is not None:
-            yield d
-            d = getattr(d, "_input_dataset", None)
-
-    for d in chain(dataset):
+    for d in _chain(dataset):
         if "Repeat" not in type(d).__name__:
             continue
         inner = getattr(d, "_input_dataset", None)
         if inner is None or any(getattr(below, "lipdp_sampler", None) is not None
-                                for below in chain(inner)):
+                                for below in _chain(inner)):
             return None
         size = int(inner.cardinality())
         if size == tf.data.INFINITE_CARDINALITY:
@@ -259,19 +254,22 @@ def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,
             return "records", _records_in_pass(inner, batched, count_limit)
         if size < 0:
             return None
-        batched = any("Batch" in type(below).__name__ for below in chain(inner))
+        batched = any("Batch" in type(below).__name__ for below in _chain(inner))
         return ("batches" if batched else "records"), size
     return None
 
 
+def _chain(dataset: tf.data.Dataset):
+    """`dataset`, then the dataset it was built from (tf.data's ``_input_dataset``), and so
+    on down to the source."""
+    while dataset is not None:
+        yield dataset
+        dataset = getattr(dataset, "_input_dataset", None)
+
+
 def holds_repeat(dataset: tf.data.Dataset) -> bool:
     """Whether a ``repeat`` is on `dataset`'s chain of tf.data datasets (`repeated_pass`)."""
-    d = dataset
-    while d is not None:
-        if "Repeat" in type(d).__name__:
-            return True
-        d = getattr(d, "_input_dataset", None)
-    return False
+    return any("Repeat" in type(d).__name__ for d in _chain(dataset))
 
 
 def _records_in_pass(dataset: tf.data.Dataset, batched: bool, limit: int) -> Optional[int]:
