@@ -33,6 +33,8 @@ from typing import List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from lipdp.clipping.engine import finite_rows
+
 __all__ = ["NonFiniteRecordError", "OutOfRangeIdError", "check_finite_arrays",
            "check_finite_dataset", "check_ids_in_range", "check_sparse_labels",
            "embedding_id_limits", "into_range", "records_in_a_pass", "records_in_arrays",
@@ -127,20 +129,10 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
     Raises:
         NonFiniteRecordError: listing ``batch b, row r`` of the records that are not.
     """
-    dtype = tf.as_dtype(dtype)
-
-    def finite_rows(t):
-        flags = tf.math.is_finite(t)
-        if t.dtype.max > dtype.max:  # a cast to dtype can overflow
-            flags &= tf.abs(tf.where(flags, t, tf.zeros_like(t))) <= dtype.max
-        return tf.reduce_all(tf.reshape(flags, (tf.shape(t)[0], -1)), axis=1)
-
-    def row_flags(*element):
-        flags = [finite_rows(t) for t in tf.nest.flatten(element)
-                 if t.dtype.is_floating and t.shape.rank != 0]
-        if not flags:
-            return tf.ones(tf.shape(tf.nest.flatten(element)[0])[:1], tf.bool)
-        return tf.reduce_all(tf.stack(flags), axis=0)
+    def row_flags(*element):  # the private step's own test (`finite_rows`), scalars aside
+        tensors = tf.nest.flatten(element)
+        flags = finite_rows([t for t in tensors if t.shape.rank != 0], dtype)
+        return tf.ones(tf.shape(tensors[0])[:1], tf.bool) if flags is None else flags
 
     _check_dataset_rows(dataset.map(row_flags), max_batches, _refuse)
 
