@@ -63,8 +63,7 @@ from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, war
 from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_ids_in_range, check_sparse_labels, embedding_id_limits,
-                           into_range, realigned, records_in_a_pass, records_in_arrays,
-                           sparse_label_classes)
+                           into_range, realigned, records_in_arrays, sparse_label_classes)
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
 
 
@@ -1335,13 +1334,15 @@ class _DPModelMixin:
             self._check_pipeline_sampler(x)
             if validate_data:
                 batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
-                check_finite_dataset(x, batches, dtype=self.compute_dtype)
-                # A repeated pipeline's pass is counted instead (`_check_repeated_pass`): a
-                # shuffle after the repeat mixes two passes in one epoch's batches.
-                if md.sampling == Sampling.SHUFFLE and getattr(x, "lipdp_sampler", None) is None \
-                        and not holds_repeat(x):
-                    self._warn_on_repeated_records(records_in_a_pass(x, batches),
-                                                   f"One epoch of the dataset ({batches} batches)")
+                # Copies counted in the same pass, under shuffle sampling; a repeated
+                # pipeline's pass is counted instead (`_check_repeated_pass`): a shuffle after
+                # the repeat mixes two passes in one epoch's batches.
+                count = md.sampling == Sampling.SHUFFLE and \
+                    getattr(x, "lipdp_sampler", None) is None and not holds_repeat(x)
+                counted = check_finite_dataset(x, batches, dtype=self.compute_dtype,
+                                               count_records=count)
+                self._warn_on_repeated_records(counted,
+                                               f"One epoch of the dataset ({batches} batches)")
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names, batches)
                 check_sparse_labels(x, None, sparse_label_classes(self, self.dp_loss), batches)
         elif x is not None:
@@ -1510,7 +1511,7 @@ class _DPModelMixin:
     def _warn_on_repeated_records(self, counted, source: str):
         """Each record enters one batch an epoch under shuffle sampling (and Keras' cut of
         arrays), which the accountant assumes: warn when one epoch holds some record more
-        than once (``counted = (records, distinct)``: `lipdp.records.records_in_a_pass`,
+        than once (``counted = (records, distinct)``: `lipdp.records.check_finite_dataset`,
         `records_in_arrays`). ``h.concatenate(h)`` of 32 records under metadata of 64, or the
         arrays concatenated with themselves, ran silently at twice the accountant's rate
         (audits: epsilon 1.67 reported for 3.40, 7.39 for 13.16). A warning, not a refusal:

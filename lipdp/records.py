@@ -37,7 +37,7 @@ from lipdp.clipping.engine import finite_rows
 
 __all__ = ["NonFiniteRecordError", "OutOfRangeIdError", "check_finite_arrays",
            "check_finite_dataset", "check_ids_in_range", "check_sparse_labels",
-           "embedding_id_limits", "into_range", "records_in_a_pass", "records_in_arrays",
+           "embedding_id_limits", "into_range", "records_in_arrays", "row_fingerprints",
            "sparse_label_classes"]
 
 _SHOWN = 10  # positions listed in the error message
@@ -80,17 +80,24 @@ def _check_rows(flags, refuse) -> None:
                [str(i) for i in np.flatnonzero(~good)], len(good))
 
 
-def _check_dataset_rows(checked, max_batches, refuse) -> None:
+def _check_dataset_rows(checked, max_batches, refuse, fingerprinted=False):
     """`refuse` the rows that are False in one pass over `checked` (a dataset of per-row
-    flags, at most `max_batches` batches)."""
+    flags, at most `max_batches` batches); with `fingerprinted`, of ``(flags, row
+    fingerprints)`` pairs, and the pass's fingerprints are returned (None otherwise)."""
     if max_batches is not None:
         checked = checked.take(max_batches)
-    bad, total = [], 0
-    for index, good in enumerate(checked.as_numpy_iterator()):
+    bad, total, fingerprints = [], 0, []
+    for index, element in enumerate(checked.as_numpy_iterator()):
+        good = element[0] if fingerprinted else element
+        if fingerprinted:
+            fingerprints.append(element[1])
         bad += [f"batch {index} row {row}" for row in np.flatnonzero(~good)]
         total += len(good)
     if bad:
         refuse("by position in one pass over the dataset", bad, total)
+    if fingerprinted:
+        return np.concatenate(fingerprints) if fingerprints else np.zeros(0, np.int64)
+    return None
 
 
 def _refuse(where: str, bad: List[str], total: int):
@@ -115,7 +122,8 @@ def check_finite_arrays(x, y=None, dtype="float32") -> None:
 
 
 def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = None,
-                         dtype="float32") -> None:
+                         dtype="float32", count_records: bool = False
+                         ) -> Optional[Tuple[int, int]]:
     """Every record of one pass over `dataset` (at most `max_batches` batches) is finite,
     also once cast to `dtype` (the model's compute dtype).
 
@@ -126,6 +134,13 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
     (`lipdp.data.load_dataset` reads 8-bit images or scikit-learn's tables,
     which are finite, and bounds them without dividing by zero.)
 
+    Returns:
+        With `count_records`, ``(records, distinct)``, counted in the same pass: the
+        records it yields and how many of them differ from each other, byte for byte
+        (`row_fingerprints`: a collision among a million records has probability about
+        3e-8); None without it, or when the elements are not dense batches (ragged,
+        sparse, scalars).
+
     Raises:
         NonFiniteRecordError: listing ``batch b, row r`` of the records that are not.
     """
@@ -134,41 +149,30 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
         flags = finite_rows([t for t in tensors if t.shape.rank != 0], dtype)
         return tf.ones(tf.shape(tensors[0])[:1], tf.bool) if flags is None else flags
 
-    _check_dataset_rows(dataset.map(row_flags), max_batches, _refuse)
+    spec = tf.nest.flatten(dataset.element_spec)
+    counted = count_records and bool(spec) and all(
+        isinstance(s, tf.TensorSpec) and s.shape.rank not in (None, 0) for s in spec)
+    checked = dataset.map(
+        (lambda *element: (row_flags(*element), row_fingerprints(tf.nest.flatten(element))))
+        if counted else row_flags)
+    values = _check_dataset_rows(checked, max_batches, _refuse, fingerprinted=counted)
+    return (len(values), len(np.unique(values))) if counted else None
 
 
-def _row_fingerprints(tensors) -> tf.Tensor:
+def row_fingerprints(tensors) -> tf.Tensor:
     """One int64 per row (first axis) of the tensors together: `tf.fingerprint` (64-bit
     farmhash of each row's bytes) of each, fingerprinted again side by side."""
     rows = [tf.fingerprint(t) for t in tensors]
     return tf.bitcast(tf.fingerprint(tf.concat(rows, axis=1)), tf.int64)
 
 
-def records_in_a_pass(dataset: tf.data.Dataset,
-                      max_batches: Optional[int] = None) -> Optional[Tuple[int, int]]:
-    """``(records, distinct)``: the records one pass over `dataset` (at most `max_batches`
-    batches of ``(x, y)``) yields, and how many of them differ from each other, byte for
-    byte (`_row_fingerprints`: a collision among a million records has probability about
-    3e-8). None when the elements are not dense batches (ragged, sparse, scalars)."""
-    spec = tf.nest.flatten(dataset.element_spec)
-    if not spec or any(not isinstance(s, tf.TensorSpec) or s.shape.rank in (None, 0)
-                       for s in spec):
-        return None
-    if max_batches is not None:
-        dataset = dataset.take(max_batches)
-    batches = dataset.map(lambda *element: _row_fingerprints(tf.nest.flatten(element)))
-    seen = list(batches.as_numpy_iterator())
-    values = np.concatenate(seen) if seen else np.zeros(0, np.int64)
-    return len(values), len(np.unique(values))
-
-
 def records_in_arrays(x, y=None) -> Optional[Tuple[int, int]]:
     """``(records, distinct)`` of the arrays (or nested structures of arrays) `x` and `y`,
-    as `records_in_a_pass` counts them; None for arrays without a common first axis."""
+    as `check_finite_dataset` counts a pass; None for arrays without a common first axis."""
     arrays = [np.asarray(a) for a in tf.nest.flatten((x, y)) if a is not None]
     if not arrays or any(a.ndim == 0 or len(a) != len(arrays[0]) for a in arrays):
         return None
-    values = _row_fingerprints([tf.constant(a) for a in arrays]).numpy()
+    values = row_fingerprints([tf.constant(a) for a in arrays]).numpy()
     return len(values), len(np.unique(values))
 
 
