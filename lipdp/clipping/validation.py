@@ -266,8 +266,9 @@ def _training_mode_without_draws(model, batch, forward):
 
 def _probe(model: tf.keras.Model) -> None:
     """The behavioural half of `check_no_batch_coupling` (its docstring)."""
+    # Every variable is compared, trainable ones too: a layer may assign its weights from
+    # the batch.
     variables = list({v.ref(): v for v in model.variables}.values())
-    state = variables  # trainable ones too: a layer may assign its weights from the batch
     owner: Dict[object, tf.keras.layers.Layer] = {}
     for layer in _all_layers(model):  # parents first: the deepest layer holding v wins
         for v in layer.weights:
@@ -278,7 +279,7 @@ def _probe(model: tf.keras.Model) -> None:
         variable is restored afterwards."""
         with _restored(variables):
             outputs = [np.array(t) for t in tf.nest.flatten(model(inputs, training=training))]
-            return outputs, [v.numpy() for v in state]
+            return outputs, [v.numpy() for v in variables]
 
     a, b = _probe_batches(model)
     outputs_a, state_a = forward(a, True)
@@ -292,19 +293,17 @@ def _probe(model: tf.keras.Model) -> None:
                 else contextlib.nullcontext())
 
     states = [forward(b, True)[1]]
-    if state:  # also a state written only from unusual records (NaN seen, a largest value)
+    if variables:  # also a state written only from unusual records (NaN seen, a largest value)
         for _, changed, mark in marked:
             try:
                 with marking(mark):
                     states.append(forward(changed, True)[1])
             except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
                 continue
-    for v, value_a, *values in zip(state, state_a, *states):
+    for v, value_a, *values in zip(variables, state_a, *states):
         if any(_differs(value_a, value) for value in values):
-            layer = owner.get(v.ref())
-            where = f"layer '{layer.name}' ({type(layer).__name__})" if layer else "the model"
             raise BatchCouplingError(
-                f"The variable '{v.name}' of {where} takes a value that depends "
+                f"The variable '{v.name}' of {_holder(owner, v)} takes a value that depends "
                 "on the input data in a training-mode forward pass (moving statistics, a "
                 "running average of the inputs): the training data is written into it "
                 "without noise and released with the model, outside the privacy guarantee. "
@@ -349,14 +348,19 @@ def _refuse_backward_state(probe, variables, state_a, state_p, owner):
     differs from its value after the first batch's: the backward pass writes the data."""
     for v, value_a, value_p in zip(variables, state_a, state_p):
         if _differs(value_a, value_p):
-            layer = owner.get(v.ref())
-            where = f"layer '{layer.name}' ({type(layer).__name__})" if layer else "the model"
             raise BatchCouplingError(
-                f"The variable '{v.name}' of {where} takes a value that depends on the input "
-                f"data in a training-mode backward pass ({probe}): a custom gradient records "
-                "its cotangents (a running maximum, a norm) into it, writing the training "
-                "data into the model without noise, outside the privacy guarantee. Remove "
-                "that state.")
+                f"The variable '{v.name}' of {_holder(owner, v)} takes a value that depends on "
+                f"the input data in a training-mode backward pass ({probe}): a custom gradient "
+                "records its cotangents (a running maximum, a norm) into it, writing the "
+                "training data into the model without noise, outside the privacy guarantee. "
+                "Remove that state.")
+
+
+def _holder(owner, variable) -> str:
+    """``layer 'name' (Class)`` of the layer `owner` (``variable.ref() -> layer``) names for
+    `variable`, or ``the model``."""
+    layer = owner.get(variable.ref())
+    return f"layer '{layer.name}' ({type(layer).__name__})" if layer else "the model"
 
 
 def _output_cotangents(model, batch, training, held, variables):
