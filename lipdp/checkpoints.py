@@ -33,6 +33,7 @@ import time
 import tensorflow as tf
 
 from lipdp.ledger import LedgerMismatchError
+from lipdp.reports import atomic_write
 
 __all__ = ["BackupAndRestore", "FinishedTraining", "LedgerMismatchError", "check_resume",
            "finished_training", "load_model", "save_model_atomically"]
@@ -103,10 +104,8 @@ class FinishedTraining(tf.keras.callbacks.Callback):
         os.makedirs(self.folder, exist_ok=True)
         record = {"epoch": self.epoch, "history": self.history,
                   "train_seconds": time.perf_counter() - self._start}
-        handle, temporary = tempfile.mkstemp(prefix=".history.", dir=self.folder)
-        with os.fdopen(handle, "w") as f:
-            json.dump(record, f)
-        os.replace(temporary, os.path.join(self.folder, self.HISTORY))
+        atomic_write(os.path.join(self.folder, self.HISTORY),
+                     lambda f: f.write(json.dumps(record).encode()))
         # Last: its checkpoint index, written after the weights' files, marks a whole record.
         self.model.save_weights(os.path.join(self.folder, "weights"))
 
