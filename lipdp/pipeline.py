@@ -156,13 +156,19 @@ def _largest_norm(colorspace: str, input_shape) -> float:
     return gain * math.sqrt(float(np.prod(input_shape)))
 
 
+def _each_example(augmentation_fct, x, y):
+    """The paper-style per-example ``augmentation_fct(x, y) -> (x, y)`` applied to each
+    example of the batch ``(x, y)``."""
+    return tf.map_fn(lambda pair: augmentation_fct(*pair), (x, y),
+                     fn_output_signature=(tf.TensorSpec(x.shape[1:], x.dtype),
+                                          tf.TensorSpec(y.shape[1:], y.dtype)))
+
+
 def _augmented(ds, augmentation_fct, bound: InputBound):
-    """Applies the paper-style per-example ``augmentation_fct(x, y) -> (x, y)`` to every
-    training batch, then the input bound again (an augmentation may leave the ball)."""
+    """Applies `augmentation_fct` to every example of every training batch
+    (`_each_example`), then the input bound again (an augmentation may leave the ball)."""
     def augment_batch(x, y):
-        x, y = tf.map_fn(lambda pair: augmentation_fct(*pair), (x, y),
-                         fn_output_signature=(tf.TensorSpec(x.shape[1:], x.dtype),
-                                              tf.TensorSpec(y.shape[1:], y.dtype)))
+        x, y = _each_example(augmentation_fct, x, y)
         return bound.apply_batch(x), y
 
     augmented = ds.map(augment_batch, num_parallel_calls=tf.data.AUTOTUNE)
@@ -237,13 +243,12 @@ def load_and_prepare_data(
 
 def _check_per_example(augmentation_fct, ds_test):
     """`lipdp.data`'s probe of augmentations that mix the images of a batch, on
-    `augmentation_fct` applied example by example as `_augmented` applies it, over a batch of
-    test images (drawing a training batch would use up a draw of the Poisson sampler):
-    applied to each example alone, it can mix them only through state it keeps (an audit's
-    kept the previous image and averaged it in: 198 of 199 outputs mixed two records)."""
+    `augmentation_fct` applied example by example as `_augmented` applies it
+    (`_each_example`), over a batch of test images (drawing a training batch would use up a
+    draw of the Poisson sampler): applied to each example alone, it can mix them only
+    through state it keeps (an audit's kept the previous image and averaged it in: 198 of
+    199 outputs mixed two records)."""
     images, labels = next(iter(ds_test))
-
-    def per_example(batch):
-        return tf.map_fn(lambda image: augmentation_fct(image, labels[0])[0], batch)
-
-    data._check_augmentation_per_example(per_example, images.numpy()[:16])
+    labels = labels[:16]
+    data._check_augmentation_per_example(
+        lambda batch: _each_example(augmentation_fct, batch, labels)[0], images.numpy()[:16])
