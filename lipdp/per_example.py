@@ -71,13 +71,63 @@ def map_examples(one: Callable, elems, sequential: bool = False):
     signature read from a trace of `one` in a graph of its own (no op of that trace
     enters the caller's graph)."""
     if not sequential:
-        return tf.vectorized_map(one, elems)
-    element = tf.nest.map_structure(
-        lambda t: tf.TensorSpec(tf.convert_to_tensor(t).shape[1:], t.dtype), elems)
-    traced = tf.function(one, autograph=False).get_concrete_function(element)
+        try:
+            return tf.vectorized_map(one, elems)
+        except ValueError as error:
+            writes = _variable_writes(_traced_alone(one, elems))
+            if not writes:
+                raise
+            raise ValueError(
+                "Per-example gradients run each example through the layers alone, inside "
+                "tf.vectorized_map, which cannot run a variable write per example; these "
+                f"calls write variables in training mode: {', '.join(writes)}. "
+                "deel-lip's SpectralDense and SpectralConv2D update their power-iteration "
+                "vectors in every training call: use lipdp's layers (lipdp.layers."
+                "DP_SpectralDense, DP_SpectralConv2D project after the step instead), or "
+                "layers whose call writes no variable.") from error
+    traced = _traced_alone(one, elems)
     signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
                                       traced.structured_outputs)
     return tf.map_fn(one, elems, fn_output_signature=signature)
+
+
+def _traced_alone(one: Callable, elems) -> tf.types.experimental.ConcreteFunction:
+    """`one` traced on a single example of `elems` in a graph of its own (nothing it creates
+    enters the caller's graph, nothing of it runs)."""
+    element = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(tf.convert_to_tensor(t).shape[1:], t.dtype), elems)
+    return tf.function(one, autograph=False).get_concrete_function(element)
+
+
+_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+
+
+def _variable_writes(traced: tf.types.experimental.ConcreteFunction) -> List[str]:
+    """The name scopes (the layers' paths, e.g. ``sequential/spectral_dense``) of the
+    operations of `traced` that assign or scatter into a variable, directly or in a function
+    they call (a layer's traced call, a loop's body)."""
+    graph = traced.graph.as_graph_def()
+    bodies = {f.signature.name: f.node_def for f in graph.library.function}
+    known: Dict[str, bool] = {}
+
+    def called(node):
+        for value in node.attr.values():
+            yield from ([value.func.name] if value.func.name else [])
+            yield from (f.name for f in value.list.func)
+
+    def writes(node) -> bool:
+        if node.op in _WRITES or node.op.startswith("ResourceScatter"):
+            return True
+        for name in called(node):
+            if name not in known:
+                known[name] = False  # a recursive reference adds no write
+                known[name] = any(writes(n) for n in bodies.get(name, ()))
+            if known[name]:
+                return True
+        return False
+
+    return sorted({node.name.rpartition("/")[0] or node.name
+                   for node in graph.node if writes(node)})
 
 
 def per_example_gradient_norms(gradients: Sequence[tf.Tensor]) -> List[tf.Tensor]:

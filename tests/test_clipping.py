@@ -193,6 +193,22 @@ def test_a_layer_with_python_control_flow_on_tensors_trains_in_every_engine(engi
                              "flat", engine, CCE, x, y, shape=(6,))
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_layer_writing_variables_in_its_call_is_named_in_a_clear_error(engine):
+    """deel-lip's SpectralDense assigns its power-iteration vectors in every training call,
+    which tf.vectorized_map cannot run per example: every engine failed with pfor's
+    "Attempting to slice scalar input" (an audit, 2026-12-05). The error now names the
+    layers whose call writes and what to use instead."""
+    from deel.lip.layers import SpectralDense
+
+    model = _compiled(lambda: [L.Input((6,)), SpectralDense(5, name="raw_spectral"),
+                               L.Dense(4)], "flat", engine, CCE, shape=(6,))
+    x, y = _data(4, shape=(6,), seed=5)
+    with pytest.raises(ValueError, match=r"write variables in training mode: \S*raw_spectral"
+                                         r".*lipdp.layers.DP_SpectralDense"):
+        tf.function(model.private_gradients)(x, y)
+
+
 def _sequence_layers():
     inputs = L.Input((5,), dtype="int32")
     h = L.Embedding(4, 3)(inputs)

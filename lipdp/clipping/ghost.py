@@ -323,7 +323,7 @@ def _replayed_gradients(layer, call: _Call, cotangents: List[tf.Tensor],
     def one(example):
         inputs, cts = example
         inputs = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), inputs)
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, tf.name_scope(layer.name):  # names it in errors
             outputs = tf.nest.flatten(layer.call(inputs, *call.args, **call.kwargs))
         grads = tape.gradient(outputs, variables,
                               output_gradients=[tf.expand_dims(c, 0) for c in cts],
