@@ -77,6 +77,7 @@ def dp_layers(model) -> List[DPLayer]:
         ValueError: the first layer is not `DP_BoundedInput` (inputs unbounded) or
             the layers do not form a chain.
     """
+    _check_graph_call(model)
     layers = [layer for layer in model.layers if not isinstance(layer, tf.keras.layers.InputLayer)]
     if not layers:
         raise ValueError("The model has no layers.")
@@ -94,6 +95,22 @@ def dp_layers(model) -> List[DPLayer]:
     _check_called_once(model, layers)
     check_single_use(layers)
     return layers
+
+
+def _check_graph_call(model):
+    """The bounds and certificates follow the model's layer graph: its `call` must be Keras'
+    functional or Sequential call, which computes that graph and nothing else. A subclass
+    whose own `call` divided the output by 0.01 compiled and trained with exact per-example
+    gradients 100x the bound (an audit, 2026-12-05)."""
+    from keras.src.engine.functional import Functional
+
+    if type(model).call not in (Functional.call, tf.keras.Sequential.call):
+        raise ValueError(
+            f"Model '{model.name}' ({type(model).__name__}) computes its outputs with a `call` "
+            "of its own, but the bounds and certificates follow its layer graph (inputs to "
+            "outputs, as Keras' functional and Sequential models call it): whatever that "
+            "`call` adds is outside every bound. Build the computation from DP layers in the "
+            "graph instead.")
 
 
 def _check_called_once(model, layers):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import warnings
 from typing import Optional, Tuple
 
@@ -704,19 +705,26 @@ class _DPModelMixin:
                 self._dp_ledger.assign(rows)
 
     def _check_compiled(self):
-        """The compiled mechanism must still be the model's: parameters, metadata and
-        trainable variables unchanged since `compile`."""
+        """The compiled mechanism must still be the model's: parameters, metadata, trainable
+        variables, the DP loss (the object and its configuration) and every layer's
+        configuration unchanged since `compile`. The loss's constant L is read at compile and
+        the layers' and loss's attributes when the step is traced: a DP_BoundedInput's
+        `upper_bound` lowered after build shrank the bound 10x while inputs were still
+        clipped at the old radius, a DP_MulticlassHKR's alpha raised from 1 to 50 or
+        `model.dp_loss` replaced trained under the compiled L (exact per-example norms 8.7x
+        to 25x the bound; an audit, 2026-12-05)."""
         if self._step_mechanism is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
-        parameters, metadata, variables = self._compiled_state
+        parameters, metadata, variables, configuration = self._compiled_state
         changed = [name for name, now, then in [
             ("dp_parameters", self.dp_parameters, parameters),
             ("dataset_metadata", self.dataset_metadata, metadata),
             ("trainable variables", [v.ref() for v in self.trainable_variables], variables)]
             if now != then]
+        changed += _changed_configuration(configuration, _configuration(self))
         if changed:
             raise RuntimeError(
-                f"The model's {' and '.join(changed)} changed since it was compiled: call "
+                f"Changed since the model was compiled: {'; '.join(changed)}. Call "
                 "`compile` again before training, so that the train step and the privacy "
                 "ledger use the new mechanism (the steps already taken stay accounted with "
                 "the mechanism they ran).")
@@ -774,7 +782,8 @@ class _DPModelMixin:
         self._private_logs_only = private_logs_only
         self._bjorck_every = bjorck_every
         self._compiled_state = (self.dp_parameters, self.dataset_metadata,
-                                [v.ref() for v in self.trainable_variables])
+                                [v.ref() for v in self.trainable_variables],
+                                _configuration(self))
         self._step_mechanism = StepMechanism.of(self.dp_parameters, self.dataset_metadata,
                                                 len(self.trainable_variables))
         self._step_views = self.dataset_metadata.augmentation_multiplicity
@@ -1614,6 +1623,50 @@ def _label_spec(x, y):
             or not spec.shape[1:].is_fully_defined():
         return None
     return spec
+
+
+def _configuration(model) -> dict:
+    """``{what: (identity, configuration)}`` of what else fixes the traced step: the DP loss
+    and every layer at any depth (``configuration`` the entries of its `get_config` that are
+    numbers, strings or lists of them, as JSON; None where the object has no configuration).
+    Nested objects (initializers, regularizers) are left out: they act at build, and Keras
+    serialises them differently inside a legacy HDF5 load. Read eagerly, also while the step
+    is traced (a deel-lip loss's `tau` is a variable)."""
+    def plain(value):
+        if isinstance(value, (list, tuple)):
+            return all(plain(v) for v in value)
+        return value is None or isinstance(value, (bool, int, float, str, np.generic))
+
+    def described(obj):
+        try:
+            with tf.init_scope():
+                config = obj.get_config()
+        except (AttributeError, NotImplementedError, TypeError):
+            return id(obj), None
+        kept = {key: value for key, value in config.items() if plain(value)}
+        return id(obj), json.dumps(kept, sort_keys=True, default=lambda v: v.item())
+
+    layers = {f"the configuration of layer '{layer.name}'": described(layer)
+              for layer in model._flatten_layers(include_self=False, recursive=True)
+              if not isinstance(layer, tf.keras.layers.InputLayer)}  # Sequential remakes it
+    return {"the DP loss": described(model.dp_loss), **layers}
+
+
+def _changed_configuration(then: dict, now: dict) -> list:
+    """What of `_configuration` differs, each with the configuration keys that changed."""
+    changed = []
+    for what in sorted(set(then) | set(now)):
+        before, after = then.get(what), now.get(what)
+        if before == after:
+            continue
+        detail = ""
+        if before is None or after is None or before[0] != after[0]:
+            detail = " (another object)"
+        elif None not in (before[1], after[1]):
+            old, new = json.loads(before[1]), json.loads(after[1])
+            detail = f" ({', '.join(sorted(k for k in {*old, *new} if old.get(k) != new.get(k)))})"
+        changed.append(what + detail)
+    return changed
 
 
 class _EpochSizeCheck(tf.keras.callbacks.Callback):

@@ -19,8 +19,10 @@ from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 
 import lipdp
 from lipdp import accounting
+from lipdp.bounds import gradient_bounds
 from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
 from lipdp.losses import DP_TauCategoricalCrossentropy
+from tests._soundness import adversarial_inputs, assert_within_bounds, per_example_gradient_norms
 
 N, DIM, K, DELTA = 64, 6, 3, 1e-5
 AGREEMENT = 1e-7  # lipdp vs dp_accounting at the same orders (see module docstring)
@@ -140,6 +142,52 @@ def test_changes_after_compile_need_a_new_compile(change):
     assert steps == (5 if change == "freeze a layer" else 4)
     _assert_agrees(accounting.epsilon_spent(model),
                    _reference([(1.0 / math.sqrt(6), 0.25, steps)]))
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("change", ["input bound", "loss parameter", "loss replaced"])
+def test_a_changed_input_bound_or_loss_needs_a_new_compile(change, traced):
+    """The loss's constant L is read at compile, the layers' and loss's attributes when the
+    step is traced (first, or again for a batch of another size): an input bound lowered
+    10x, a DP_MulticlassHKR's alpha raised from 1 to 50, or `model.dp_loss` replaced after
+    compile trained against the old bound (exact per-example norms 8.7x to 25x the bound,
+    an audit): fit and train_on_batch refuse until the model is compiled again, before or
+    after the step was first traced."""
+    model = _model()
+    model.compile(loss=lipdp.losses.DP_MulticlassHKR(alpha=1.0),
+                  optimizer=tf.keras.optimizers.SGD(0.01))
+    x, y = _data()
+    if traced:
+        model.fit(x, y, epochs=1, verbose=0)
+    if change == "input bound":
+        model.layers[0].upper_bound = 0.2
+    elif change == "loss parameter":
+        model.dp_loss.alpha = 50.0
+    else:
+        model.dp_loss = lipdp.losses.DP_MulticlassHKR(alpha=50.0)
+    what = {"input bound": r"the configuration of layer 'dp__bounded_input\S*' \(upper_bound\)",
+            "loss parameter": r"the DP loss \(alpha\)",
+            "loss replaced": r"the DP loss \(another object\)"}[change]
+    with pytest.raises(RuntimeError, match=f"Changed since the model was compiled: {what}"):
+        model.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(RuntimeError, match=what):
+        model.train_on_batch(x[:8], y[:8])  # another batch size: a new trace
+    assert model.dp_steps_taken == (4 if traced else 0)
+
+
+def test_a_recompiled_input_bound_clips_and_bounds_at_the_new_radius():
+    """DP_BoundedInput clips at the radius of its current `upper_bound`, which its bound pass
+    reads too: a radius fixed at build kept clipping at 2.0 a bound lowered to 0.2 (exact
+    per-example norms above the bound, compiled again or not)."""
+    model = _model()
+    model.layers[0].upper_bound = 0.2
+    _compile(model)
+    rng = np.random.default_rng(3)
+    x = adversarial_inputs(rng, (DIM,), 2.0)
+    y = np.eye(K, dtype="float32")[rng.integers(0, K, len(x))]
+    norms = per_example_gradient_norms(model, DP_TauCategoricalCrossentropy(3.0), x, y)
+    assert_within_bounds(norms, gradient_bounds(model), "upper_bound lowered to 0.2")
+    assert np.max(np.linalg.norm(model.layers[0](x), axis=1)) <= 0.2
 
 
 def test_a_compile_that_never_trains_leaves_no_segment_and_same_parameters_continue():

@@ -12,7 +12,7 @@ from lipdp.layers import DP_BoundedInput, DP_Flatten, DP_QuickSpectralConv2D, DP
 from lipdp.losses import (DP_MulticlassHinge, DP_MulticlassHKR, DP_MulticlassKR, DP_TauBCE,
                           DP_TauCategoricalCrossentropy)
 from lipdp.metadata import DPParameters
-from lipdp.model import DP_Sequential
+from lipdp.model import DP_Model, DP_Sequential
 from tests._certificates import CONV_GRAM_WAYS, force_conv_gram_way
 from tests._models import X0, cnn, metadata, mlp
 from tests._soundness import (REL_TOL, adversarial_inputs, assert_within_bounds,
@@ -235,3 +235,39 @@ def test_a_convolution_certificate_enters_a_bound_that_inputs_reach(monkeypatch,
                         lambda *args: np.float32(certify(*args) / 1.4))
     with pytest.raises(AssertionError):
         assert_within_bounds(norms, gradient_bounds(model, loss), f"{way}, certificate / 1.4")
+
+
+class _ScaledOutputs(DP_Sequential):
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs, training=training, mask=mask) / 0.01
+
+
+class _ScaledFunctionalOutputs(DP_Model):
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs, training=training, mask=mask) / 0.01
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_a_model_whose_own_call_leaves_its_layer_graph_is_refused(functional):
+    """The bound pass and the certificates walk the layer graph: a subclass whose `call`
+    divided the outputs by 0.01 compiled and trained with exact per-example gradients 100x
+    the bound (an audit). compile, the bounds and the certificates refuse it."""
+    import lipdp
+
+    parameters, md = DPParameters(1.0, 1e-5), metadata((10,), 3)
+    message = r"computes its outputs with a `call` of its own"
+    if functional:  # DP_Model checks its graph when it is built
+        inputs = tf.keras.Input((10,))
+        outputs = DP_QuickSpectralDense(3)(DP_BoundedInput(X0)(inputs))
+        with pytest.raises(ValueError, match=message):
+            _ScaledFunctionalOutputs(inputs, outputs, dp_parameters=parameters,
+                                     dataset_metadata=md)
+        return
+    model = _ScaledOutputs([DP_BoundedInput(X0, input_shape=(10,)), DP_QuickSpectralDense(3)],
+                           dp_parameters=parameters, dataset_metadata=md)
+    with pytest.raises(ValueError, match=message):
+        model.compile(loss=DP_MulticlassKR(), optimizer=tf.keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match=message):
+        gradient_bounds(model, DP_MulticlassKR())
+    with pytest.raises(ValueError, match=message):
+        lipdp.certify.certified_radii(model, np.zeros((2, 10), "float32"))

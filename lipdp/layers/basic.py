@@ -77,20 +77,22 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
         check_float32([self])  # first layer of every DP model: before a projection fails
         shape = tf.TensorShape(input_shape)[1:]
         self._size = math.prod(shape.as_list()) if shape.is_fully_defined() else None
-        self._target = clip_target(self.upper_bound, self._size)
+        clip_target(self.upper_bound, self._size)  # refuses a bound float32 cannot prove
         super().build(input_shape)
         pin_input_shape(self, input_shape)  # every bound of the model follows from this shape
 
     @property
     def target(self) -> float:
         """The float32 radius the inputs are clipped to (`clip_target`): just below X0, so
-        that the float32 output's norm is at most X0."""
-        return self._target
+        that the float32 output's norm is at most X0. Read from `upper_bound` as it is now,
+        as `propagate_inputs` reads it: the radius fixed at build let a bound lowered later
+        shrink the bound pass 10x below the inputs' norms (an audit, 2026-12-05)."""
+        return clip_target(self.upper_bound, self._size)
 
     def call(self, inputs):
         axes = list(range(1, inputs.shape.rank))
         norms = tf.sqrt(tf.reduce_sum(tf.square(inputs), axis=axes, keepdims=True))
-        target = tf.constant(self._target, inputs.dtype)
+        target = tf.constant(self.target, inputs.dtype)
         scale = tf.minimum(tf.constant(1.0, inputs.dtype), target / tf.maximum(norms, 1e-30))
         return inputs * scale
 
@@ -129,7 +131,7 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
         per coordinate). QED
         """
         del input_bound
-        eps, target = rescaling_error(self._size), self._target
+        eps, target = rescaling_error(self._size), self.target
         return (eps + UNIT_ROUNDOFF * (1.0 + eps)) * target + 3.0 * UNDERFLOW
 
     def get_config(self):
