@@ -459,3 +459,24 @@ def test_l2_norm_pooling_refuses_a_square_root_epsilon_that_is_not_positive(eps)
         DP_ScaledL2NormPooling2D(pool_size=(2, 2), eps_grad_sqrt=eps)
     with pytest.raises(ValueError, match="eps_grad_sqrt"):
         DP_GlobalL2NormPooling2D(eps_grad_sqrt=eps)
+
+
+def test_layer_arguments_that_cannot_run_are_refused_when_the_layer_is_made_or_built():
+    """Accepted until an audit (2026-12-05), then failing later with TensorFlow's errors: L2
+    pooling in channels_first ("AvgPoolingOp only supports NHWC"), a pool larger than its
+    input (an empty output, then a slice error in the next kernel's certificate), a
+    centring axis named twice, max pooling with 'causal' padding; a NumPy patch size."""
+    from lipdp.layers import (DP_LayerCentering, DP_MaxPool2D, DP_Patches,
+                              DP_ScaledL2NormPooling2D)
+
+    with pytest.raises(ValueError, match="channels_last"):
+        DP_ScaledL2NormPooling2D(pool_size=(2, 2), data_format="channels_first")
+    with pytest.raises(ValueError, match="larger than its input"):
+        DP_ScaledL2NormPooling2D(pool_size=(6, 6)).build((None, 5, 5, 4))
+    with pytest.raises(ValueError, match="twice"):
+        DP_LayerCentering(axis=(1, -3)).build((None, 3, 4, 2))
+    with pytest.raises(ValueError, match="padding"):
+        DP_MaxPool2D(2, padding="causal")
+    assert DP_Patches(np.int64(2)).patch_size == (2, 2)
+    with pytest.raises(ValueError, match="patch_size"):
+        DP_Patches(True)

@@ -268,6 +268,20 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
         super().__init__(*args, **kwargs)
         check_positive(float(self.k_coef_lip), "k_coef_lip")
         check_positive(float(self.eps_grad_sqrt), "eps_grad_sqrt")
+        if self.data_format != "channels_last":  # None resolved from keras.json by Keras
+            raise ValueError(
+                "DP_ScaledL2NormPooling2D only supports data_format='channels_last' (TensorFlow's "
+                f"CPU average pooling runs NHWC only). Received: data_format={self.data_format!r}")
+
+    def build(self, input_shape):
+        shape = tf.TensorShape(input_shape)
+        if shape.rank == 4 and any(d is not None and d < p
+                                   for d, p in zip(shape[1:3], self.pool_size)):
+            raise ValueError(
+                f"DP_ScaledL2NormPooling2D '{self.name}': its pool {tuple(self.pool_size)} is "
+                f"larger than its input's height and width {tuple(shape[1:3])}: no window fits "
+                "('valid' padding), the output would be empty.")
+        super().build(input_shape)
 
     def call(self, x):
         """deel-lip's computation; as one fused CPU kernel each way when

@@ -49,6 +49,9 @@ class DP_LayerCentering(tf.keras.layers.Layer, DPLayer):
         if any(not -rank < a < rank or a % rank == 0 for a in self.axis):
             raise ValueError(f"DP_LayerCentering axis {self.axis} must name non-batch axes of "
                              f"inputs of rank {rank}: a mean over the batch would mix examples.")
+        if len({a % rank for a in self.axis}) != len(self.axis):
+            raise ValueError(f"DP_LayerCentering axis {self.axis} names an axis twice (inputs of "
+                             f"rank {rank}).")
         sizes = [shape[a] for a in self.axis]
         self._group_size = math.prod(sizes) if None not in sizes else None
         super().build(input_shape)

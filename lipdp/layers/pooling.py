@@ -74,6 +74,9 @@ class DP_MaxPool2D(tf.keras.layers.MaxPooling2D, DPLayer):
         if data_format not in (None, "channels_last"):
             raise ValueError("DP_MaxPool2D only supports data_format='channels_last'. "
                              f"Received: data_format={data_format!r}")
+        if not isinstance(padding, str) or padding.lower() not in ("valid", "same"):
+            raise ValueError("DP_MaxPool2D's padding must be 'valid' or 'same'. "
+                             f"Received: padding={padding!r}")
         super().__init__(pool_size=pool_size, strides=strides, padding=padding,
                          data_format="channels_last", **kwargs)
         self._multiplicity = math.prod(math.ceil(p / s)

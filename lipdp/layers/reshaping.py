@@ -7,6 +7,7 @@ moves values without arithmetic, so float32 evaluation is exact.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from lipdp.layers.base import DPLayer
@@ -46,11 +47,13 @@ class DP_Patches(_NormPreserving, tf.keras.layers.Layer):
 
     def __init__(self, patch_size, **kwargs):
         super().__init__(**kwargs)
-        size = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
-        if len(size) != 2 or not all(isinstance(p, int) and p >= 1 for p in size):
+        whole = (int, np.integer)
+        size = (patch_size, patch_size) if isinstance(patch_size, whole) else tuple(patch_size)
+        if len(size) != 2 or not all(isinstance(p, whole) and not isinstance(p, bool) and p >= 1
+                                     for p in size):
             raise ValueError("Received an invalid value for `patch_size`, expected a positive "
                              f"integer or a pair of them. Received: patch_size={patch_size!r}")
-        self.patch_size = size
+        self.patch_size = tuple(int(p) for p in size)
 
     def build(self, input_shape):
         input_shape = tf.TensorShape(input_shape)
