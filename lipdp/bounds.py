@@ -22,8 +22,9 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.layers.base import (DPLayer, as_bound, cached_operator_norm, chain_backward,
-                               chain_lipschitz, check_positive, operator_norm_cache,
-                               recording_signs, sign_checked, with_pass_slack)
+                               chain_lipschitz, check_built_configuration, check_positive,
+                               operator_norm_cache, recording_signs, sign_checked,
+                               with_pass_slack)
 from lipdp.layers.basic import DP_BoundedActivation, DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
 from lipdp.metadata import DPMode
@@ -83,6 +84,8 @@ def dp_layers(model) -> List[DPLayer]:
         raise ValueError("The model has no layers.")
     for layer in layers:
         _check_dp_layer(layer)
+        for part in layer._flatten_layers(include_self=True, recursive=True):
+            check_built_configuration(part)
     if not isinstance(layers[0], DP_BoundedInput):
         raise ValueError(
             f"The first layer of a DP model must be lipdp.layers.DP_BoundedInput (got "

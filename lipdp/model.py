@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import warnings
 from typing import Optional, Tuple
 
@@ -53,8 +52,8 @@ from lipdp.data import (ShuffleSamplingWarning, holds_repeat, repeated_pass,
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
-from lipdp.layers.base import (DPLayer, as_bound, check_float32, round_up_to_float32,
-                               with_pass_slack)
+from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_float32,
+                               plain_configuration, round_up_to_float32, with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, concatenated,
                           continues, segment_rows)
@@ -1627,24 +1626,9 @@ def _label_spec(x, y):
 
 def _configuration(model) -> dict:
     """``{what: (identity, configuration)}`` of what else fixes the traced step: the DP loss
-    and every layer at any depth (``configuration`` the entries of its `get_config` that are
-    numbers, strings or lists of them, as JSON; None where the object has no configuration).
-    Nested objects (initializers, regularizers) are left out: they act at build, and Keras
-    serialises them differently inside a legacy HDF5 load. Read eagerly, also while the step
-    is traced (a deel-lip loss's `tau` is a variable)."""
-    def plain(value):
-        if isinstance(value, (list, tuple)):
-            return all(plain(v) for v in value)
-        return value is None or isinstance(value, (bool, int, float, str, np.generic))
-
+    and every layer at any depth (``configuration``: `lipdp.layers.base.plain_configuration`)."""
     def described(obj):
-        try:
-            with tf.init_scope():
-                config = obj.get_config()
-        except (AttributeError, NotImplementedError, TypeError):
-            return id(obj), None
-        kept = {key: value for key, value in config.items() if plain(value)}
-        return id(obj), json.dumps(kept, sort_keys=True, default=lambda v: v.item())
+        return id(obj), plain_configuration(obj)
 
     layers = {f"the configuration of layer '{layer.name}'": described(layer)
               for layer in model._flatten_layers(include_self=False, recursive=True)
@@ -1663,8 +1647,7 @@ def _changed_configuration(then: dict, now: dict) -> list:
         if before is None or after is None or before[0] != after[0]:
             detail = " (another object)"
         elif None not in (before[1], after[1]):
-            old, new = json.loads(before[1]), json.loads(after[1])
-            detail = f" ({', '.join(sorted(k for k in {*old, *new} if old.get(k) != new.get(k)))})"
+            detail = f" ({', '.join(changed_keys(before[1], after[1]))})"
         changed.append(what + detail)
     return changed
 

@@ -480,3 +480,45 @@ def test_layer_arguments_that_cannot_run_are_refused_when_the_layer_is_made_or_b
     assert DP_Patches(np.int64(2)).patch_size == (2, 2)
     with pytest.raises(ValueError, match="patch_size"):
         DP_Patches(True)
+
+
+def test_max_pooling_bounds_follow_strides_changed_after_construction():
+    """The multiplicity m entered the bounds as computed at construction, while `call`
+    reads the strides as they are: strides set to 1 after `DP_MaxPool2D(2)` overlapped the
+    windows (a pixel in 4 of them) under bounds for m = 1. One pixel maps to 4 outputs of
+    its value: ``||f(e)|| = 2 ||e||``, which the bound must cover."""
+    from lipdp.layers import DP_MaxPool2D
+
+    pool = DP_MaxPool2D(2)
+    pool.strides = (1, 1)
+    spike = np.zeros((1, 4, 4, 1), np.float32)
+    spike[0, 1, 1, 0] = 1.0
+    assert np.linalg.norm(pool(spike)) == pytest.approx(2.0)
+    assert float(pool.propagate_inputs(1.0)) >= 2.0
+    assert float(pool.backpropagate_inputs(1.0, 1.0)) >= 2.0
+
+
+def test_a_configuration_changed_after_build_is_refused_by_the_bounds():
+    """A convolution built with strides 2 and set to 1 afterwards (its model already built)
+    computed its outputs at stride 1 under bounds cached at build for stride 2: exact
+    per-example gradients of its bias 1.8x the bound (an audit-style probe, 2026-12-05)."""
+    import lipdp
+    from lipdp.bounds import gradient_bounds
+    from lipdp.layers import DP_GlobalL2NormPooling2D
+    from lipdp.losses import DP_MulticlassKR
+
+    conv = DP_QuickSpectralConv2D(2, 3, strides=2, padding="same")
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(8, 8, 1)), conv, DP_GlobalL2NormPooling2D(),
+         DP_QuickSpectralDense(2)], dp_parameters=lipdp.DPParameters(1.0, 1e-5),
+        dataset_metadata=lipdp.DatasetMetadata((8, 8, 1), 2, 16, 16, 4, 1.0, "shuffle"))
+    gradient_bounds(model, DP_MulticlassKR())  # as built: fine
+    conv.trainable = False  # freezing is not a change of the bounds' settings
+    gradient_bounds(model, DP_MulticlassKR())
+    conv.trainable = True
+    conv.strides = (1, 1)
+    message = r"had its strides changed after it was built"
+    with pytest.raises(ValueError, match=message):
+        gradient_bounds(model, DP_MulticlassKR())
+    with pytest.raises(ValueError, match=message):
+        model.compile(loss=DP_MulticlassKR(), optimizer="sgd")

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import json
 import math
+from typing import List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -360,14 +362,59 @@ def chain_forward(layers, input_bound):
 
 def pin_input_shape(layer, input_shape):
     """From now on `layer` refuses inputs of another shape than `input_shape` (the batch
-    axis aside; Keras checks its ``input_spec`` at every call, with a ValueError).
+    axis aside; Keras checks its ``input_spec`` at every call, with a ValueError), and
+    `check_built_configuration` refuses a configuration changed since this build.
 
     Its bounds were computed at build for this shape (a convolution's certified norm on its
     H x W torus, the sqrt(P) of a bias shared by P positions, an input clip target): inputs
     of another size would break them silently (an audit trained a model built for 4 x 4
-    images on 16 x 16 ones: a bias gradient 4x its bound)."""
+    images on 16 x 16 ones: a bias gradient 4x its bound). So would a configuration changed
+    after build (a convolution's strides set from 2 to 1: its bias gradient 1.8x the bound
+    computed for the outputs of stride 2)."""
     layer.input_spec = tf.keras.layers.InputSpec(
         shape=(None,) + tuple(tf.TensorShape(input_shape)[1:].as_list()))
+    layer._built_configuration = plain_configuration(layer)
+
+
+def plain_configuration(obj) -> Optional[str]:
+    """The entries of ``obj.get_config()`` that are numbers, strings or lists of them, as
+    JSON (None when `obj` has no configuration). Nested objects (initializers,
+    regularizers) are left out: they act at build, and Keras serialises them differently
+    inside a legacy HDF5 load. Read eagerly, also while a function is traced (a deel-lip
+    loss's `tau` is a variable)."""
+    def plain(value):
+        if isinstance(value, (list, tuple)):
+            return all(plain(v) for v in value)
+        return value is None or isinstance(value, (bool, int, float, str, np.generic))
+
+    try:
+        with tf.init_scope():
+            config = obj.get_config()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    kept = {key: value for key, value in config.items() if plain(value)}
+    return json.dumps(kept, sort_keys=True, default=lambda v: v.item())
+
+
+def changed_keys(before: str, after: str) -> List[str]:
+    """The keys whose values differ between two `plain_configuration` strings."""
+    old, new = json.loads(before), json.loads(after)
+    return sorted(key for key in {*old, *new} if old.get(key) != new.get(key))
+
+
+def check_built_configuration(layer) -> None:
+    """Raise ValueError when `layer`'s configuration (`trainable` aside) changed since
+    `pin_input_shape` recorded it at build: the bounds cached then no longer describe `call`."""
+    built = getattr(layer, "_built_configuration", None)
+    now = plain_configuration(layer)
+    if built is None or now is None or built == now:
+        return
+    changed = [key for key in changed_keys(built, now) if key != "trainable"]
+    if changed:
+        raise ValueError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) had its {', '.join(changed)} "
+            "changed after it was built: its bounds were computed at build and `call` reads "
+            "the new value. Make a new layer (and model) with that setting instead.")
 
 
 _FLOAT32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))

@@ -79,8 +79,11 @@ class DP_MaxPool2D(tf.keras.layers.MaxPooling2D, DPLayer):
                              f"Received: padding={padding!r}")
         super().__init__(pool_size=pool_size, strides=strides, padding=padding,
                          data_format="channels_last", **kwargs)
-        self._multiplicity = math.prod(math.ceil(p / s)
-                                       for p, s in zip(self.pool_size, self.strides))
+
+    @property
+    def _multiplicity(self) -> int:
+        """m, from the pool size and strides as they are now, as `call` reads them."""
+        return math.prod(math.ceil(p / s) for p, s in zip(self.pool_size, self.strides))
 
     def propagate_inputs(self, input_bound):
         return math.sqrt(self._multiplicity) * input_bound
