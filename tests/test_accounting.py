@@ -494,3 +494,27 @@ def _full_grid_report():  # pragma: no cover - a report, about 1 minute
 
 if __name__ == "__main__":  # pragma: no cover
     _full_grid_report()
+
+
+@pytest.mark.parametrize("sigma, q", [(1000.0, 1e-6), (100.0, 1e-6), (50.0, 1e-6), (10.0, 1e-3),
+                                      (1.0, 0.01), (3.0, 0.5), (1.0, 1.0)])
+def test_one_step_rdp_is_never_below_the_closed_form_at_order_two(sigma, q):
+    """At order 2 the Poisson-subsampled Gaussian has ``A_2 = 1 + q^2 (e^(1/s^2) - 1)``
+    (an independent, exact closed form). autodp's log-sum-exp rounding gave 0 for 1e-16
+    (s = 100, q = 1e-6) and 1e-8 relative below at s = 10, q = 1e-3: T = 1e15 such steps
+    reported epsilon 0.078 for a true ~0.097 (an audit). lipdp adds the rounding's bound."""
+    exact = math.log1p(q * q * math.expm1(1.0 / sigma ** 2))
+    assert accounting.compute_rdp(sigma, q, 1, orders=[2.0])[1][0] >= exact
+    assert accounting.compute_rdp(sigma, q, 1)[1][0] >= exact  # the base grid starts at 2
+    assert accounting.compute_rdp(sigma, q, 10**12)[1][0] >= 10**12 * exact
+
+
+def test_extreme_noise_multipliers_and_step_counts_give_numbers_or_clear_errors():
+    """An audit: joint multipliers near 1e-170 or 1e200 raised ZeroDivisionError, 10**30
+    steps a TypeError from numpy."""
+    assert accounting.joint_noise_multiplier(1e-200, 1e-200) == pytest.approx(1e-200 / math.sqrt(2))
+    assert accounting.joint_noise_multiplier(1e200, 1e200) == pytest.approx(1e200 / math.sqrt(2))
+    assert accounting.step_noise_multiplier("per-layer", 3.0, 4, 1e-300) == pytest.approx(2e-300)
+    assert accounting.joint_noise_multiplier(2.0, 3.0) == pytest.approx((2.0**-2 + 3.0**-2) ** -0.5)
+    with pytest.raises(ValueError, match=r"up to 2\*\*62"):
+        accounting.compute_epsilon(2.0, 0.01, 10**30, 1e-5)
