@@ -302,6 +302,12 @@ class DPParameters:
     loss_gradient_clipping: Optional[AdaptiveClipping] = None
 
     def __post_init__(self):
+        if isinstance(self.noise_multiplier, str):
+            raise TypeError(
+                "DPParameters takes (noise_multiplier, delta, noisify_strategy, ...) in this "
+                "order; the paper library's positional order (noisify_strategy, "
+                "noise_multiplier, delta) does not carry over: name the arguments. Received: "
+                f"noise_multiplier={self.noise_multiplier!r}")
         if isinstance(self.loss_gradient_clipping, dict):
             object.__setattr__(self, "loss_gradient_clipping",
                                AdaptiveClipping(**self.loss_gradient_clipping))

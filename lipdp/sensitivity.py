@@ -2,8 +2,11 @@
 `lipdp.accounting.get_max_epochs`.
 
 The number of epochs is planned with the model's *true* noise multiplier and
-sampling rate: the same epsilon as the paper library for the same script. What
-differs is the noise each step adds, because lipdp calibrates it to sound
+sampling rate: the same epsilon as the paper library for the same script and the same
+trainable variables (under ``noisify_strategy="local"`` every trainable variable is one
+Gaussian mechanism, sigma/sqrt(V): the biases lipdp's layers train unless
+``use_bias=False`` raise V, which a second warning says). What differs is the noise each
+step adds, because lipdp calibrates it to sound
 per-example gradient bounds where the paper library under-stated them. The first
 call says, once, which of the model's layers that concerns
 (`PaperCompatibilityWarning`):
@@ -37,6 +40,7 @@ from typing import Optional
 from lipdp import accounting
 from lipdp.clipping.validation import leaf_layers
 from lipdp.layers import DP_AddBias, DP_GroupSort, DP_QuickSpectralConv2D, DP_SpectralConv2D
+from lipdp.metadata import NoiseStrategy
 from lipdp.pipeline import PaperCompatibilityWarning, _warn_once
 
 __all__ = ["PaperCompatibilityWarning", "get_max_epochs"]
@@ -96,4 +100,24 @@ def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = 1024) -> int:
             "epochs and the printed epsilon are the same; the noise is larger where the paper "
             "library under-stated a bound (README: 'Migrating from the paper's library').",
         )
+    if _per_layer_biases(model):
+        _warn_once(
+            "per-layer biases",
+            "noisify_strategy='local' ('per-layer') makes every trainable variable one Gaussian "
+            "mechanism (noise multiplier sigma/sqrt(V), V the trainable variables): this model's "
+            "dense or convolution layers train biases the paper library forbade, so V, the "
+            "epsilon of each epoch and this plan differ from the paper library's (fewer epochs; "
+            "the printed epsilon is this model's). Give those layers use_bias=False for the "
+            "paper's plan.",
+        )
     return accounting.get_max_epochs(epsilon_max, model, epochs_max)
+
+
+def _per_layer_biases(model) -> bool:
+    """Whether `model` runs the per-layer strategy with a dense or convolution bias."""
+    parameters = getattr(model, "dp_parameters", None)
+    if parameters is None or parameters.noisify_strategy is not NoiseStrategy.PER_LAYER:
+        return False
+    layers = list(leaf_layers(model))
+    layers += [inner for layer in layers for inner in getattr(layer, "branch", ())]
+    return any(getattr(layer, "use_bias", False) for layer in layers)

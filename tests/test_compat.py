@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -376,3 +377,32 @@ def test_noise_std_factor_on_the_getting_started_cnn():
     assert sound == pytest.approx(1.98, abs=0.03) and raw == pytest.approx(0.87, abs=0.03)
     per_variable = lipdp_bounds / coefs / paper
     assert np.all(per_variable[:2] > 2.2) and np.all(per_variable[2:] < 1)
+
+
+def test_get_max_epochs_says_when_per_layer_biases_change_the_papers_plan(monkeypatch):
+    """Under noisify_strategy='local' each trainable variable is one Gaussian mechanism
+    (sigma / sqrt(V)): the biases lipdp's layers train unless use_bias=False raised V from 4
+    to 6 on the quick-start CNN, 28 planned epochs for the paper library's 46 (an audit).
+    The plan is sound; the claim of the paper's plan was not, so it warns."""
+    from lipdp.sensitivity import get_max_epochs
+    from tests import _models
+
+    monkeypatch.setattr(lipdp.pipeline, "_WARNED", set())
+    with pytest.warns(lipdp.pipeline.PaperCompatibilityWarning, match=r"sigma/sqrt\(V\)"):
+        get_max_epochs(5.0, _models.cnn(strategy="per-layer"))
+    for model in (_models.cnn(strategy="per-layer", bias=False), _models.cnn(strategy="global")):
+        monkeypatch.setattr(lipdp.pipeline, "_WARNED", set())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            get_max_epochs(5.0, model)
+        assert not [w for w in caught if "sigma/sqrt(V)" in str(w.message)]
+
+
+def test_the_papers_positional_dp_parameters_get_a_clear_error():
+    """The paper library's DPParameters(noisify_strategy, noise_multiplier, delta), written
+    positionally, failed with "noisify_strategy ... Received: noisify_strategy=1e-05" (an
+    audit): the message now names both orders."""
+    from lipdp.model import DPParameters
+
+    with pytest.raises(TypeError, match="paper library's positional order"):
+        DPParameters("per-layer", 2.0, 1e-5)
