@@ -705,13 +705,14 @@ class _DPModelMixin:
 
     def _check_compiled(self):
         """The compiled mechanism must still be the model's: parameters, metadata, trainable
-        variables, the DP loss (the object and its configuration) and every layer's
-        configuration unchanged since `compile`. The loss's constant L is read at compile and
-        the layers' and loss's attributes when the step is traced: a DP_BoundedInput's
+        variables and every layer's configuration unchanged since `compile`, and in clipless
+        mode a DP loss whose constant L is at most the one compiled. The layers' and the
+        loss's attributes are read when the step is traced, L at compile: a DP_BoundedInput's
         `upper_bound` lowered after build shrank the bound 10x while inputs were still
         clipped at the old radius, a DP_MulticlassHKR's alpha raised from 1 to 50 or
         `model.dp_loss` replaced trained under the compiled L (exact per-example norms 8.7x
-        to 25x the bound; an audit, 2026-12-05)."""
+        to 25x the bound; an audit, 2026-12-05). A loss parameter that leaves L as it was
+        (the temperature of the tau cross-entropy, which a schedule may move) passes."""
         if self._step_mechanism is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
         parameters, metadata, variables, configuration = self._compiled_state
@@ -721,12 +722,25 @@ class _DPModelMixin:
             ("trainable variables", [v.ref() for v in self.trainable_variables], variables)]
             if now != then]
         changed += _changed_configuration(configuration, _configuration(self))
+        if parameters.mode is DPMode.CLIPLESS:
+            changed += self._raised_loss_constant()
         if changed:
             raise RuntimeError(
                 f"Changed since the model was compiled: {'; '.join(changed)}. Call "
                 "`compile` again before training, so that the train step and the privacy "
                 "ledger use the new mechanism (the steps already taken stay accounted with "
                 "the mechanism they ran).")
+
+    def _raised_loss_constant(self) -> list:
+        """``["the DP loss's constant L (...)"]`` when `dp_loss` is no longer a DP loss or its
+        L (read eagerly, also while the step is traced) exceeds the one compiled."""
+        if not isinstance(self.dp_loss, DP_Loss):
+            return [f"the DP loss (now {type(self.dp_loss).__name__}, not a lipdp DP loss)"]
+        with tf.init_scope():
+            now = float(self.dp_loss.lipschitz(int(self.output_shape[-1])))
+        if now <= self._loss_lipschitz:
+            return []
+        return [f"the DP loss's constant L ({now:.6g}, {self._loss_lipschitz:.6g} at compile)"]
 
     @property
     def nb_noised_variables(self) -> int:
@@ -1625,15 +1639,15 @@ def _label_spec(x, y):
 
 
 def _configuration(model) -> dict:
-    """``{what: (identity, configuration)}`` of what else fixes the traced step: the DP loss
-    and every layer at any depth (``configuration``: `lipdp.layers.base.plain_configuration`)."""
+    """``{what: (identity, configuration)}`` of what else fixes the traced step: every layer
+    at any depth (``configuration``: `lipdp.layers.base.plain_configuration`, without
+    `trainable`, which the trainable variables tell)."""
     def described(obj):
-        return id(obj), plain_configuration(obj)
+        return id(obj), plain_configuration(obj, leave_out=("trainable",))
 
-    layers = {f"the configuration of layer '{layer.name}'": described(layer)
-              for layer in model._flatten_layers(include_self=False, recursive=True)
-              if not isinstance(layer, tf.keras.layers.InputLayer)}  # Sequential remakes it
-    return {"the DP loss": described(model.dp_loss), **layers}
+    return {f"the configuration of layer '{layer.name}'": described(layer)
+            for layer in model._flatten_layers(include_self=False, recursive=True)
+            if not isinstance(layer, tf.keras.layers.InputLayer)}  # Sequential remakes it
 
 
 def _changed_configuration(then: dict, now: dict) -> list:

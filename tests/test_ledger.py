@@ -165,13 +165,31 @@ def test_a_changed_input_bound_or_loss_needs_a_new_compile(change, traced):
     else:
         model.dp_loss = lipdp.losses.DP_MulticlassHKR(alpha=50.0)
     what = {"input bound": r"the configuration of layer 'dp__bounded_input\S*' \(upper_bound\)",
-            "loss parameter": r"the DP loss \(alpha\)",
-            "loss replaced": r"the DP loss \(another object\)"}[change]
+            "loss parameter": r"the DP loss's constant L \(41.6\d*, 1.63\d* at compile\)",
+            "loss replaced": r"the DP loss's constant L \(41.6"}[change]
     with pytest.raises(RuntimeError, match=f"Changed since the model was compiled: {what}"):
         model.fit(x, y, epochs=1, verbose=0)
     with pytest.raises(RuntimeError, match=what):
         model.train_on_batch(x[:8], y[:8])  # another batch size: a new trace
     assert model.dp_steps_taken == (4 if traced else 0)
+
+
+def test_a_loss_parameter_that_leaves_its_constant_trains_on():
+    """The tau cross-entropy's L is sqrt(2) for every temperature: deel-lip's
+    LossParamScheduler moving tau between fits, or a loop assigning it before each
+    train_on_batch, was refused once the loss's whole configuration was compared, and so
+    was `trainable` set on a layer without variables (an audit); only a larger L is refused.
+    The noise follows the compiled L."""
+    model = _model()
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.dp_loss.tau.assign(30.0)
+    model.layers[2].trainable = False  # a GroupSort: no variable, nothing changes
+    model.fit(x, y, epochs=1, verbose=0)
+    model.dp_loss.tau.assign(0.5)
+    model.train_on_batch(x[:16], y[:16])
+    assert model.dp_steps_taken == 9
+    assert model._loss_lipschitz == math.sqrt(2.0)
 
 
 def test_an_input_bound_changed_after_build_is_refused_and_clipped_at_consistently():

@@ -48,7 +48,7 @@ import abc
 import contextlib
 import json
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -373,15 +373,15 @@ def pin_input_shape(layer, input_shape):
     computed for the outputs of stride 2)."""
     layer.input_spec = tf.keras.layers.InputSpec(
         shape=(None,) + tuple(tf.TensorShape(input_shape)[1:].as_list()))
-    layer._built_configuration = plain_configuration(layer)
+    layer._built_configuration = plain_configuration(layer, leave_out=("trainable",))
 
 
-def plain_configuration(obj) -> Optional[str]:
-    """The entries of ``obj.get_config()`` that are numbers, strings or lists of them, as
-    JSON (None when `obj` has no configuration). Nested objects (initializers,
-    regularizers) are left out: they act at build, and Keras serialises them differently
-    inside a legacy HDF5 load. Read eagerly, also while a function is traced (a deel-lip
-    loss's `tau` is a variable)."""
+def plain_configuration(obj, leave_out: Tuple[str, ...] = ()) -> Optional[str]:
+    """The entries of ``obj.get_config()`` that are numbers, strings or lists of them, but
+    not those named in `leave_out`, as JSON (None when `obj` has no configuration). Nested
+    objects (initializers, regularizers) are left out: they act at build, and Keras
+    serialises them differently inside a legacy HDF5 load. Read eagerly, also while a
+    function is traced."""
     def plain(value):
         if isinstance(value, (list, tuple)):
             return all(plain(v) for v in value)
@@ -392,7 +392,8 @@ def plain_configuration(obj) -> Optional[str]:
             config = obj.get_config()
     except (AttributeError, NotImplementedError, TypeError):
         return None
-    kept = {key: value for key, value in config.items() if plain(value)}
+    kept = {key: value for key, value in config.items()
+            if plain(value) and key not in leave_out}
     return json.dumps(kept, sort_keys=True, default=lambda v: v.item())
 
 
@@ -406,13 +407,11 @@ def check_built_configuration(layer) -> None:
     """Raise ValueError when `layer`'s configuration (`trainable` aside) changed since
     `pin_input_shape` recorded it at build: the bounds cached then no longer describe `call`."""
     built = getattr(layer, "_built_configuration", None)
-    now = plain_configuration(layer)
-    if built is None or now is None or built == now:
-        return
-    changed = [key for key in changed_keys(built, now) if key != "trainable"]
-    if changed:
+    now = plain_configuration(layer, leave_out=("trainable",))
+    if built is not None and now is not None and built != now:
         raise ValueError(
-            f"Layer '{layer.name}' ({type(layer).__name__}) had its {', '.join(changed)} "
+            f"Layer '{layer.name}' ({type(layer).__name__}) had its "
+            f"{', '.join(changed_keys(built, now))} "
             "changed after it was built: its bounds were computed at build and `call` reads "
             "the new value. Make a new layer (and model) with that setting instead.")
 
