@@ -897,9 +897,17 @@ class _DPModelMixin:
         variables' use by its own call: a forward pass that reads a variable elsewhere (a
         layer holding another layer's kernel in a closure: tied weights) is refused
         (`lipdp.variable_reads`). lipdp's own layers are per-example and read only their own
-        variables by construction (and tested so): not probed, no compile-time cost."""
-        if any(isinstance(layer, DPLayer) and not type(layer).__module__.startswith("lipdp.")
-               for layer in self._flatten_layers(include_self=False, recursive=True)):
+        variables by construction (and tested so): not probed, no compile-time cost. A user
+        layer's `project` runs once first, as lipdp's layers project at build."""
+        user_layers = [layer for layer in self._flatten_layers(include_self=False, recursive=True)
+                       if isinstance(layer, DPLayer)
+                       and not type(layer).__module__.startswith("lipdp.")]
+        for layer in user_layers:
+            # lipdp's own layers project at build; a user layer's constraint held only after
+            # the first step (a Frobenius-normalised kernel trained its first step at norm
+            # 5.08 under bounds for norm 1: an audit). Its projection runs once here.
+            layer.project(True)
+        if user_layers:
             check_no_batch_coupling(self)
             probe = _probe_batches(self)[0]
             reads = traced_reads_outside_owners(self, lambda: self(probe, training=True))
@@ -940,8 +948,17 @@ class _DPModelMixin:
             return super().save_weights(*args, **kwargs)
 
     def _check_every_variable_bounded(self, layers):
-        bounded = {v.ref() for v, _ in backpropagate_bounds(layers, self._loss_lipschitz)}
-        missing = [v.name for v in self.trainable_variables if v.ref() not in bounded]
+        """Every trainable variable has exactly one bound: a user layer listing its kernel
+        twice (the second time with a bound 10x smaller) trained under the last one, which
+        every pass keeps (an audit, 2026-12-05)."""
+        listed = [v for v, _ in backpropagate_bounds(layers, self._loss_lipschitz)]
+        refs = [v.ref() for v in listed]
+        twice = sorted({v.name for v in listed if refs.count(v.ref()) > 1})
+        if twice:
+            raise ValueError(f"Trainable variables {twice} have more than one gradient bound "
+                             "(a layer's `backpropagate_params` lists them twice): give each "
+                             "variable once, with the bound of all its uses.")
+        missing = [v.name for v in self.trainable_variables if v.ref() not in set(refs)]
         if missing:
             raise ValueError(f"No gradient bound for trainable variables {missing}: freeze them "
                              "or use DP layers that bound them.")

@@ -101,3 +101,53 @@ def test_a_per_example_user_dp_layer_trains():
     y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, N)]
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert model.dp_steps_taken == N // BATCH
+
+
+class _FrobeniusDense(tf.keras.layers.Layer, DPLayer):
+    """x W with ||W||_F <= 1 kept by `project` (bounds: kernel X G, Lipschitz 1); it starts
+    from a kernel of Frobenius norm about 5 and does not project at build."""
+
+    def __init__(self, units, twice=False, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.twice = units, twice
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(
+            name="kernel", shape=(int(input_shape[-1]), self.units),
+            initializer=tf.keras.initializers.RandomNormal(stddev=1.0, seed=0))
+
+    def call(self, inputs):
+        return tf.matmul(inputs, self.kernel)
+
+    def propagate_inputs(self, input_bound):
+        return input_bound
+
+    def backpropagate_params(self, input_bound, gradient_bound):
+        bounds = [(self.kernel, gradient_bound * input_bound)]
+        return bounds + [(self.kernel, 0.1 * gradient_bound * input_bound)] if self.twice \
+            else bounds
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return gradient_bound
+
+    def project(self, orthogonalise=True):
+        self.kernel.assign(self.kernel / tf.maximum(1.0, tf.norm(self.kernel)))
+
+
+def test_a_user_layer_listing_a_variable_twice_is_refused():
+    """The bound pass keeps a variable's last bound: a kernel listed again with a bound 10x
+    smaller trained at 6.4x that bound (an audit)."""
+    model = _model(_FrobeniusDense(6, twice=True, name="frobenius"))
+    with pytest.raises(ValueError, match=r"\['frobenius/kernel:0'\] have more than one"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+
+
+def test_a_user_layer_is_projected_before_the_first_step():
+    """lipdp's layers project at build; a user layer's constraint held only after the first
+    step, which ran at ||W||_F = 5.08 under bounds for 1 (exact per-example norms 2.7x the
+    bound, an audit). compile projects it once."""
+    layer = _FrobeniusDense(6, name="frobenius")
+    model = _model(layer)
+    assert float(tf.norm(layer.kernel)) > 2.0
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    assert float(tf.norm(layer.kernel)) <= 1.0 + 1e-6
