@@ -1052,14 +1052,26 @@ class _DPModelMixin:
             else:
                 stddevs = [sigma * s for s in sensitivities]
         stddevs = [round_up_to_float32(with_pass_slack(s)) for s in stddevs]
+        stacked = tf.stack(stddevs)
         # An infinite bound (or a std overflowing float32) would be noise that destroys every
-        # weight: the step stops before the update instead.
+        # weight: the step stops before the update instead. So does a std whose draws float32
+        # cannot hold: above FLT_MAX / 8, std * z overflowed to inf in the released gradient
+        # (|z| reaches 5.8); below 2^-64, TensorFlow flushes the subnormal products std * z
+        # to zero (all of them below 1.2e-38, 9% at 1e-37: a step released without its noise,
+        # an audit), here with probability under 2^-60 per coordinate. A zero std (a zero
+        # bound: the gradient is zero) adds no noise and needs none.
+        largest = float(np.finfo(np.float32).max) / 8.0
         check = tf.debugging.Assert(
-            tf.reduce_all(tf.math.is_finite(tf.stack(stddevs))),
+            tf.reduce_all(tf.math.is_finite(stacked)),
             ["lipdp: a per-example gradient bound is infinite, or sigma times it overflows "
              "float32: no finite noise covers it, so the step stops. Noise stddevs:",
-             tf.stack(stddevs)], summarize=len(stddevs))
-        with tf.control_dependencies([check]):
+             stacked], summarize=len(stddevs))
+        drawable = tf.debugging.Assert(
+            tf.reduce_all((stacked == 0.0) | ((stacked >= 2.0 ** -64) & (stacked <= largest))),
+            ["lipdp: a noise stddev (sigma times a sensitivity) lies outside [2^-64, FLT_MAX/8], "
+             "where float32 draws of the noise flush to zero or overflow, so the step stops. "
+             "Noise stddevs:", stacked], summarize=len(stddevs))
+        with tf.control_dependencies([check, drawable]):
             return [tf.identity(s) for s in stddevs]
 
     def private_gradients(self, x, y):

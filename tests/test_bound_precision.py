@@ -109,3 +109,14 @@ def test_round_up_to_float32_gives_the_smallest_float32_above():
     assert np.all(rounded.astype(np.float64) >= values)
     below = np.nextafter(rounded, np.float32(-np.inf)).astype(np.float64)
     assert np.all(below < values)
+
+
+def test_round_up_to_float32_stays_above_values_below_the_normal_range():
+    """TensorFlow's cast flushes subnormals to zero, and the float32 after zero (1.4e-45)
+    fell below 1e-39 (an audit): a noise stddev rounded *down*. Below float32's smallest
+    normal number the rounding now gives that number."""
+    tiny = float(np.finfo(np.float32).tiny)
+    values = np.array([1e-39, 5e-40, 1.1e-38, 1e-300, tiny, 0.0])
+    rounded = round_up_to_float32(tf.constant(values, tf.float64)).numpy().astype(np.float64)
+    assert np.all(rounded >= values)
+    assert list(rounded[:5]) == [tiny] * 5 and rounded[5] == 0.0

@@ -546,3 +546,19 @@ def test_train_on_batch_under_poisson_metadata_warns_once_that_its_batches_are_u
                 model.train_on_batch(x, y)
         unchecked = [w for w in record if "batches your loop gives it" in str(w.message)]
         assert len(unchecked) == expected, sampling
+
+
+@pytest.mark.parametrize("sigma", [1e-45, 5e38])
+def test_a_noise_stddev_float32_cannot_draw_stops_the_step_before_the_update(sigma):
+    """At sigma 1e-45 the stddev was rounded down to 1.4e-45 and every draw flushed to zero
+    (a step released without noise, ledger counted, epsilon 1e77 reported); at 5e38 (a std
+    of 2e38) draws overflowed to inf, written into the weights (an audit). The step stops
+    first."""
+    model = _compiled(mlp(sigma=sigma))
+    x, y = _data(np.random.default_rng(0), 16, shape=(10,), k=3)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"outside \[2\^-64, FLT_MAX/8\]"):
+        model.train_on_batch(x, y)
+    assert model.dp_steps_taken == 0 and int(model.optimizer.iterations) == 0
+    for a, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(a, v.numpy())

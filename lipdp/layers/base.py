@@ -125,12 +125,17 @@ def with_pass_slack(bound):
 
 
 def round_up_to_float32(value):
-    """The smallest float32 >= `value` (a non-negative float64 tensor), element-wise."""
+    """A float32 >= `value` (a non-negative float64 tensor), element-wise: the smallest one,
+    or float32's smallest normal number where `value` lies below it (TensorFlow's cast
+    flushes subnormals to zero, and the next float32 above zero, 1.4e-45, fell below a
+    value of 1e-39: an audit)."""
     value = as_bound(value)
     rounded = tf.cast(value, tf.float32)
     below = tf.cast(rounded, BOUND_DTYPE) < value
-    return tf.where(below, tf.math.nextafter(rounded, tf.fill(tf.shape(rounded), float("inf"))),
-                    rounded)
+    result = tf.where(below, tf.math.nextafter(rounded, tf.fill(tf.shape(rounded), float("inf"))),
+                      rounded)
+    smallest_normal = tf.constant(np.finfo(np.float32).tiny, tf.float32)
+    return tf.where(tf.cast(result, BOUND_DTYPE) < value, smallest_normal, result)
 
 
 class DPLayer(abc.ABC):
