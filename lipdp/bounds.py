@@ -23,8 +23,8 @@ import tensorflow as tf
 
 from lipdp.layers.base import (DPLayer, as_bound, cached_operator_norm, chain_backward,
                                chain_lipschitz, check_built_configuration, check_positive,
-                               operator_norm_cache, recording_signs, sign_checked,
-                               with_pass_slack)
+                               operator_norm_cache, recording_signs, replaced_call,
+                               sign_checked, with_pass_slack)
 from lipdp.layers.basic import DP_BoundedActivation, DP_BoundedInput
 from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_WrappedResidual
 from lipdp.metadata import DPMode
@@ -107,7 +107,8 @@ def _check_graph_call(model):
     gradients 100x the bound (an audit, 2026-12-05)."""
     from keras.src.engine.functional import Functional
 
-    if type(model).call not in (Functional.call, tf.keras.Sequential.call):
+    if type(model).call not in (Functional.call, tf.keras.Sequential.call) \
+            or type(model).__call__ is not tf.keras.Model.__call__ or replaced_call(model):
         raise ValueError(
             f"Model '{model.name}' ({type(model).__name__}) computes its outputs with a `call` "
             "of its own, but the bounds and certificates follow its layer graph (inputs to "

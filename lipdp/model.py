@@ -52,8 +52,9 @@ from lipdp.data import (ShuffleSamplingWarning, holds_repeat, repeated_pass,
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
-from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_float32,
-                               plain_configuration, round_up_to_float32, with_pass_slack)
+from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_built_configuration,
+                               check_float32, plain_configuration, replaced_call,
+                               round_up_to_float32, with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, concatenated,
                           continues, segment_rows)
@@ -375,6 +376,11 @@ class _DPModelMixin:
         # C_t of lipdp.AdaptiveClipping, saved with the model (0: not set yet).
         self._logit_clip = tf.Variable(0.0, trainable=False, name="loss_gradient_clip",
                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        # The configuration of each built DP layer, from now on (`check_built_configuration`):
+        # a layer that records none at its build is recorded here.
+        for layer in self._flatten_layers(include_self=False, recursive=True):
+            if isinstance(layer, DPLayer):
+                check_built_configuration(layer)
 
     @property
     def dp_parameters(self):
@@ -736,9 +742,13 @@ class _DPModelMixin:
         L (read eagerly, also while the step is traced) exceeds the one compiled."""
         if not isinstance(self.dp_loss, DP_Loss):
             return [f"the DP loss (now {type(self.dp_loss).__name__}, not a lipdp DP loss)"]
+        patched = replaced_call(self.dp_loss)
+        if patched:
+            return [f"the DP loss (its `{patched}` replaced on the instance)"]
         with tf.init_scope():
             now = float(self.dp_loss.lipschitz(int(self.output_shape[-1])))
-        if now <= self._loss_lipschitz:
+        # A negative L (alpha set to -30 after compile) passed a plain comparison (an audit).
+        if 0.0 <= now <= self._loss_lipschitz:
             return []
         return [f"the DP loss's constant L ({now:.6g}, {self._loss_lipschitz:.6g} at compile)"]
 

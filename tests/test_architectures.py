@@ -158,13 +158,21 @@ def test_clip_gradient_replaces_the_loss_constant_below_it():
     # The last bias' per-example gradient *is* the cotangent: min(||grad loss||, 0.1).
     x = _inputs(rng, (6, 6, 2))
     y = np.eye(3, dtype="float32")[np.zeros(len(x), int)]
-    clip = clipped_model.layers[-1]
-    clip.clip_value = 1e9
-    raw_norms = per_example_gradient_norms(clipped_model, loss, x, y)[last_bias]
-    clip.clip_value = float(np.median(raw_norms))
-    clipped_norms = per_example_gradient_norms(clipped_model, loss, x, y)[last_bias]
-    np.testing.assert_allclose(clipped_norms, np.minimum(raw_norms, clip.clip_value), rtol=1e-5)
-    assert (raw_norms > clip.clip_value).any() and (raw_norms < clip.clip_value).any()
+    def with_clip(value):  # the same weights under another clip value
+        model = _model([DP_Flatten(), DP_QuickSpectralDense(8), DP_GroupSort(2),
+                        DP_QuickSpectralDense(3), DP_ClipGradient(value)])
+        model.set_weights(clipped_model.get_weights())
+        return model
+
+    def last_bias_norms(model):
+        norms = per_example_gradient_norms(model, loss, x, y)
+        return norms[[name for name in norms if name.endswith("bias")][-1]]
+
+    raw_norms = last_bias_norms(with_clip(1e9))
+    median = float(np.median(raw_norms))
+    clipped_norms = last_bias_norms(with_clip(median))
+    np.testing.assert_allclose(clipped_norms, np.minimum(raw_norms, median), rtol=1e-5)
+    assert (raw_norms > median).any() and (raw_norms < median).any()
 
 
 LAYER_MENU = ["conv", "spectral conv", "groupsort", "relu", "tanh", "sigmoid", "softplus",

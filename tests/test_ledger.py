@@ -174,6 +174,61 @@ def test_a_changed_input_bound_or_loss_needs_a_new_compile(change, traced):
     assert model.dp_steps_taken == (4 if traced else 0)
 
 
+def _scaled(function, factor=100.0):
+    return lambda *args, **kwargs: factor * function(*args, **kwargs)
+
+
+_BYPASSES = {  # an audit of the checks above: each trained at 1.5x to 7068x the bound
+    "a dense layer's activation": (
+        lambda m: setattr(m.layers[-1], "activation", _scaled(tf.identity)), r"\(activation\)"),
+    "deel-lip's pooling coefficient": (
+        lambda m: setattr(m.layers[3], "coef_lip", 10 * m.layers[3].coef_lip), r"\(coef_lip\)"),
+    "the model's call on the instance": (
+        lambda m: setattr(m, "call", _scaled(m.call)), "a `call` of its own"),
+    "a layer's call on the instance": (
+        lambda m: setattr(m.layers[-1], "call", _scaled(m.layers[-1].call)),
+        "`call` replaced on the instance"),
+    "the loss's call on the instance": (
+        lambda m: setattr(m.dp_loss, "call", _scaled(m.dp_loss.call)),
+        "the DP loss \\(its `call` replaced"),
+    "a negative loss parameter": (
+        lambda m: setattr(m.dp_loss, "alpha", -30.0), r"the DP loss's constant L \(-"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(_BYPASSES))
+def test_changes_the_configuration_does_not_show_are_refused_too(change):
+    """What `call` reads but `get_config` leaves out (lipdp's dense layers drop `activation`,
+    deel-lip sets `coef_lip` at build), a call patched on an instance, and a loss constant
+    made negative (which a plain 'not larger' comparison let through) each trained at 1.5x
+    to 7068x the bound after the checks of compile and build were added (an audit)."""
+    from tests._models import cnn
+
+    model = cnn()
+    model.compile(loss=lipdp.losses.DP_MulticlassHKR(alpha=0.5),
+                  optimizer=tf.keras.optimizers.SGD(0.01))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8, 8, 2)).astype("float32")
+    y = np.eye(4, dtype="float32")[rng.integers(0, 4, 16)]
+    mutate, message = _BYPASSES[change]
+    mutate(model)
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        model.train_on_batch(x, y)
+    assert model.dp_steps_taken == 0
+
+
+def test_a_pooling_size_changed_before_compile_is_refused_at_compile():
+    """deel-lip's L2 pooling records nothing at its build; its pool size set from 2 to 1 after
+    the model was made (its coefficient kept for 2: outputs 2|x|) trained at 1.5x the bound
+    (an audit). A DP model records its layers' configurations when it is made."""
+    from tests._models import cnn
+
+    model = cnn()
+    model.layers[3].pool_size = (1, 1)
+    with pytest.raises(ValueError, match=r"had its pool_size changed"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+
+
 def test_a_loss_parameter_that_leaves_its_constant_trains_on():
     """The tau cross-entropy's L is sqrt(2) for every temperature: deel-lip's
     LossParamScheduler moving tau between fits, or a loop assigning it before each

@@ -381,39 +381,73 @@ def pin_input_shape(layer, input_shape):
     layer._built_configuration = plain_configuration(layer, leave_out=("trainable",))
 
 
+# Attributes that `call` reads and `get_config` may not hold (a dense layer's `activation`,
+# which lipdp's dense layers leave out of their configuration; deel-lip's `coef_lip`, set at
+# build from the pool size; an audit changed each after compile, 5.8x to 100x the bound).
+_CALL_ATTRIBUTES = ("activation", "coef_lip", "k_coef_lip", "eps_grad_sqrt", "pool_size",
+                    "strides", "padding", "kernel_size", "dilation_rate", "groups", "n")
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str, np.generic))
+
+
 def plain_configuration(obj, leave_out: Tuple[str, ...] = ()) -> Optional[str]:
     """The entries of ``obj.get_config()`` that are numbers, strings or lists of them, but
-    not those named in `leave_out`, as JSON (None when `obj` has no configuration). Nested
-    objects (initializers, regularizers) are left out: they act at build, and Keras
+    not those named in `leave_out`, and the attributes of `_CALL_ATTRIBUTES` it has (by
+    value, a function by name and identity), as JSON (None when `obj` has no configuration).
+    Nested objects (initializers, regularizers) are left out: they act at build, and Keras
     serialises them differently inside a legacy HDF5 load. Read eagerly, also while a
     function is traced."""
-    def plain(value):
-        if isinstance(value, (list, tuple)):
-            return all(plain(v) for v in value)
-        return value is None or isinstance(value, (bool, int, float, str, np.generic))
-
     try:
         with tf.init_scope():
             config = obj.get_config()
     except (AttributeError, NotImplementedError, TypeError):
         return None
     kept = {key: value for key, value in config.items()
-            if plain(value) and key not in leave_out}
+            if _plain(value) and key not in leave_out}
+    for name in _CALL_ATTRIBUTES:
+        value = getattr(obj, name, None)
+        if callable(value):
+            kept["." + name] = f"{getattr(value, '__name__', type(value).__name__)}@{id(value)}"
+        elif value is not None and _plain(value):
+            kept["." + name] = value
     return json.dumps(kept, sort_keys=True, default=lambda v: v.item())
 
 
+def replaced_call(obj) -> Optional[str]:
+    """``'call'`` or ``'__call__'`` when `obj` has one set on the instance (patched), else
+    None: a patched call computes what no bound method describes (an audit scaled a
+    model's, a layer's and a loss's outputs by 100 this way, each trained at 100x the
+    bound)."""
+    return next((name for name in ("call", "__call__") if name in vars(obj)), None)
+
+
 def changed_keys(before: str, after: str) -> List[str]:
-    """The keys whose values differ between two `plain_configuration` strings."""
+    """The names (configuration keys and attributes) whose values differ between two
+    `plain_configuration` strings."""
     old, new = json.loads(before), json.loads(after)
-    return sorted(key for key in {*old, *new} if old.get(key) != new.get(key))
+    return sorted({key.lstrip(".") for key in {*old, *new} if old.get(key) != new.get(key)})
 
 
 def check_built_configuration(layer) -> None:
-    """Raise ValueError when `layer`'s configuration (`trainable` aside) changed since
-    `pin_input_shape` recorded it at build: the bounds cached then no longer describe `call`."""
+    """Raise ValueError when `layer` has a `call` patched on the instance, or when its
+    configuration (`plain_configuration`, `trainable` aside) changed since it was recorded:
+    by `pin_input_shape` at build, else here at the first check after build (a DP model
+    checks its layers when it is made). The bounds cached at build, or computed from the
+    configuration, no longer describe `call`."""
+    patched = replaced_call(layer)
+    if patched:
+        raise ValueError(f"Layer '{layer.name}' ({type(layer).__name__}) has its `{patched}` "
+                         "replaced on the instance: its bounds describe its class's call. "
+                         "Subclass the layer and give it bounds that hold instead.")
     built = getattr(layer, "_built_configuration", None)
     now = plain_configuration(layer, leave_out=("trainable",))
-    if built is not None and now is not None and built != now:
+    if built is None and layer.built:  # a layer that records nothing when it is built
+        layer._built_configuration = now
+    elif built is not None and now is not None and built != now:
         raise ValueError(
             f"Layer '{layer.name}' ({type(layer).__name__}) had its "
             f"{', '.join(changed_keys(built, now))} "
