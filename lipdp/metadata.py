@@ -237,6 +237,12 @@ class AdaptiveClipping:
             if value is not None:
                 _check_positive(value, name)
                 object.__setattr__(self, name, float(value))
+        if self.noise_multiplier is not None and not 2.0 ** -64 <= self.noise_multiplier <= 4e37:
+            # float32 draws of the count's noise flushed to zero below (a noiseless count,
+            # an audit) or overflowed above, as for the gradient's noise.
+            raise ValueError("Received an invalid value for `noise_multiplier`, expected a "
+                             "number in [2^-64, 4e37], where float32 can draw its noise. "
+                             f"Received: noise_multiplier={self.noise_multiplier!r}")
         _check_positive(self.learning_rate, "learning_rate")
         object.__setattr__(self, "target_quantile", float(self.target_quantile))
         object.__setattr__(self, "learning_rate", float(self.learning_rate))

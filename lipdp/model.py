@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import warnings
 from typing import Optional, Tuple
 
@@ -1029,15 +1030,22 @@ class _DPModelMixin:
         # strategy: the replicas' sums are added, with the noise drawn once.
         local = tf.reduce_sum(below - 0.5)
         with drawing_at_step(self._dp_steps):
+            count_stddev = round_up_to_float32(self._step_mechanism.quantile_noise_multiplier)
             noisy = _once_per_global_batch(lambda: local + gaussian_noise(
-                [local], [self._step_mechanism.quantile_noise_multiplier],
-                salt=self._noise_salt())[0], lambda: local)
+                [local], [count_stddev], salt=self._noise_salt())[0], lambda: local)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             noisy = context.all_reduce(tf.distribute.ReduceOp.SUM, noisy)
         fraction = noisy / float(self._step_mechanism.batch_size) + 0.5
-        self._logit_clip.assign(
-            clip * tf.exp(-clipping.learning_rate * (fraction - clipping.target_quantile)))
+        # In the log domain, kept within [2^-120, 2^120] (inside float32's normal range with
+        # room for exp's rounding): the product in float32 went to 0 or inf for values that
+        # fit (1e38 e^-100 = 3.7e-6 gave 0), where it stayed, and then to NaN (0 * inf),
+        # which stopped a later step with a message about the layers (an audit).
+        # Post-processing of the noisy count: no privacy cost.
+        log_clip = tf.math.log(clip) - clipping.learning_rate * (
+            fraction - clipping.target_quantile)
+        self._logit_clip.assign(tf.exp(tf.clip_by_value(
+            log_clip, -120.0 * math.log(2.0), 120.0 * math.log(2.0))))
 
     def _noise_salt(self) -> int:
         """The private step count when the step is traced: the salt of its noise's seeds in a

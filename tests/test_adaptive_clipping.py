@@ -171,6 +171,31 @@ def test_invalid_settings_are_refused():
                            loss_gradient_clipping=lipdp.AdaptiveClipping())
     parameters = lipdp.DPParameters(1.0, 1e-5, loss_gradient_clipping={"target_quantile": 0.8})
     assert lipdp.DPParameters.from_config(parameters.get_config()) == parameters
+    # A count noise whose float32 draws flush to zero (a noiseless count, epsilon 1e60
+    # reported: an audit) or overflow.
+    for sigma_b in (1e-30, 1e38):
+        with pytest.raises(ValueError, match=r"\[2\^-64, 4e37\]"):
+            lipdp.AdaptiveClipping(noise_multiplier=sigma_b)
+
+
+@pytest.mark.parametrize("clipping, expected", [
+    (dict(initial_clip=1e38, target_quantile=1e-9, learning_rate=100.0), 1e38 * np.exp(-100.0)),
+    (dict(learning_rate=1e6, target_quantile=0.9), None),
+])
+def test_the_threshold_update_stays_in_float32s_normal_range(clipping, expected):
+    """C_t's geometric update in float32 went to 0 for 1e38 e^-100 = 3.7e-6, or to 0 then NaN
+    (0 * inf) at a learning rate of 1e6, which stopped a later step with a message about the
+    layers (an audit). In the log domain and clamped to [2^-120, 2^120], it stays positive
+    and finite, and equals the exact update where that fits."""
+    x, y = _data()
+    model = _model(lipdp.AdaptiveClipping(noise_multiplier=1e-12, **clipping))
+    for step in range(3):
+        model.train_on_batch(x[step * D:(step + 1) * D], y[step * D:(step + 1) * D])
+        clip = float(model._logit_clip.numpy())
+        assert 2.0 ** -120 * (1 - 1e-6) <= clip <= 2.0 ** 120 * (1 + 1e-6), (step, clip)
+        if expected is not None and step == 0:  # every example below C_0: fraction 1
+            assert clip == pytest.approx(expected, rel=1e-4)
+    assert model.dp_steps_taken == 3
 
 
 def test_bound_monitor_checks_the_clipped_step():
