@@ -34,6 +34,7 @@ covered by epsilon. ``compile(..., private_logs_only=True)`` omits them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import math
@@ -129,8 +130,9 @@ def _refuse_batch_iterators(x):
 
 def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
     """``(shared, n)``: how many of the n examples of `data` are, inputs and label, examples
-    of the training arrays `x, y` (row fingerprints, `lipdp.records.row_fingerprints`). `data` is ``(inputs, labels, ...)`` arrays or a finite `tf.data.Dataset` of
-    such batches (read once); an array of another numeric dtype than its training
+    of the training arrays `x, y` (row fingerprints, `lipdp.records.row_fingerprints`).
+    `data` is ``(inputs, labels, ...)`` arrays or a finite `tf.data.Dataset` of such batches
+    (read once); an array of another numeric dtype than its training
     counterpart is compared by value (both in float64: a float64 copy of float32 inputs, or
     labels of another dtype, are the same examples). None when they cannot be compared
     (training from a dataset, an infinite or unreadable dataset, other shapes)."""
@@ -963,13 +965,13 @@ class _DPModelMixin:
         twice (the second time with a bound 10x smaller) trained under the last one, which
         every pass keeps (an audit, 2026-12-05)."""
         listed = [v for v, _ in backpropagate_bounds(layers, self._loss_lipschitz)]
-        refs = [v.ref() for v in listed]
-        twice = sorted({v.name for v in listed if refs.count(v.ref()) > 1})
+        counts = collections.Counter(v.ref() for v in listed)
+        twice = sorted({v.name for v in listed if counts[v.ref()] > 1})
         if twice:
             raise ValueError(f"Trainable variables {twice} have more than one gradient bound "
                              "(a layer's `backpropagate_params` lists them twice): give each "
                              "variable once, with the bound of all its uses.")
-        missing = [v.name for v in self.trainable_variables if v.ref() not in set(refs)]
+        missing = [v.name for v in self.trainable_variables if v.ref() not in counts]
         if missing:
             raise ValueError(f"No gradient bound for trainable variables {missing}: freeze them "
                              "or use DP layers that bound them.")

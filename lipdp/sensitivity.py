@@ -69,15 +69,25 @@ _BOUND_CHANGES = {
 }
 
 
+def _layers(model):
+    """The model's leaf layers and those of its residual branches."""
+    layers = list(leaf_layers(model))
+    return layers + [inner for layer in layers for inner in getattr(layer, "branch", ())]
+
+
+def _trains_biases(layers) -> bool:
+    """Whether a dense or convolution layer of `layers` has a bias."""
+    return any(getattr(layer, "use_bias", False) for layer in layers)
+
+
 def _changed_bounds(model):
     """The texts of `_BOUND_CHANGES` that concern the model's layers."""
-    layers = list(leaf_layers(model))
-    layers += [inner for layer in layers for inner in getattr(layer, "branch", ())]
+    layers = _layers(model)
     found = []
     for topic, (classes, text) in _BOUND_CHANGES.items():
         hit = any(isinstance(layer, classes) for layer in layers)
         if topic == "bias":
-            hit = hit or any(getattr(layer, "use_bias", False) for layer in layers)
+            hit = hit or _trains_biases(layers)
         if hit:
             found.append(text)
     return found
@@ -116,8 +126,6 @@ def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = 1024) -> int:
 def _per_layer_biases(model) -> bool:
     """Whether `model` runs the per-layer strategy with a dense or convolution bias."""
     parameters = getattr(model, "dp_parameters", None)
-    if parameters is None or parameters.noisify_strategy is not NoiseStrategy.PER_LAYER:
-        return False
-    layers = list(leaf_layers(model))
-    layers += [inner for layer in layers for inner in getattr(layer, "branch", ())]
-    return any(getattr(layer, "use_bias", False) for layer in layers)
+    return (parameters is not None
+            and parameters.noisify_strategy is NoiseStrategy.PER_LAYER
+            and _trains_biases(_layers(model)))
