@@ -122,6 +122,28 @@ FLOAT32_MAGNITUDE_MASK = 0x7FFFFFFF
 FLOAT32_SMALLEST_NORMAL_BITS = 0x00800000
 
 
+def float32_values(kernel) -> np.ndarray:
+    """`kernel` as a float32 array, when its values are float32 numbers (any dtype holding
+    them exactly: a float64 copy of float32 weights passes): the certificates below bound
+    the norm of those values.
+
+    Raises:
+        TypeError: a value float32 does not hold exactly (a float64 kernel's certificate
+            would be that of its float32 rounding, which can be below its own norm).
+    """
+    array = np.asarray(kernel)
+    if array.dtype == np.float32:
+        return array
+    rounded = array.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        exact = np.array_equal(rounded.astype(array.dtype), array, equal_nan=True)
+    if not exact:
+        raise TypeError(f"The certificates bound float32 kernels; this {array.dtype} kernel "
+                        "holds values float32 rounds (its rounding's norm can be below its "
+                        "own): cast it to float32 first, or certify it another way.")
+    return rounded
+
+
 def subnormal_count(kernel) -> int:
     """How many entries of the float32 `kernel` are subnormal (non-zero, below ``2^-126`` in
     magnitude), read from their bits: a thread that flushes subnormals reads them as 0."""
@@ -418,8 +440,9 @@ def dense_norm_upper(kernel, hint=None) -> np.float32:
     non-finite one. `hint`, a guess of the top right singular vector (``out``
     values: a layer's power-iteration vector), only starts the Lanczos estimate.
     """
+    kernel = float32_values(kernel)
     flushed = subnormal_count(kernel)
-    w = np.asarray(kernel, np.float32).astype(np.float64)
+    w = kernel.astype(np.float64)
     w = w.reshape(-1, w.shape[-1])
     start = None if hint is None else np.asarray(hint, np.float64).ravel()
     if w.shape[0] < w.shape[1]:
@@ -454,10 +477,11 @@ def conv_norm_upper(kernel, grid) -> np.float32:
     bounded by `max_eigenvalue_upper` from their proven errors (`_grams_by_tap_pairs`,
     `_grams_by_transform`).
     """
+    kernel = float32_values(kernel)
     kh, kw, cin, cout = kernel.shape
     taps = kh * kw
     flushed = taps * subnormal_count(kernel)  # sqrt(T) ||E||_F <= sqrt(T n) mu
-    k = np.asarray(kernel, np.float32).astype(np.float64).reshape(taps, cin, cout)
+    k = kernel.astype(np.float64).reshape(taps, cin, cout)
     if cin > cout:
         k = np.swapaxes(k, 1, 2)
     frobenius_sq = float(np.sum(k * k)) * (1.0 + 2.0 * gamma64(k.size + 2))

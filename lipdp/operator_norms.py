@@ -83,6 +83,9 @@ def certified_norms(requests):
             `norm` is returned as it is when `fresh` (a boolean scalar) holds and it is
             finite, else the kernel is certified here.
 
+    Raises:
+        TypeError: a kernel that is not float32.
+
     Returns:
         a list of float32 scalar tensors, each an upper bound of its kernel's norm
         (`lipdp.gram_certificates`). One call, not one per kernel: separate host calls
@@ -98,6 +101,11 @@ def certified_norms(requests):
         cached = kind == "cached-dense"  # (kind, kernel, None, fresh, norm[, hint])
         split = 3 if cached else 1
         kernel, cache, extra = tensors[0], tensors[1:split], tensors[split:]
+        if kernel.dtype != tf.float32:
+            raise TypeError(f"certified_norms bounds float32 kernels; got a {kernel.dtype.name} "
+                            f"kernel of shape {kernel.shape} (its certificate would be that of "
+                            "its float32 rounding, which can be below its own norm): cast it "
+                            "to float32 first.")
         kind = "dense" if cached else kind
         chunked = kind == "dense" and chunked_certificate(kernel.shape)
         if kind == "dense" and not chunked and certified_in_graph(kernel.shape):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from lipdp import gram_certificates
 from lipdp.gram_certificates import conv_norm_upper, dense_norm_upper
-from lipdp.operator_norms import dense_spectral_norm_upper
+from lipdp.operator_norms import conv_operator_norm_upper, dense_spectral_norm_upper
 from tests._certificates import (CONV_GRAM_WAYS, exact_conv_norm, exact_norm,
                                  force_conv_gram_way, orthogonal_kernel)
 
@@ -50,6 +50,46 @@ def test_certificate_bounds_the_exact_norm_and_is_tight(name, kernel):
     flushed = np.sqrt(gram_certificates.subnormal_count(kernel)) * 2.0 ** -126
     assert exact * (1 - SVD_SLACK) <= bound <= exact * (1 + TIGHT) + 1.001 * flushed + 1e-44, (
         name, bound, exact)
+
+
+def _float64_kernel_above_its_rounding():
+    """A 64 x 64 float64 kernel that rounds to the orthogonal float32 kernel H / 8 (H a
+    Sylvester Hadamard matrix) but has norm at least ``1 + 64 d`` (d = 0.9 2^-28, under half
+    a float32 ulp of 1/8): H / 8 + d s t^T with t a bent function's signs and s = H t / 8
+    (entries +-1), so that ``s^T W t / 64 = 1 + 64 d`` (an audit, 2026-12-05: 1024 x 1024,
+    certificate 0.99999926 of the norm)."""
+    hadamard = np.array([[1.0]])
+    for _ in range(6):
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    index = np.arange(64)
+    t = (-1.0) ** np.array([bin((i >> 3) & (i & 7)).count("1") for i in index])
+    s = hadamard @ t / 8
+    assert np.array_equal(np.abs(s), np.ones(64))
+    kernel = hadamard / 8 + 0.9 * 2.0 ** -28 * np.outer(s, t)
+    assert np.array_equal(kernel.astype(np.float32), (hadamard / 8).astype(np.float32))
+    return kernel, s @ kernel @ t / 64
+
+
+def test_a_kernel_float32_does_not_hold_is_refused_and_a_float64_copy_is_not():
+    """The certificates bound float32 values: a float64 kernel was certified as its float32
+    rounding, below its own norm. Refused by every route; a float64 array of float32 values
+    gets the float32 kernel's certificate."""
+    kernel, lower = _float64_kernel_above_its_rounding()
+    rounded = kernel.astype(np.float32)
+    assert float(dense_norm_upper(rounded)) < lower  # what was returned for the float64 kernel
+    with pytest.raises(TypeError, match="float32"):
+        dense_norm_upper(kernel)
+    with pytest.raises(TypeError, match="float32"):
+        conv_norm_upper(kernel.reshape(1, 1, 64, 64), (2, 2))
+    for function in (dense_spectral_norm_upper,
+                     tf.function(dense_spectral_norm_upper, autograph=False),
+                     lambda k: conv_operator_norm_upper(tf.reshape(k, [1, 1, 64, 64]), (1, 1))):
+        with pytest.raises(TypeError, match="float32"):
+            function(tf.constant(kernel))
+    copy = rounded.astype(np.float64)
+    assert dense_norm_upper(copy) == dense_norm_upper(rounded)
+    assert (conv_norm_upper(copy.reshape(1, 1, 64, 64), (2, 2))
+            == conv_norm_upper(rounded.reshape(1, 1, 64, 64), (2, 2)))
 
 
 def test_zero_and_non_finite_kernels():
