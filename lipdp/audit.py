@@ -466,7 +466,8 @@ def _log_binomial_coefficients(r: int) -> Tuple[float, ...]:
 def _binomial_log_pmf(r: int, log_q: float, log_1mq: float) -> np.ndarray:
     log_comb = np.asarray(_log_binomial_coefficients(r))
     k = np.arange(r + 1, dtype=np.float64)
-    return log_comb + k * log_q + (r - k) * log_1mq
+    with np.errstate(over="ignore"):  # a huge epsilon: -inf, a probability of 0
+        return log_comb + k * log_q + (r - k) * log_1mq
 
 
 def _check_counts(nb_correct, nb_guesses, nb_canaries):

@@ -13,6 +13,8 @@ the accountant's epsilon, and a train step that adds less noise than it accounts
 import functools
 import math
 
+import warnings
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -114,6 +116,15 @@ def test_p_value_is_non_decreasing_in_epsilon_at_the_largest_delta(v, r, m):
     p = np.array([audit.one_run_p_value(v, r, m, e, 1.0 / (2 * m))
                   for e in np.linspace(0, 12, 400)])
     assert np.all(np.diff(p) >= -1e-13)
+
+
+def test_a_huge_epsilon_gives_p_one_without_a_warning():
+    """e^-eps underflows to 0 and (r - k) log(1 - q) overflows to -inf: probabilities of 0,
+    not a RuntimeWarning (an audit)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert audit.one_run_p_value(10, 10, 10, 1e308) == 1.0
+        assert audit.one_run_p_value(3, 10, 10, 1e308) == 1.0
 
 
 def test_refuses_what_the_theorem_does_not_cover():
