@@ -173,6 +173,47 @@ def test_divergence_is_reported_as_deel_lips_and_the_projection_recovers():
     assert np.linalg.svd(projected.astype(np.float64), compute_uv=False)[0] <= 1 + 1e-4
 
 
+def _projected_norm(kernel, u, config, orthogonalise, traced):
+    project = lambda k, v: project_kernel(k, v, config, maxiter_spectral=10,  # noqa: E731
+                                          orthogonalise=orthogonalise)
+    if traced:
+        project = tf.function(project, autograph=False)
+    projected, vector, _ = project(tf.constant(kernel), tf.constant(u))
+    projected = projected.numpy()
+    assert np.all(np.isfinite(projected))
+    return np.linalg.svd(projected.astype(np.float64), compute_uv=False), vector.numpy()
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("orthogonalise", [False, True])
+@pytest.mark.parametrize("shape", [(40, 30), (600, 96)])
+def test_huge_kernels_and_collapsed_vectors_are_still_projected(shape, orthogonalise, traced):
+    """A kernel of norm above ~4e9 overflowed the power iteration (``||W^T W u||^2`` beyond
+    float32): its vector became 0 and stayed 0, the estimate 0, and every later spectral
+    normalisation multiplied the kernel by 1 / eps_spectral (an audit: 5e13 after one
+    projection, then x1000 a projection of a normal kernel); entries above ~1.8e19 made the
+    Frobenius norm of Björck's restart inf and the kernel 0. Each projection now ends near
+    norm 1, not zero, and the next one from the vector it leaves too."""
+    rng = np.random.default_rng(sum(shape))
+    gaussian = rng.standard_normal(shape).astype(np.float32)
+    ones = np.ones((1, shape[1]), np.float32)
+    config = ProjectionConfig(eps_bjorck=1e-3 if orthogonalise else None)
+    # ten power iterations from a cold start under-estimate the norm a little (1.03)
+    normal = 1 + 1e-3 if orthogonalise else 1.1
+    left = []
+    for scale in (1e10, 1e20, 1e30):
+        singular, vector = _projected_norm(gaussian * np.float32(scale), ones, config,
+                                           orthogonalise, traced)
+        assert 0.05 < singular[0] <= 1 + 1e-3, (scale, singular[0])
+        left.append(vector)
+    # the vectors left by such steps (0 after an overflow), or loaded: the next projection
+    for vector in left + [np.zeros_like(ones), np.full_like(ones, np.nan)]:
+        singular, _ = _projected_norm(gaussian, vector, config, orthogonalise, traced)
+        assert 0.5 < singular[0] <= normal, (vector, singular)
+    if orthogonalise:
+        assert singular[-1] > 0.9  # orthogonal, not the Frobenius scaling alone
+
+
 def test_dispatch_by_aspect_ratio(monkeypatch):
     """Elongated kernels take the Gram-space form, square-ish ones deel-lip's iteration."""
     import lipdp.layers._bjorck as bjorck

@@ -91,7 +91,11 @@ def project_kernel(kernel, u, config, maxiter_spectral, orthogonalise=True, cert
     the cached vector can under-estimate the spectral norm by more than that, and Björck
     blows up. When its result is not finite, the projection restarts from the
     kernel divided by its Frobenius norm (>= its spectral norm, so Björck
-    converges). Privacy never depends on this: bounds use certified norms.
+    converges; computed without overflow). A kernel only spectrally normalised whose
+    estimate fails (0 or not finite: the power iteration overflowed on a kernel of norm
+    above ~4e9) is divided by its Frobenius norm too, and a power-iteration vector that is
+    0 or not finite (left by such a step, or loaded) is replaced by a fixed start. Privacy
+    never depends on this: bounds use certified norms.
 
     With `certify`, a kernel orthogonalised at every step whose sides differ by less than
     `GRAM_SPACE_MIN_ASPECT`, or one orthogonalised at every step with one Björck iteration
@@ -161,6 +165,7 @@ def _projected(kernel, u, config, maxiter_spectral, orthogonalise, certified):
     matrix = tf.reshape(kernel, [-1, kernel.shape[-1]])
     rows, cols = matrix.shape
     every_step = config.eps_bjorck is not None and orthogonalise is True
+    u = _usable_vector(u)
 
     def bjorck(w):
         if certified:
@@ -175,7 +180,7 @@ def _projected(kernel, u, config, maxiter_spectral, orthogonalise, certified):
         finite = tf.reduce_all(tf.math.is_finite(candidate))
 
         def restart():
-            return bjorck(matrix / (tf.norm(matrix) + config.eps_spectral))
+            return bjorck(matrix / (_frobenius_norm(matrix) + config.eps_spectral))
 
         if certificate is None:
             return tf.cond(finite, lambda: candidate, lambda: restart()[0]), None
@@ -189,18 +194,54 @@ def _projected(kernel, u, config, maxiter_spectral, orthogonalise, certified):
             config.beta_bjorck, config.maxiter_bjorck)
         projected, certificate = recovered(candidate, None)
         return tf.reshape(projected, kernel.shape), u, certificate
-    normalised, u, _ = spectral_normalization(matrix, u, eps=config.eps_spectral,
-                                              maxiter=maxiter_spectral)
-    certificate = None
-    if config.eps_bjorck is not None and orthogonalise is not False:
-        def orthogonalised():
-            return recovered(*bjorck(normalised))[0]
+    normalised, u, sigma = spectral_normalization(matrix, u, eps=config.eps_spectral,
+                                                  maxiter=maxiter_spectral)
 
-        if every_step:
-            normalised, certificate = recovered(*bjorck(normalised))
-        else:
-            normalised = tf.cond(orthogonalise, orthogonalised, lambda: normalised)
+    def spectrally_normalised():
+        """The estimate is 0 or not finite when the power iteration overflowed (a kernel of
+        norm above ~4e9: ``||W^T W u||^2`` beyond float32) or its vector lies in the kernel's
+        null space: the kernel was then multiplied by 1 / eps_spectral (an audit: 1000x a
+        step, silently). The Frobenius scaling (>= the spectral norm) serves instead. (Björck
+        needs no such guard: from such a kernel it diverges, and `recovered` restarts it.)"""
+        estimated = tf.reshape(tf.logical_and(tf.math.is_finite(sigma), sigma > 0.0), [])
+        return tf.cond(estimated, lambda: normalised,
+                       lambda: matrix / (_frobenius_norm(matrix) + config.eps_spectral))
+
+    certificate = None
+    if config.eps_bjorck is None or orthogonalise is False:
+        normalised = spectrally_normalised()
+    elif every_step:
+        normalised, certificate = recovered(*bjorck(normalised))
+    else:
+        normalised = tf.cond(orthogonalise, lambda: recovered(*bjorck(normalised))[0],
+                             spectrally_normalised)
     return tf.reshape(normalised, kernel.shape), u, certificate
+
+
+def _usable_vector(u):
+    """`u`, a power-iteration vector, when it is finite and not zero; else a fixed start
+    (entries spread over [0.5, 1.5], as deel-lip's random starts are positive). A power
+    iteration from 0 or NaN stays there: after one overflowing step a layer's stored vector
+    was 0 for good and every later projection multiplied its kernel by 1 / eps_spectral (an
+    audit). The vector is normalised before use, so its scale does not matter."""
+    import numpy as np
+    import tensorflow as tf
+
+    squares = tf.reduce_sum(tf.square(u))  # not finite, or 0, exactly when u is unusable
+    start = np.linspace(0.5, 1.5, u.shape.num_elements()).reshape(u.shape)
+    usable = tf.logical_and(squares > 0.0, squares < np.inf)
+    return tf.where(usable, u, tf.constant(start, u.dtype))
+
+
+def _frobenius_norm(matrix):
+    """``||matrix||_F`` without overflow: ``m ||matrix / m||_F`` with m its largest magnitude
+    (`tf.norm` squares the entries: inf above ~1.8e19, and Björck's restart then divided the
+    kernel by inf, to zero). Zero for a zero matrix; not finite for a non-finite one."""
+    import tensorflow as tf
+
+    largest = tf.reduce_max(tf.abs(matrix))
+    scale = tf.where(largest > 0.0, largest, tf.ones_like(largest))
+    return scale * tf.norm(matrix / scale)
 
 
 def projection_config(eps_spectral=None, maxiter_spectral=None, eps_bjorck="default",
