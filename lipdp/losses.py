@@ -177,6 +177,8 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     beyond, ``tau`` times a float32 logit overflowed to inf and the softmax to NaN.
     """
 
+    takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
+
     def __init__(self, tau=1.0, margin=0.0, reduction=Reduction.AUTO,
                  name="DP_TauCategoricalCrossentropy"):
         check_positive(tau, "tau")
@@ -232,6 +234,8 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
     (`LOGIT_CAP`).
     """
 
+    takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
+
     def __init__(self, min_margin=1.0, reduction=Reduction.AUTO, name="DP_MulticlassHinge"):
         check_positive(min_margin, "min_margin")
         super().__init__(reduction=reduction, name=name)
@@ -279,6 +283,8 @@ class DP_MulticlassKR(tf.keras.losses.Loss, DP_Loss):
     (`LOGIT_CAP`).
     """
 
+    takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
+
     def __init__(self, reduction=Reduction.AUTO, name="DP_MulticlassKR"):
         super().__init__(reduction=reduction, name=name)
 
@@ -302,6 +308,8 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
     so ``||grad|| <= (1 + alpha) sqrt((K-1)/K)``, which is attained. Logits are clipped to
     ``+-2^100`` (`LOGIT_CAP`).
     """
+
+    takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
 
     def __init__(self, alpha=10.0, min_margin=1.0, reduction=Reduction.AUTO,
                  name="DP_MulticlassHKR"):
@@ -337,6 +345,8 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
     Args:
         K: the floor of the denominator (> 0); larger K means smaller gradients.
     """
+
+    takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
 
     def __init__(self, K=1.0, reduction=Reduction.AUTO, name="DP_KCosineSimilarity"):
         check_positive(K, "K")

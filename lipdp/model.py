@@ -65,9 +65,9 @@ from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
 from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
-                           check_ids_in_range, check_sparse_labels, embedding_id_limits,
-                           into_range, realigned, records_in_arrays, row_fingerprints,
-                           sparse_label_classes)
+                           check_ids_in_range, check_sparse_labels, class_index_classes,
+                           embedding_id_limits, into_range, realigned, records_in_arrays,
+                           row_fingerprints, sparse_label_classes)
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
 
 
@@ -1411,8 +1411,11 @@ class _DPModelMixin:
                                                count_records=count)
                 self._warn_on_repeated_records(counted,
                                                f"One epoch of the dataset ({batches} batches)")
+                if counted is not None and counted.complete:
+                    self._check_records_in_pass(counted.records)
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names, batches)
                 check_sparse_labels(x, None, sparse_label_classes(self, self.dp_loss), batches)
+                self._check_class_indices(x, None, batches)
         elif x is not None:
             _refuse_batch_iterators(x)
             if shuffle is not True:
@@ -1428,6 +1431,7 @@ class _DPModelMixin:
                 self._warn_on_repeated_records(records_in_arrays(x, y), "The training arrays")
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names)
                 check_sparse_labels(x, y, sparse_label_classes(self, self.dp_loss))
+                self._check_class_indices(x, y)
         # Last, so that they run after a BackupAndRestore restored the model.
         callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]
@@ -1576,6 +1580,39 @@ class _DPModelMixin:
                 "accountant's q = batch_size / nb_samples_train. Build the metadata from the "
                 "data actually used (lipdp.data.load_dataset does).")
 
+    def _check_class_indices(self, x, y, batches=None):
+        """Class indices given to a lipdp loss of classes lie in ``[0, K)``
+        (`lipdp.records.class_index_classes`): the loss clips the others into the range."""
+        if isinstance(x, tf.data.Dataset):
+            spec = x.element_spec
+            if not (isinstance(spec, tuple) and len(spec) == 2
+                    and isinstance(spec[1], tf.TensorSpec)):
+                return
+            shape = spec[1].shape
+        elif y is None or isinstance(y, (dict, list, tuple)):
+            return
+        else:
+            shape = np.shape(y)
+        check_sparse_labels(x, y, class_index_classes(self, self.dp_loss, shape), batches,
+                            dp_loss=True)
+
+    def _check_records_in_pass(self, records: int):
+        """Under shuffle sampling one pass over the dataset is an epoch, which must hold the
+        declared N records (or ``floor(N / D) D``), as `_EpochSizeCheck` checks at each
+        epoch's end. A pass whose size tf.data does not know (a ``filter``, a generator)
+        was only caught there, after an epoch of steps at another rate than the
+        accountant's (an audit: a filter keeping 200 of 400 declared records); its size,
+        read before training (`check_finite_dataset`), is checked before the first step."""
+        md = self.dataset_metadata
+        if records not in (md.nb_samples_train, md.nb_samples_train // md.batch_size
+                           * md.batch_size):
+            raise ValueError(
+                f"One pass over the dataset holds {records} records, but dataset_metadata "
+                f"declares nb_samples_train={md.nb_samples_train}: each record would be drawn "
+                "at another rate than the accountant's q = batch_size / nb_samples_train. "
+                "Build the metadata from the data actually used (lipdp.data.load_dataset "
+                "does).")
+
     def _warn_on_repeated_records(self, counted, source: str):
         """Each record enters one batch an epoch under shuffle sampling (and Keras' cut of
         arrays), which the accountant assumes: warn when one epoch holds some record more
@@ -1587,7 +1624,7 @@ class _DPModelMixin:
         (augmented views) are not seen."""
         if counted is None or counted[1] == counted[0]:
             return
-        records, distinct = counted
+        records, distinct = counted[:2]
         warnings.warn(ShuffleSamplingWarning(
             f"{source} holds {records} records but only {distinct} distinct ones: the "
             "accountant counts each record once an epoch. If these are copies of one record "

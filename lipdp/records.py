@@ -16,8 +16,9 @@ DP-SGD, where such layers are allowed): TensorFlow's CPU lookup fails on them, a
 clipping engines). `embedding_id_limits` finds the model inputs that feed an
 Embedding directly; ids computed inside the model are not seen. And for class
 indices outside ``[0, K)`` given to Keras' sparse categorical cross-entropy
-(`sparse_label_classes`): its CPU kernel fails on them too. (lipdp's DP losses map
-every label onto their domain and need no check.)
+(`sparse_label_classes`): its CPU kernel fails on them too. lipdp's DP losses map every
+label onto their domain (their bounds hold for any label), but class indices outside
+``[0, K)`` are still refused (`class_index_classes`): they would train on wrong classes.
 
 A pass over a dataset reads at most one epoch of its batches: a Poisson pipeline's pass
 samples about 63% of the records. The private step itself covers the others: an example
@@ -28,7 +29,7 @@ the ids and class indices above are mapped into their ranges (`into_range`).
 from __future__ import annotations
 
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -37,8 +38,8 @@ from lipdp.clipping.engine import finite_rows
 
 __all__ = ["NonFiniteRecordError", "OutOfRangeIdError", "check_finite_arrays",
            "check_finite_dataset", "check_ids_in_range", "check_sparse_labels",
-           "embedding_id_limits", "into_range", "records_in_arrays", "row_fingerprints",
-           "sparse_label_classes"]
+           "class_index_classes", "embedding_id_limits", "into_range", "records_in_arrays",
+           "row_fingerprints", "sparse_label_classes"]
 
 _SHOWN = 10  # positions listed in the error message
 
@@ -82,12 +83,17 @@ def _check_rows(flags, refuse) -> None:
 
 def _check_dataset_rows(checked, max_batches, refuse, fingerprinted=False):
     """`refuse` the rows that are False in one pass over `checked` (a dataset of per-row
-    flags, at most `max_batches` batches); with `fingerprinted`, of ``(flags, row
-    fingerprints)`` pairs, and the pass's fingerprints are returned (None otherwise)."""
+    flags, at most `max_batches` batches, and one more read to tell whether the pass ends
+    there); with `fingerprinted`, of ``(flags, row fingerprints)`` pairs. Returns
+    ``(fingerprints, complete)``: the pass's fingerprints (None without `fingerprinted`) and
+    whether the whole pass was read (it ended within `max_batches` batches)."""
     if max_batches is not None:
-        checked = checked.take(max_batches)
-    bad, total, fingerprints = [], 0, []
+        checked = checked.take(max_batches + 1)
+    bad, total, fingerprints, batches = [], 0, [], 0
     for index, element in enumerate(checked.as_numpy_iterator()):
+        batches += 1
+        if max_batches is not None and batches > max_batches:
+            break  # the pass goes on: only its first max_batches batches are checked
         good = element[0] if fingerprinted else element
         if fingerprinted:
             fingerprints.append(element[1])
@@ -95,9 +101,10 @@ def _check_dataset_rows(checked, max_batches, refuse, fingerprinted=False):
         total += len(good)
     if bad:
         refuse("by position in one pass over the dataset", bad, total)
-    if fingerprinted:
-        return np.concatenate(fingerprints) if fingerprints else np.zeros(0, np.int64)
-    return None
+    complete = max_batches is None or batches <= max_batches
+    if not fingerprinted:
+        return None, complete
+    return (np.concatenate(fingerprints) if fingerprints else np.zeros(0, np.int64)), complete
 
 
 def _refuse(where: str, bad: List[str], total: int):
@@ -123,7 +130,7 @@ def check_finite_arrays(x, y=None, dtype="float32") -> None:
 
 def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = None,
                          dtype="float32", count_records: bool = False
-                         ) -> Optional[Tuple[int, int]]:
+                         ) -> Optional["RecordCount"]:
     """Every record of one pass over `dataset` (at most `max_batches` batches) is finite,
     also once cast to `dtype` (the model's compute dtype).
 
@@ -135,10 +142,11 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
     which are finite, and bounds them without dividing by zero.)
 
     Returns:
-        With `count_records`, ``(records, distinct)``, counted in the same pass: the
-        records it yields and how many of them differ from each other, byte for byte
-        (`row_fingerprints`: a collision among a million records has probability about
-        3e-8); None without it, or when the elements are not dense batches (ragged,
+        With `count_records`, a `RecordCount` ``(records, distinct, complete)``, counted in
+        the same pass: the records it yields, how many of them differ from each other, byte
+        for byte (`row_fingerprints`: a collision among a million records has probability
+        about 3e-8), and whether that was the whole pass (it ended within `max_batches`
+        batches); None without it, or when the elements are not dense batches (ragged,
         sparse, scalars).
 
     Raises:
@@ -155,8 +163,16 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
     checked = dataset.map(
         (lambda *element: (row_flags(*element), row_fingerprints(tf.nest.flatten(element))))
         if counted else row_flags)
-    values = _check_dataset_rows(checked, max_batches, _refuse, fingerprinted=counted)
-    return (len(values), len(np.unique(values))) if counted else None
+    values, complete = _check_dataset_rows(checked, max_batches, _refuse, fingerprinted=counted)
+    return RecordCount(len(values), len(np.unique(values)), complete) if counted else None
+
+
+class RecordCount(NamedTuple):
+    """What `check_finite_dataset` counted in one pass over a dataset."""
+
+    records: int
+    distinct: int
+    complete: bool  # the whole pass was read
 
 
 def row_fingerprints(tensors) -> tf.Tensor:
@@ -233,17 +249,21 @@ def into_range(ids, limit: int) -> tf.Tensor:
     return tf.clip_by_value(ids, tf.cast(0, ids.dtype), tf.cast(limit - 1, ids.dtype))
 
 
+_FAILS = ("TensorFlow fails on them, and an error raised when one is first sampled would "
+          "reveal it")
 _ID_RANGES = ("ids outside [0, input_dim) of the Embedding layer they feed",
-              "map unknown tokens to an id of their own")
+              "map unknown tokens to an id of their own", _FAILS)
 _LABEL_RANGES = ("class indices outside [0, K) of the sparse cross-entropy (K model outputs)",
-                 "or use a lipdp loss, which maps any label onto its classes")
+                 "or use a lipdp loss, which maps any label onto its classes", _FAILS)
+_CLASS_INDEX_RANGES = ("class indices outside [0, K) (K model outputs)",
+                       "labels 1..K are 0..K-1 here",
+                       "the DP loss would clip each into [0, K), training on a wrong class")
 
 
 def _refuse_ids(what, where: str, bad: List[str], total: int):
     raise OutOfRangeIdError(
         f"{len(bad)} of {total} training records hold {what[0]} ({where}): {_shown(bad)}. "
-        f"Remove or repair them before training ({what[1]}): TensorFlow fails on them, and an "
-        "error raised when one is first sampled would reveal it.")
+        f"Remove or repair them before training ({what[1]}): {what[2]}.")
 
 
 def sparse_label_classes(model: tf.keras.Model, loss) -> Optional[int]:
@@ -255,24 +275,42 @@ def sparse_label_classes(model: tf.keras.Model, loss) -> Optional[int]:
     return int(model.output_shape[-1]) if sparse else None
 
 
-def check_sparse_labels(x, y, classes: Optional[int], max_batches: Optional[int] = None) -> None:
+def class_index_classes(model: tf.keras.Model, loss, labels_shape) -> Optional[int]:
+    """K, the model's outputs, when `loss` is a lipdp loss of classes (it takes class indices:
+    `lipdp.losses.class_labels`), K > 1, and labels of `labels_shape` (a batch's or the
+    arrays') are class indices, ``(batch,)`` or ``(batch, 1)``; None otherwise. The loss
+    clips an index outside ``[0, K)`` into it (its bound holds for any label), so labels
+    numbered 1..K trained silently against wrong classes (an audit)."""
+    shape = tf.TensorShape(labels_shape)
+    k = model.output_shape[-1]
+    if not getattr(loss, "takes_class_indices", False) or k is None or k < 2 \
+            or shape.rank not in (1, 2) or (shape.rank == 2 and shape[-1] != 1):
+        return None
+    return int(k)
+
+
+def check_sparse_labels(x, y, classes: Optional[int], max_batches: Optional[int] = None,
+                        dp_loss: bool = False) -> None:
     """Every record's class index lies in ``[0, classes)`` (nothing to check when `classes`
-    is None). `x` and `y` as for `check_ids_in_range` (``y`` None for a dataset).
+    is None): for a sparse cross-entropy (`sparse_label_classes`) or, with `dp_loss`, a lipdp
+    loss of classes (`class_index_classes`). `x` and `y` as for `check_ids_in_range` (``y``
+    None for a dataset).
 
     Raises:
         OutOfRangeIdError: listing the records that hold another index.
     """
     if classes is None:
         return
+    refuse = partial(_refuse_ids, _CLASS_INDEX_RANGES if dp_loss else _LABEL_RANGES)
     if not isinstance(x, tf.data.Dataset):
         if y is not None and not isinstance(y, (dict, list, tuple)):
-            _check_rows([_ids_in_range(y, classes).numpy()], partial(_refuse_ids, _LABEL_RANGES))
+            _check_rows([_ids_in_range(y, classes).numpy()], refuse)
         return
 
     spec = x.element_spec
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], tf.TensorSpec):
         _check_dataset_rows(x.map(lambda features, labels: _ids_in_range(labels, classes)),
-                            max_batches, partial(_refuse_ids, _LABEL_RANGES))
+                            max_batches, refuse)
 
 
 def check_ids_in_range(x, limits: List[Optional[int]], names: List[str],

@@ -848,6 +848,69 @@ def test_a_repeated_pipeline_must_go_through_the_declared_training_set(pipeline)
     assert model.dp_steps_taken == 0
 
 
+@pytest.mark.parametrize("labels", ["numbered 1..K", "numbered 1..K, (N, 1)", "negative",
+                                    "numbered 0..K-1", "numbered 0..K-1, (N, 1)"])
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+def test_class_indices_outside_the_classes_are_refused_before_training(labels, data):
+    """A lipdp loss of classes clips a class index outside [0, K) into it (its bound holds for
+    any label): labels numbered 1..K trained silently against wrong classes, as did -1 (an
+    audit). Refused before the first step, naming the records; 0..K-1 train."""
+    rng = np.random.default_rng(22)
+    x, one_hot = _arrays(rng)
+    indices = np.argmax(one_hot, axis=1).astype(np.int64)
+    if "1..K" in labels and "0..K-1" not in labels:
+        indices = indices + 1
+    elif labels == "negative":
+        indices[[3, 40]] = -1
+    y = indices[:, None] if labels.endswith("(N, 1)") else indices
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    given = ((tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH),)
+             if data == "dataset" else (x, y))
+    fit = dict(epochs=1, verbose=0) if data == "dataset" else dict(epochs=1, verbose=0,
+                                                                   batch_size=BATCH)
+    if "0..K-1" in labels:
+        model.fit(*given, **fit)
+        assert model.dp_steps_taken == N // BATCH
+        return
+    with pytest.raises(lipdp.records.OutOfRangeIdError,
+                       match=r"class indices outside \[0, K\) \(K model outputs\)"):
+        model.fit(*given, **fit)
+    assert model.dp_steps_taken == 0
+
+
+@pytest.mark.parametrize("pipeline", ["filter keeping half", "generator of half",
+                                      "filter keeping all", "filter keeping all, half batches"])
+def test_a_pass_of_unknown_size_must_hold_the_declared_records(pipeline):
+    """Under shuffle sampling an epoch is one pass, which must hold the declared N records. A
+    pass whose size tf.data does not know (a `filter`, a generator), not repeated, was
+    caught only at the epoch's end, its steps taken at twice the accountant's rate (an
+    audit: a filter keeping 200 of 400 declared records). Refused before the first step; N
+    records train, in batches of D or smaller."""
+    x, y = _arrays(np.random.default_rng(21))
+    n = N // 2 if "half" in pipeline.split(",")[0] else N
+    if pipeline.startswith("generator"):
+        def records():
+            yield from zip(x[:n], y[:n])
+
+        dataset = tf.data.Dataset.from_generator(records, output_signature=(
+            tf.TensorSpec(x.shape[1:], tf.float32), tf.TensorSpec(y.shape[1:], tf.float32)))
+    else:
+        indexed = tf.data.Dataset.from_tensor_slices((np.arange(N), x, y))
+        dataset = indexed.filter(lambda i, *_: i < n).map(lambda i, a, b: (a, b))
+    assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    batch = BATCH // 2 if pipeline.endswith("half batches") else BATCH
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    if n < N:
+        with pytest.raises(ValueError, match=f"One pass over the dataset holds {n} records"):
+            model.fit(dataset.shuffle(N).batch(batch), epochs=1, verbose=0)
+        assert model.dp_steps_taken == 0
+        return
+    model.fit(dataset.shuffle(N).batch(batch), epochs=1, verbose=0)
+    assert model.dp_steps_taken == N // batch
+
+
 @pytest.mark.parametrize("pipeline", ["Poisson pipeline", "generator of batches"])
 def test_repeated_pipelines_at_the_declared_rate_train(pipeline):
     """Counting a repeated pass's records refused honest pipelines when it took batches for

@@ -425,12 +425,18 @@ def test_batch_larger_than_declared_is_refused_at_run_time():
 
 
 def test_epoch_with_fewer_examples_than_declared_is_refused():
-    """Same number of batches but fewer examples: the sampling rate would be under-stated."""
+    """Same number of batches but fewer examples: the sampling rate would be under-stated.
+    Refused before the first step from the pass `fit` reads (`validate_data`), else at the
+    epoch's end."""
     rng = np.random.default_rng(6)
     model = _compiled(mlp())
     x, y = rng.normal(size=(60, 10)).astype("float32"), np.eye(3, dtype="float32")[rng.integers(0, 3, 60)]
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    with pytest.raises(ValueError, match="One pass over the dataset holds 60 records"):
+        model.fit(dataset, verbose=0)
+    assert model.dp_steps_taken == 0
     with pytest.raises(RuntimeError, match="trained on 60 examples"):
-        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), verbose=0)
+        model.fit(dataset, verbose=0, validate_data=False)
 
 
 @pytest.mark.parametrize("strategy", ["global", "per-layer"])
