@@ -251,14 +251,30 @@ def first_examples(dataset_or_xy, count: int) -> Tuple[np.ndarray, np.ndarray]:
 
 def _correct(logits: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Whether the predicted class is the label: one-hot labels ``(n, K)``, integer labels
-    ``(n,)`` or ``(n, 1)`` (the rank Keras gives metrics), or for one output ``y > 0``."""
+    ``(n,)`` or ``(n, 1)`` (the rank Keras gives metrics), or for one output ``y > 0``.
+
+    Raises:
+        ValueError: labels of another shape, or class indices outside ``[0, K)``.
+    """
     y = np.asarray(y)
     if logits.shape[1] == 1:  # binary decision logit > 0, label y > 0
         return (logits[:, 0] > 0) == (y.reshape(len(y), -1)[:, 0] > 0)
+    k = logits.shape[1]
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
-    labels = np.argmax(y, axis=-1) if y.ndim == 2 else y.astype(np.int64)
-    return np.argmax(logits, axis=1) == labels
+    if y.ndim == 2 and y.shape[1] == k:
+        return np.argmax(logits, axis=1) == np.argmax(y, axis=-1)
+    # A mismatch scored silently: one-hot rows of 5 columns for 3 outputs, or class
+    # indices 1..K, gave an accuracy against the wrong classes (an audit).
+    if y.ndim != 1:
+        raise ValueError(f"Labels of shape {y.shape} for {k} model outputs: expected one-hot "
+                         f"labels (n, {k}) or class indices (n,) / (n, 1).")
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~((y >= 0) & (y < k) & (np.floor(y) == y)))
+    if len(bad):
+        raise ValueError(f"{len(bad)} labels are not class indices in [0, {k}) ({k} model "
+                         f"outputs), e.g. {y[bad[0]]!r} at position {bad[0]} (of its batch).")
+    return np.argmax(logits, axis=1) == y.astype(np.int64)
 
 
 def _certified(logits: np.ndarray, y: np.ndarray, radii: Tuple[float, ...],

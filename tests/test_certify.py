@@ -275,6 +275,22 @@ def test_certified_accuracy_radius_zero_is_accuracy(model):
         assert result[radius] == pytest.approx(np.mean(correct & (r > radius)), abs=1e-12)
 
 
+@pytest.mark.parametrize("labels", ["one-hot of K + 2 columns", "indices 1..K", "negative",
+                                    "fractional", "rank 3"])
+def test_labels_that_are_not_the_models_classes_are_refused(model, labels):
+    """Scored silently before: one-hot rows of K + 2 columns, or class indices numbered 1..K,
+    gave an accuracy against the wrong classes (an audit)."""
+    x = sample_inputs(20, seed=8)
+    indices = predict(model, x)
+    y = {"one-hot of K + 2 columns": np.eye(NB_CLASSES + 2, dtype=np.float32)[indices],
+         "indices 1..K": indices + 1, "negative": np.where(np.arange(20) == 7, -1, indices),
+         "fractional": indices + 0.5,
+         "rank 3": np.eye(NB_CLASSES, dtype=np.float32)[indices][:, :, None]}[labels]
+    with pytest.raises(ValueError, match="labels|Labels"):
+        certify.certified_accuracy(model, (x, y), [0.0, 0.1])
+    assert certify.certified_accuracy(model, (x, indices), [0.0]) == {0.0: 1.0}
+
+
 def test_clean_accuracy_of_a_model_without_certificate():
     """Radius 0 alone is clean accuracy: any Keras classifier (no Lipschitz constant needed);
     a positive radius still needs a DP model."""
