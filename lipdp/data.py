@@ -792,6 +792,12 @@ def load_arrays(name: str, *, data_dir=None, download: bool = True) -> RawDatase
             every place searched and how to provide the files).
         DatasetFormatError: a file was found but is corrupt.
     """
+    if not isinstance(name, str):  # arrays raised "unhashable type" (an audit)
+        raise TypeError(
+            f"load_arrays and load_dataset take a dataset's name (one of "
+            f"{sorted(list(_IMAGE_SPECS) + list(_SKLEARN_NAMES))}), not {type(name).__name__}. "
+            "For data of your own, build a tf.data pipeline and a lipdp.DatasetMetadata "
+            "describing it.")
     if name in _IMAGE_SPECS:
         raw = _load_image_dataset(_IMAGE_SPECS[name], data_dir, download)
     elif name in _SKLEARN_NAMES:

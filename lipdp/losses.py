@@ -181,9 +181,9 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
 
     def __init__(self, tau=1.0, margin=0.0, reduction=Reduction.AUTO,
                  name="DP_TauCategoricalCrossentropy"):
-        check_positive(tau, "tau")
+        tau = check_positive(tau, "tau")
         if margin != 0:
-            check_positive(margin, "margin")
+            margin = check_positive(margin, "margin")
         super().__init__(tau=tau, reduction=reduction, name=name)
         self.margin = float(margin)
 
@@ -210,7 +210,7 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
     """
 
     def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauBCE"):
-        check_positive(tau, "tau")
+        tau = check_positive(tau, "tau")
         super().__init__(tau=tau, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
@@ -237,7 +237,7 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
     takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
 
     def __init__(self, min_margin=1.0, reduction=Reduction.AUTO, name="DP_MulticlassHinge"):
-        check_positive(min_margin, "min_margin")
+        min_margin = check_positive(min_margin, "min_margin")
         super().__init__(reduction=reduction, name=name)
         self.min_margin = float(min_margin)
 
@@ -313,8 +313,8 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
 
     def __init__(self, alpha=10.0, min_margin=1.0, reduction=Reduction.AUTO,
                  name="DP_MulticlassHKR"):
-        check_positive(alpha, "alpha")
-        check_positive(min_margin, "min_margin")
+        alpha = check_positive(alpha, "alpha")
+        min_margin = check_positive(min_margin, "min_margin")
         super().__init__(reduction=reduction, name=name)
         self.alpha = float(alpha)
         self.min_margin = float(min_margin)
@@ -349,7 +349,7 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
     takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
 
     def __init__(self, K=1.0, reduction=Reduction.AUTO, name="DP_KCosineSimilarity"):
-        check_positive(K, "K")
+        K = check_positive(K, "K")
         super().__init__(reduction=reduction, name=name)
         self.K = float(K)
 

@@ -118,10 +118,18 @@ def _parse_enum(enum_cls, value, argname):
         ) from None
 
 
+def _plain(value):
+    """A NumPy scalar as the Python number it holds (``np.float32(2.0)`` was refused with
+    "Received: noise_multiplier=2.0": an audit); anything else as it is."""
+    item = getattr(value, "item", None)
+    if isinstance(value, numbers.Number) and type(value) not in (bool, int, float) and item:
+        return item()
+    return value
+
+
 def _check_positive(value, argname, allow_zero=False):
-    ok = value >= 0 if allow_zero else value > 0
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok \
-            or not math.isfinite(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) \
+            or not math.isfinite(value) or not (value >= 0 if allow_zero else value > 0):
         kind = "non-negative" if allow_zero else "positive"
         raise ValueError(
             f"Received an invalid value for `{argname}`, expected a finite {kind} "
@@ -162,6 +170,9 @@ class DatasetMetadata:
     def __post_init__(self):
         object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
         object.__setattr__(self, "sampling", _parse_enum(Sampling, self.sampling, "sampling"))
+        for name in ("nb_classes", "nb_samples_train", "nb_samples_test", "batch_size",
+                     "augmentation_multiplicity", "max_norm"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         for name in ("nb_classes", "nb_samples_train", "batch_size", "augmentation_multiplicity"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -229,6 +240,8 @@ class AdaptiveClipping:
     learning_rate: float = 0.2
 
     def __post_init__(self):
+        for name in ("target_quantile", "noise_multiplier", "initial_clip", "learning_rate"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         if not (_is_real(self.target_quantile) and 0 < self.target_quantile < 1):
             raise ValueError("Received an invalid value for `target_quantile`, expected a "
                              f"number in (0, 1). Received: {self.target_quantile!r}")
@@ -308,6 +321,8 @@ class DPParameters:
     loss_gradient_clipping: Optional[AdaptiveClipping] = None
 
     def __post_init__(self):
+        for name in ("noise_multiplier", "delta", "preclip_noise"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         if isinstance(self.noise_multiplier, str):
             raise TypeError(
                 "DPParameters takes (noise_multiplier, delta, noisify_strategy, ...) in this "

@@ -1425,7 +1425,7 @@ class _DPModelMixin:
                     "batch is known in advance, while the accountant's epsilon assumes random "
                     "batches (a proven one for lipdp.data.load_dataset's Poisson sampling). "
                     "Leave shuffle=True.")
-            batch_size = self._check_arrays(x, batch_size)
+            batch_size = self._check_arrays(x, y, batch_size)
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
                 self._warn_on_repeated_records(records_in_arrays(x, y), "The training arrays")
@@ -1675,8 +1675,19 @@ class _DPModelMixin:
             "its sampler: give per-example transformations to load_dataset (`augmentation`, "
             "`feature_map`)."), stacklevel=3)
 
-    def _check_arrays(self, x, batch_size):
+    def _check_arrays(self, x, y, batch_size):
         md = self.dataset_metadata
+        arrays = tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))
+        if not all(hasattr(a, "shape") and len(a.shape) for a in arrays):
+            raise TypeError(
+                "fit takes arrays or tensors with one row per training example (a NumPy array "
+                "per model input, and one of labels); received "
+                f"{sorted({type(a).__name__ for a in arrays})} (a nested list is taken as "
+                "one input per entry: pass np.asarray(...)).")
+        if len({len(a) for a in arrays}) != 1:  # numpy's error named neither (an audit)
+            raise ValueError(
+                "fit received inputs and labels of different lengths, "
+                f"{[len(a) for a in arrays]}: they must hold one row per training example.")
         n = len(tf.nest.flatten(x)[0])
         if n != md.nb_samples_train:
             raise ValueError(f"fit received {n} training examples but dataset_metadata declares "

@@ -48,6 +48,7 @@ import abc
 import contextlib
 import json
 import math
+import numbers
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -465,7 +466,7 @@ def check_positive(value, name) -> float:
     gradients on every record, a K-cosine floor of 1e-39 on the all-zero record only, which
     stopped the step that sampled it); above it, it is an infinity."""
     low, high = _FLOAT32_NORMAL
-    if not isinstance(value, (int, float)) or isinstance(value, bool) \
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) \
             or not math.isfinite(value) or not low <= value <= high:
         raise ValueError(f"Received an invalid value for `{name}`, expected a positive number "
                          f"in float32's normal range [{low:.3g}, {high:.3g}]. Received: "

@@ -221,6 +221,16 @@ class DP_GroupSort(GroupSort, DPLayer):
         super().__init__(n=n, **kwargs)
         self.pairing = pairing
 
+    def build(self, input_shape):
+        channels = tf.TensorShape(input_shape)[-1]
+        if self.n is not None and channels is not None and channels >= self.n \
+                and channels % self.n:
+            # deel-lip's RuntimeError named neither the layer nor the width (an audit)
+            raise ValueError(f"Layer '{self.name}' (DP_GroupSort(n={self.n})) sorts groups of "
+                             f"{self.n} channels, which do not divide its input's {channels}: "
+                             "give the layer before it a multiple of n outputs.")
+        super().build(input_shape)
+
     def call(self, x):
         if self.n != 2:
             return super().call(x)

@@ -1,0 +1,78 @@
+"""Bad input gets an early error that names what is wrong; NumPy scalars are numbers.
+
+Each case was found by an audit (2026-12-05) raising an error that named neither the argument
+nor the fix (numpy's "inhomogeneous shape", "unhashable type", deel-lip's "self.n has to be a
+divisor"), or refusing a NumPy scalar with a message showing the value it refused
+("Received: noise_multiplier=2.0").
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lipdp
+from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
+from lipdp.losses import DP_MulticlassHKR, DP_TauCategoricalCrossentropy
+
+N, BATCH, DIM, K = 32, 8, 6, 3
+
+
+@pytest.mark.parametrize("scalar", [np.float32, np.float64, np.int64])
+def test_numpy_scalars_are_the_numbers_they_hold(scalar):
+    assert lipdp.DPParameters(scalar(2), scalar(1) / 4) == lipdp.DPParameters(2.0, 0.25)
+    metadata = lipdp.DatasetMetadata((DIM,), K, N, 8, np.int64(BATCH), max_norm=scalar(2))
+    assert metadata == lipdp.DatasetMetadata((DIM,), K, N, 8, BATCH, max_norm=2.0)
+    assert type(metadata.batch_size) is int and type(metadata.max_norm) in (int, float)
+    clipping = lipdp.AdaptiveClipping(np.float32(0.5), learning_rate=scalar(1))
+    assert clipping == lipdp.AdaptiveClipping(0.5, learning_rate=1.0)
+    assert DP_TauCategoricalCrossentropy(scalar(5)).get_config()["tau"] == 5.0
+    assert DP_MulticlassHKR(alpha=scalar(10)).lipschitz(K) == DP_MulticlassHKR(10.0).lipschitz(K)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), -1.0, True])
+def test_an_invalid_noise_multiplier_is_named(bad):
+    with pytest.raises(ValueError, match=r"`noise_multiplier`.*Received: noise_multiplier="):
+        lipdp.DPParameters(noise_multiplier=bad)
+
+
+def _model():
+    metadata = lipdp.DatasetMetadata((DIM,), K, N, 8, BATCH, 1.0, "shuffle")
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(DIM,)), DP_QuickSpectralDense(8), DP_GroupSort(2),
+         DP_QuickSpectralDense(K)],
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5), dataset_metadata=metadata)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    return model
+
+
+def test_fit_names_inputs_and_labels_of_different_lengths_or_lists():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, DIM)).astype("float32")
+    y = np.eye(K, dtype="float32")[rng.integers(0, K, N)]
+    model = _model()
+    with pytest.raises(ValueError, match=r"inputs and labels of different lengths, \[32, 10\]"):
+        model.fit(x, y[:10], verbose=0)
+    with pytest.raises(TypeError, match=r"pass np.asarray"):
+        model.fit(x.tolist(), y.tolist(), verbose=0)
+    assert model.dp_steps_taken == 0
+    model.fit(x, y, verbose=0)
+    assert model.dp_steps_taken == N // BATCH
+
+
+def test_load_dataset_takes_a_name():
+    with pytest.raises(TypeError, match="take a dataset's name"):
+        lipdp.data.load_dataset(np.zeros((10, 4)), 2, bound_clip_value=1.0)
+
+
+@pytest.mark.parametrize("n, width", [(2, 15), (3, 16)])
+def test_group_sort_names_a_width_its_groups_do_not_divide(n, width):
+    layer = DP_GroupSort(n, name="sorting")
+    with pytest.raises(ValueError, match=f"'sorting'.*do not divide its input's {width}"):
+        layer.build((None, width))
+    DP_GroupSort(n).build((None, 2 * 3 * n))  # divides
+    assert DP_GroupSort(4).build((None, 2)) is None  # n above the width: one group (deel-lip)
+
+
+def test_a_group_sort_layer_still_sorts():
+    out = DP_GroupSort(2)(tf.constant([[3.0, 1.0, 2.0, 4.0]]))
+    assert sorted(out.numpy().ravel().tolist()) == [1.0, 2.0, 3.0, 4.0]
