@@ -533,6 +533,7 @@ class _DPModelMixin:
         self._build_optimizer()
         self._build_metrics(args[0] if args else kwargs.get("x"),
                             args[1] if len(args) > 1 else kwargs.get("y"))
+        self._check_batch_size(args[0] if args else kwargs.get("x"))
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
             warn_if_seeded()
             self._resume_ledger()
@@ -547,6 +548,25 @@ class _DPModelMixin:
             # `tf.keras.models.save_model` (which does not call `save`): training totals.
             self.reset_metrics()
         return result
+
+    def _check_batch_size(self, x):
+        """A batch larger than the step allows (`train_step`'s assertion) refused before the
+        step, with the step's reason: from inside the graph it came as an
+        InvalidArgumentError whose message held lipdp's (an audit)."""
+        mechanism = self._step_mechanism
+        arrays = [a for a in tf.nest.flatten(x) if getattr(a, "shape", None) is not None]
+        if mechanism is None or not arrays or len(arrays[0].shape) == 0 \
+                or arrays[0].shape[0] is None:
+            return
+        batch, expected = int(arrays[0].shape[0]), mechanism.batch_size
+        limit = expected if mechanism.sampling == Sampling.SHUFFLE \
+            else largest_poisson_batch(expected)
+        if batch > limit:
+            raise ValueError(
+                f"train_on_batch received a batch of {batch} examples, more than "
+                f"{'dataset_metadata.batch_size' if limit == expected else 'a Poisson sample'}"
+                f" allows ({limit}; batch_size {expected}, {mechanism.sampling.value} "
+                "sampling): the accountant's sampling rate would under-state the privacy loss.")
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         """Keras `evaluate`, its compiled metrics built before Keras traces its step

@@ -76,3 +76,17 @@ def test_group_sort_names_a_width_its_groups_do_not_divide(n, width):
 def test_a_group_sort_layer_still_sorts():
     out = DP_GroupSort(2)(tf.constant([[3.0, 1.0, 2.0, 4.0]]))
     assert sorted(out.numpy().ravel().tolist()) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_train_on_batch_refuses_a_batch_larger_than_the_step_allows_before_it():
+    """It came from inside the step as an InvalidArgumentError holding lipdp's message."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(BATCH + 1, DIM)).astype("float32")
+    y = np.eye(K, dtype="float32")[rng.integers(0, K, BATCH + 1)]
+    model = _model()
+    with pytest.raises(ValueError, match=r"batch of 9 examples, more than "
+                                         r"dataset_metadata.batch_size allows \(8;"):
+        model.train_on_batch(x, y)
+    assert model.dp_steps_taken == 0
+    model.train_on_batch(x[:BATCH], y[:BATCH])
+    assert model.dp_steps_taken == 1
