@@ -630,6 +630,11 @@ def model_step_noise_multiplier(model) -> float:
 def _model_mechanism(model):
     params = _attr(model, "dp_parameters")
     metadata = _attr(model, "dataset_metadata")
+    if not getattr(model, "built", True):  # "nb_noised_variables=0" said nothing (an audit)
+        raise ValueError(
+            f"Model '{model.name}' is not built: its mechanism (how many variables are noised) "
+            "needs its weights. Give its first layer an input shape or call "
+            "`model.build((None, ...))`.")
     return model_step_noise_multiplier(model), metadata.sampling_rate, params.delta
 
 

@@ -75,10 +75,16 @@ def dp_layers(model) -> List[DPLayer]:
 
     Raises:
         NonDPLayerError: a layer does not implement the bound methods.
-        ValueError: the first layer is not `DP_BoundedInput` (inputs unbounded) or
-            the layers do not form a chain.
+        ValueError: the model is not built, the first layer is not `DP_BoundedInput` (inputs
+            unbounded) or the layers do not form a chain.
     """
     _check_graph_call(model)
+    if not getattr(model, "built", True):  # certify raised AttributeError 'kernel' (an audit)
+        raise ValueError(
+            f"Model '{model.name}' is not built: its bounds and certificates need every layer's "
+            "weights and input shape. Give its first layer an input shape (e.g. "
+            "DP_BoundedInput(bound, input_shape=(28, 28, 1))) or an Input, or call "
+            "`model.build((None, ...))`.")
     layers = [layer for layer in model.layers if not isinstance(layer, tf.keras.layers.InputLayer)]
     if not layers:
         raise ValueError("The model has no layers.")

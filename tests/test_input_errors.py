@@ -90,3 +90,21 @@ def test_train_on_batch_refuses_a_batch_larger_than_the_step_allows_before_it():
     assert model.dp_steps_taken == 0
     model.train_on_batch(x[:BATCH], y[:BATCH])
     assert model.dp_steps_taken == 1
+
+
+def test_an_unbuilt_model_is_named_by_the_certificates_and_the_plan():
+    """certified_radii raised AttributeError 'kernel', get_max_epochs named an internal
+    'nb_noised_variables=0'."""
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0), DP_QuickSpectralDense(8), DP_GroupSort(2), DP_QuickSpectralDense(K)],
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5),
+        dataset_metadata=lipdp.DatasetMetadata((DIM,), K, N, 8, BATCH, 1.0))
+    x = np.zeros((4, DIM), np.float32)
+    for call in (lambda: lipdp.certify.certified_radii(model, x),
+                 lambda: lipdp.bounds.gradient_bounds(model),
+                 lambda: lipdp.get_max_epochs(3.0, model)):
+        with pytest.raises(ValueError, match="is not built"):
+            call()
+    model.build((None, DIM))
+    assert lipdp.get_max_epochs(3.0, model) >= 0  # no error once built
+    assert lipdp.certify.certified_radii(model, x).shape == (4,)
