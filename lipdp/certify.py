@@ -118,8 +118,17 @@ def _lipschitz_constant(model) -> float:
 
 
 def _logits(model, x, batch_size: int) -> np.ndarray:
-    """Model outputs on the array `x`, computed batch by batch in inference mode."""
+    """Model outputs on the array `x`, computed batch by batch in inference mode.
+
+    Raises:
+        ValueError: inputs holding NaN or inf (their radii were NaN, and a NaN row's arg-max
+            counted as class 0 in the accuracies: an audit).
+    """
     x = np.asarray(x, dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1)) if x.ndim else []
+    if len(bad):
+        raise ValueError(f"{len(bad)} inputs hold NaN or inf values (e.g. row {bad[0]} of its "
+                         "batch): no prediction or radius is defined for them.")
     if len(x) == 0:
         return np.zeros((0, int(model.output_shape[-1])), np.float64)
     outputs = [model(x[start:start + batch_size], training=False).numpy()

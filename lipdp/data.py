@@ -1193,6 +1193,11 @@ def load_dataset(
     batch_size = _check_positive_int(batch_size, "batch_size")
     if nb_samples_train is not None:
         nb_samples_train = _check_positive_int(nb_samples_train, "nb_samples_train")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or seed < 0):
+        # "abc" raised int()'s error without the argument's name, 1.5 was taken as 1 (an audit)
+        raise ValueError("Received an invalid value for `seed`, expected a non-negative integer "
+                         f"or None (a secret seed). Received: seed={seed!r}")
     if drop_remainder and sampling is Sampling.POISSON:
         raise ValueError("`drop_remainder` only applies to sampling='shuffle'; Poisson "
                          "batches have a random size and are never dropped.")

@@ -168,11 +168,23 @@ class DatasetMetadata:
     augmentation_multiplicity: int = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
+        shape = self.input_shape
+        if not isinstance(shape, (tuple, list)) or not shape or not all(
+                isinstance(_plain(d), int) and not isinstance(d, bool) and _plain(d) > 0
+                for d in shape):
+            # (4.7,) was truncated to (4,), (-4,) and () accepted, 4 raised "not iterable"
+            # (an audit)
+            raise ValueError("Received an invalid value for `input_shape`, expected a tuple of "
+                             f"positive integers. Received: input_shape={shape!r}")
+        object.__setattr__(self, "input_shape", tuple(int(d) for d in shape))
         object.__setattr__(self, "sampling", _parse_enum(Sampling, self.sampling, "sampling"))
         for name in ("nb_classes", "nb_samples_train", "nb_samples_test", "batch_size",
                      "augmentation_multiplicity", "max_norm"):
             object.__setattr__(self, name, _plain(getattr(self, name)))
+        test = self.nb_samples_test
+        if not isinstance(test, int) or isinstance(test, bool) or test < 0:
+            raise ValueError("Received an invalid value for `nb_samples_test`, expected a "
+                             f"non-negative integer. Received: nb_samples_test={test!r}")
         for name in ("nb_classes", "nb_samples_train", "batch_size", "augmentation_multiplicity"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

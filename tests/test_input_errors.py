@@ -108,3 +108,33 @@ def test_an_unbuilt_model_is_named_by_the_certificates_and_the_plan():
     model.build((None, DIM))
     assert lipdp.get_max_epochs(3.0, model) >= 0  # no error once built
     assert lipdp.certify.certified_radii(model, x).shape == (4,)
+
+
+@pytest.mark.parametrize("shape", [(4.7,), (-4,), (), 4, (None, 4), (True,)])
+def test_metadata_refuses_an_input_shape_that_is_not_positive_integers(shape):
+    """(4.7,) was truncated to (4,), (-4,) and () accepted, 4 and (None, 4) raised TypeErrors
+    that named nothing."""
+    with pytest.raises(ValueError, match=r"`input_shape`, expected a tuple of positive"):
+        lipdp.DatasetMetadata(shape, K, N, 8, BATCH)
+    with pytest.raises(ValueError, match=r"`nb_samples_test`"):
+        lipdp.DatasetMetadata((DIM,), K, N, -1, BATCH)
+    assert lipdp.DatasetMetadata([np.int64(DIM)], K, N, 0, BATCH).input_shape == (DIM,)
+
+
+@pytest.mark.parametrize("seed", ["abc", 1.5, -3, True])
+def test_load_dataset_names_a_seed_that_is_not_an_integer(seed):
+    with pytest.raises(ValueError, match="`seed`"):
+        lipdp.data.load_dataset("digits", 16, bound_clip_value=1.0, seed=seed)
+
+
+def test_certificates_refuse_inputs_holding_nan():
+    """certified_radii returned NaN radii, and certified_accuracy counted a NaN row's arg-max
+    as class 0."""
+    model = _model()
+    x = np.zeros((5, DIM), np.float32)
+    x[3, 2] = np.nan
+    for call in (lambda: lipdp.certify.certified_radii(model, x),
+                 lambda: lipdp.certify.certified_accuracy(model, (x, np.zeros(5, int)), [0.0])):
+        with pytest.raises(ValueError, match=r"1 inputs hold NaN or inf values \(e.g. row 3"):
+            call()
+    assert np.all(np.isfinite(lipdp.certify.certified_radii(model, x[:3])))
