@@ -1420,6 +1420,9 @@ class _DPModelMixin:
         if isinstance(x, tf.data.Dataset):
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
             self._check_pipeline_sampler(x)
+            spec = x.element_spec
+            if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], tf.TensorSpec):
+                self._check_label_shape(spec[1].shape, spec[1].dtype)
             if validate_data:
                 batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
                 # Copies counted in the same pass, under shuffle sampling; a repeated
@@ -1446,6 +1449,8 @@ class _DPModelMixin:
                     "batches (a proven one for lipdp.data.load_dataset's Poisson sampling). "
                     "Leave shuffle=True.")
             batch_size = self._check_arrays(x, y, batch_size)
+            if y is not None and not isinstance(y, (dict, list, tuple)):
+                self._check_label_shape(y.shape, tf.as_dtype(y.dtype))
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
                 self._warn_on_repeated_records(records_in_arrays(x, y), "The training arrays")
@@ -1599,6 +1604,27 @@ class _DPModelMixin:
                 f"implies {expected}: each record would be drawn at another rate than the "
                 "accountant's q = batch_size / nb_samples_train. Build the metadata from the "
                 "data actually used (lipdp.data.load_dataset does).")
+
+    def _check_label_shape(self, shape, dtype):
+        """Labels the DP loss cannot take (clipless mode) refused before training, with the
+        loss's own message: it came as the last line of Keras' traceback when the step was
+        traced, string labels as an UnimplementedError from a Cast (an audit)."""
+        if self.dp_parameters.mode is not DPMode.CLIPLESS or not isinstance(self.dp_loss,
+                                                                              DP_Loss):
+            return
+        if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
+            raise ValueError(f"The training labels are of dtype {dtype.name}: a DP loss takes "
+                             "numbers (one-hot rows, class indices or targets).")
+        shape, outputs = tf.TensorShape(shape), tf.TensorShape(self.output_shape)
+        if shape.rank is None or shape.rank == 0 or not shape[1:].is_fully_defined() \
+                or not outputs[1:].is_fully_defined():
+            return
+        try:
+            self.dp_loss(tf.zeros([1] + shape[1:].as_list(), dtype),
+                         tf.zeros([1] + outputs[1:].as_list(), self.compute_dtype))
+        except ValueError as error:
+            raise ValueError(f"The training labels (shape {shape}) do not fit the model's "
+                             f"outputs ({outputs}) under its DP loss: {error}") from None
 
     def _check_class_indices(self, x, y, batches=None):
         """Class indices given to a lipdp loss of classes lie in ``[0, K)``

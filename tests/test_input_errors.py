@@ -138,3 +138,21 @@ def test_certificates_refuse_inputs_holding_nan():
         with pytest.raises(ValueError, match=r"1 inputs hold NaN or inf values \(e.g. row 3"):
             call()
     assert np.all(np.isfinite(lipdp.certify.certified_radii(model, x[:3])))
+
+
+@pytest.mark.parametrize("labels", ["one-hot of K + 2 columns", "(N, 2, 1)", "strings"])
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+def test_labels_the_loss_cannot_take_are_refused_before_training(labels, data):
+    """Refused with the loss's message when the step was traced (the last line of Keras'
+    traceback), strings as an UnimplementedError from a Cast."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(N, DIM)).astype("float32")
+    y = {"one-hot of K + 2 columns": np.eye(K + 2, dtype="float32")[rng.integers(0, K, N)],
+         "(N, 2, 1)": np.zeros((N, 2, 1), "float32"),
+         "strings": np.array(["a"] * N)}[labels]
+    model = _model()
+    given = ((tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH),)
+             if data == "dataset" else (x, y))
+    with pytest.raises(ValueError, match="training labels"):
+        model.fit(*given, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
