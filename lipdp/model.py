@@ -1619,9 +1619,9 @@ class _DPModelMixin:
         if shape.rank is None or shape.rank == 0 or not shape[1:].is_fully_defined() \
                 or not outputs[1:].is_fully_defined():
             return
-        try:
-            self.dp_loss(tf.zeros([1] + shape[1:].as_list(), dtype),
-                         tf.zeros([1] + outputs[1:].as_list(), self.compute_dtype))
+        try:  # `call`: per-example values, without Keras' reduction (refused under tf.distribute)
+            self.dp_loss.call(tf.zeros([1] + shape[1:].as_list(), dtype),
+                              tf.zeros([1] + outputs[1:].as_list(), self.compute_dtype))
         except ValueError as error:
             raise ValueError(f"The training labels (shape {shape}) do not fit the model's "
                              f"outputs ({outputs}) under its DP loss: {error}") from None
