@@ -79,12 +79,9 @@ def dp_layers(model) -> List[DPLayer]:
             unbounded) or the layers do not form a chain.
     """
     _check_graph_call(model)
-    if not getattr(model, "built", True):  # certify raised AttributeError 'kernel' (an audit)
-        raise ValueError(
-            f"Model '{model.name}' is not built: its bounds and certificates need every layer's "
-            "weights and input shape. Give its first layer an input shape (e.g. "
-            "DP_BoundedInput(bound, input_shape=(28, 28, 1))) or an Input, or call "
-            "`model.build((None, ...))`.")
+    # certify raised AttributeError 'kernel' on an unbuilt model (an audit)
+    require_built(model, "its bounds and certificates need every layer's weights and input "
+                         "shape")
     layers = [layer for layer in model.layers if not isinstance(layer, tf.keras.layers.InputLayer)]
     if not layers:
         raise ValueError("The model has no layers.")
@@ -104,6 +101,15 @@ def dp_layers(model) -> List[DPLayer]:
     _check_called_once(model, layers)
     check_single_use(layers)
     return layers
+
+
+def require_built(model, why: str) -> None:
+    """Raise ValueError, saying `why` and how to build it, when `model` is not built."""
+    if not getattr(model, "built", True):
+        raise ValueError(
+            f"Model '{model.name}' is not built: {why}. Give its first layer an input shape "
+            "(e.g. DP_BoundedInput(bound, input_shape=(28, 28, 1))) or an Input, or call "
+            "`model.build((None, ...))`.")
 
 
 def _check_graph_call(model):

@@ -169,14 +169,13 @@ class DatasetMetadata:
 
     def __post_init__(self):
         shape = self.input_shape
-        if not isinstance(shape, (tuple, list)) or not shape or not all(
-                isinstance(_plain(d), int) and not isinstance(d, bool) and _plain(d) > 0
-                for d in shape):
+        dims = [_plain(d) for d in shape] if isinstance(shape, (tuple, list)) else []
+        if not dims or not all(type(d) is int and d > 0 for d in dims):
             # (4.7,) was truncated to (4,), (-4,) and () accepted, 4 raised "not iterable"
             # (an audit)
             raise ValueError("Received an invalid value for `input_shape`, expected a tuple of "
                              f"positive integers. Received: input_shape={shape!r}")
-        object.__setattr__(self, "input_shape", tuple(int(d) for d in shape))
+        object.__setattr__(self, "input_shape", tuple(dims))
         object.__setattr__(self, "sampling", _parse_enum(Sampling, self.sampling, "sampling"))
         for name in ("nb_classes", "nb_samples_train", "nb_samples_test", "batch_size",
                      "augmentation_multiplicity", "max_norm"):

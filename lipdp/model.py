@@ -45,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_residual_sections,
-                          dp_layers)
+                          dp_layers, require_built)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import _probe_batches, check_no_batch_coupling, leaf_layers
@@ -812,12 +812,8 @@ class _DPModelMixin:
                 or bjorck_every < 1:
             raise ValueError("`bjorck_every` must be a positive integer. "
                              f"Received: bjorck_every={bjorck_every!r}")
-        if not self.built:
-            raise ValueError(
-                f"Model '{self.name}' is not built: its bounds and clipping need every layer's "
-                "input shape at compile time. Give its first layer an input shape (e.g. "
-                "DP_BoundedInput(bound, input_shape=(28, 28, 1))) or an Input, or call "
-                "`model.build((None, ...))` before `compile`.")
+        require_built(self, "its bounds and clipping need every layer's input shape at "
+                            "compile time (build it before `compile`)")
         if kwargs.get("jit_compile"):
             raise ValueError(_XLA_REFUSAL)
         self._compile_dp(optimizer, loss, metrics, loss_weights, **kwargs)
@@ -1417,12 +1413,11 @@ class _DPModelMixin:
             raise ValueError("class_weight / sample_weight are not supported by DP models: they "
                              "rescale per-example gradients beyond their bounds.")
         self._check_workers_agree(x)
+        labels = _label_spec(x, y)
+        self._check_label_shape(labels)
         if isinstance(x, tf.data.Dataset):
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
             self._check_pipeline_sampler(x)
-            spec = x.element_spec
-            if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], tf.TensorSpec):
-                self._check_label_shape(spec[1].shape, spec[1].dtype)
             if validate_data:
                 batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
                 # Copies counted in the same pass, under shuffle sampling; a repeated
@@ -1438,7 +1433,8 @@ class _DPModelMixin:
                     self._check_records_in_pass(counted.records)
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names, batches)
                 check_sparse_labels(x, None, sparse_label_classes(self, self.dp_loss), batches)
-                self._check_class_indices(x, None, batches)
+                check_sparse_labels(x, None, class_index_classes(self, self.dp_loss, labels),
+                                    batches, dp_loss=True)
         elif x is not None:
             _refuse_batch_iterators(x)
             if shuffle is not True:
@@ -1449,14 +1445,13 @@ class _DPModelMixin:
                     "batches (a proven one for lipdp.data.load_dataset's Poisson sampling). "
                     "Leave shuffle=True.")
             batch_size = self._check_arrays(x, y, batch_size)
-            if y is not None and not isinstance(y, (dict, list, tuple)):
-                self._check_label_shape(y.shape, tf.as_dtype(y.dtype))
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
                 self._warn_on_repeated_records(records_in_arrays(x, y), "The training arrays")
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names)
                 check_sparse_labels(x, y, sparse_label_classes(self, self.dp_loss))
-                self._check_class_indices(x, y)
+                check_sparse_labels(x, y, class_index_classes(self, self.dp_loss, labels),
+                                    dp_loss=True)
         # Last, so that they run after a BackupAndRestore restored the model.
         callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),
                                              _StartSampler(getattr(x, "lipdp_sampler", None))]
@@ -1605,42 +1600,28 @@ class _DPModelMixin:
                 "accountant's q = batch_size / nb_samples_train. Build the metadata from the "
                 "data actually used (lipdp.data.load_dataset does).")
 
-    def _check_label_shape(self, shape, dtype):
-        """Labels the DP loss cannot take (clipless mode) refused before training, with the
-        loss's own message: it came as the last line of Keras' traceback when the step was
-        traced, string labels as an UnimplementedError from a Cast (an audit)."""
-        if self.dp_parameters.mode is not DPMode.CLIPLESS or not isinstance(self.dp_loss,
-                                                                              DP_Loss):
+    def _check_label_shape(self, labels):
+        """Labels (`labels`, their `_label_spec`) that the DP loss cannot take (clipless mode)
+        refused before training, with the loss's own message: it came as the last line of
+        Keras' traceback when the step was traced, string labels as an UnimplementedError
+        from a Cast (an audit). Probed as `_build_metrics` builds the metrics: on one
+        example of zeros."""
+        if labels is None or self.dp_parameters.mode is not DPMode.CLIPLESS \
+                or not isinstance(self.dp_loss, DP_Loss):
             return
+        dtype = labels.dtype
         if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
             raise ValueError(f"The training labels are of dtype {dtype.name}: a DP loss takes "
                              "numbers (one-hot rows, class indices or targets).")
-        shape, outputs = tf.TensorShape(shape), tf.TensorShape(self.output_shape)
-        if shape.rank is None or shape.rank == 0 or not shape[1:].is_fully_defined() \
-                or not outputs[1:].is_fully_defined():
+        outputs = tf.TensorShape(self.output_shape)
+        if not outputs[1:].is_fully_defined():
             return
         try:  # `call`: per-example values, without Keras' reduction (refused under tf.distribute)
-            self.dp_loss.call(tf.zeros([1] + shape[1:].as_list(), dtype),
+            self.dp_loss.call(tf.zeros([1] + labels.shape[1:].as_list(), dtype),
                               tf.zeros([1] + outputs[1:].as_list(), self.compute_dtype))
         except ValueError as error:
-            raise ValueError(f"The training labels (shape {shape}) do not fit the model's "
-                             f"outputs ({outputs}) under its DP loss: {error}") from None
-
-    def _check_class_indices(self, x, y, batches=None):
-        """Class indices given to a lipdp loss of classes lie in ``[0, K)``
-        (`lipdp.records.class_index_classes`): the loss clips the others into the range."""
-        if isinstance(x, tf.data.Dataset):
-            spec = x.element_spec
-            if not (isinstance(spec, tuple) and len(spec) == 2
-                    and isinstance(spec[1], tf.TensorSpec)):
-                return
-            shape = spec[1].shape
-        elif y is None or isinstance(y, (dict, list, tuple)):
-            return
-        else:
-            shape = np.shape(y)
-        check_sparse_labels(x, y, class_index_classes(self, self.dp_loss, shape), batches,
-                            dp_loss=True)
+            raise ValueError(f"The training labels (shape {labels.shape}) do not fit the "
+                             f"model's outputs ({outputs}) under its DP loss: {error}") from None
 
     def _check_records_in_pass(self, records: int):
         """Under shuffle sampling one pass over the dataset is an epoch, which must hold the
@@ -1734,7 +1715,7 @@ class _DPModelMixin:
             raise ValueError(
                 "fit received inputs and labels of different lengths, "
                 f"{[len(a) for a in arrays]}: they must hold one row per training example.")
-        n = len(tf.nest.flatten(x)[0])
+        n = len(arrays[0])
         if n != md.nb_samples_train:
             raise ValueError(f"fit received {n} training examples but dataset_metadata declares "
                              f"nb_samples_train={md.nb_samples_train}.")

@@ -89,11 +89,11 @@ def _check_dataset_rows(checked, max_batches, refuse, fingerprinted=False):
     whether the whole pass was read (it ended within `max_batches` batches)."""
     if max_batches is not None:
         checked = checked.take(max_batches + 1)
-    bad, total, fingerprints, batches = [], 0, [], 0
+    bad, total, fingerprints, complete = [], 0, [], True
     for index, element in enumerate(checked.as_numpy_iterator()):
-        batches += 1
-        if max_batches is not None and batches > max_batches:
-            break  # the pass goes on: only its first max_batches batches are checked
+        if index == max_batches:  # the pass goes on: only its first max_batches are checked
+            complete = False
+            break
         good = element[0] if fingerprinted else element
         if fingerprinted:
             fingerprints.append(element[1])
@@ -101,7 +101,6 @@ def _check_dataset_rows(checked, max_batches, refuse, fingerprinted=False):
         total += len(good)
     if bad:
         refuse("by position in one pass over the dataset", bad, total)
-    complete = max_batches is None or batches <= max_batches
     if not fingerprinted:
         return None, complete
     return (np.concatenate(fingerprints) if fingerprints else np.zeros(0, np.int64)), complete
@@ -275,16 +274,18 @@ def sparse_label_classes(model: tf.keras.Model, loss) -> Optional[int]:
     return int(model.output_shape[-1]) if sparse else None
 
 
-def class_index_classes(model: tf.keras.Model, loss, labels_shape) -> Optional[int]:
+def class_index_classes(model: tf.keras.Model, loss, labels) -> Optional[int]:
     """K, the model's outputs, when `loss` is a lipdp loss of classes (it takes class indices:
-    `lipdp.losses.class_labels`), K > 1, and labels of `labels_shape` (a batch's or the
-    arrays') are class indices, ``(batch,)`` or ``(batch, 1)``; None otherwise. The loss
-    clips an index outside ``[0, K)`` into it (its bound holds for any label), so labels
-    numbered 1..K trained silently against wrong classes (an audit)."""
-    shape = tf.TensorShape(labels_shape)
+    `lipdp.losses.class_labels`), K > 1, and `labels` (the `tf.TensorSpec` of a batch's or the
+    arrays' labels, or None when unknown) are class indices, ``(batch,)`` or ``(batch, 1)``;
+    None otherwise. The loss clips an index outside ``[0, K)`` into it (its bound holds for
+    any label), so labels numbered 1..K trained silently against wrong classes (an audit)."""
     k = model.output_shape[-1]
-    if not getattr(loss, "takes_class_indices", False) or k is None or k < 2 \
-            or shape.rank not in (1, 2) or (shape.rank == 2 and shape[-1] != 1):
+    if labels is None or not getattr(loss, "takes_class_indices", False) or k is None \
+            or k < 2:
+        return None
+    shape = labels.shape
+    if shape.rank not in (1, 2) or (shape.rank == 2 and shape[-1] != 1):
         return None
     return int(k)
 
