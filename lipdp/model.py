@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import math
 import warnings
+import weakref
 from typing import Optional, Tuple
 
 import numpy as np
@@ -318,6 +319,23 @@ def _once_per_global_batch(noised, otherwise):
     return tf.cond(tf.equal(context.replica_id_in_sync_group, 0), noised, otherwise)
 
 
+def _weights_digest(weights) -> str:
+    """A digest of a list of weight arrays: their dtypes, shapes and bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in weights:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _same_values(arrays, others) -> bool:
+    """Whether two lists of arrays hold the same values (NaNs equal)."""
+    return len(arrays) == len(others) and all(
+        a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        for a, b in zip(arrays, others))
+
+
 @contextlib.contextmanager
 def _metric_state_left_out(model):
     """Within this context the model's metrics hold their initial state; their values are put
@@ -373,6 +391,9 @@ class _DPModelMixin:
         self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen",
                                           aggregation=tf.VariableAggregation.SUM)
         self._ledger_high_water = (0, EMPTY_STORAGE)  # see `_note_ledger`
+        # Digests of the weights (ledger included) this model handed out: get_weights,
+        # save_weights, save. A state set back from one of them is its own (`_foreign`).
+        self._exported_states = set()
         # Ids of the Poisson samplers this model looked at (`_warn_if_a_seeded_pipeline_is_
         # behind`) or that `fit` started at its step.
         self._samplers_seen = set()
@@ -460,6 +481,7 @@ class _DPModelMixin:
         variables restored behind its back (``tf.train.Checkpoint(model=...).restore`` of
         an older checkpoint) do not roll the count back (`_keep_ledger`)."""
         self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
+        self._take_variables()
         return PrivacyLedger.from_rows(self._dp_ledger.numpy(), self.dp_steps_taken)
 
     @property
@@ -468,11 +490,19 @@ class _DPModelMixin:
         return self._step_mechanism
 
     # ---------------------------------------------------------------- weights
+    def get_weights(self):
+        """Keras `get_weights`; the state returned is remembered as this model's own
+        (`_keep_ledger`: Keras' EarlyStopping restores it with ``restore_best_weights``)."""
+        weights = super().get_weights()
+        self._exported_states.add(_weights_digest(weights))
+        return weights
+
     def set_weights(self, weights):
         """Keras `set_weights`; the privacy ledger never loses steps (`_keep_ledger`)."""
         kept = self._ledger_state()
+        holds_state = self._optimizer_holds_state()
         super().set_weights(weights)
-        self._keep_ledger(kept, "set_weights")
+        self._keep_ledger(kept, "set_weights", foreign_over=holds_state and self._foreign())
 
     def load_weights(self, *args, **kwargs):
         """Keras `load_weights`; the privacy ledger never loses steps (`_keep_ledger`).
@@ -484,6 +514,8 @@ class _DPModelMixin:
         over the loaded step count (an epsilon of 0.81 reported for weights that had cost
         68.9). A file holding neither leaves the ledger as it was."""
         kept = self._ledger_state()
+        holds_state = self._optimizer_holds_state()
+        optimizer_before = self._optimizer_values()
         before = super().get_weights()
         self._dp_steps.assign(-1)  # sentinels: what the file sets is what changes
         self._dp_ledger.assign(np.full((1, ROW_SIZE), np.nan))
@@ -505,8 +537,36 @@ class _DPModelMixin:
                 "the layers' weights with layer.set_weights and account for their origin.")
         if not steps_loaded:
             self._set_ledger(kept)
-        self._keep_ledger(kept, "load_weights")
+        if not _same_values(optimizer_before, self._optimizer_values()):
+            holds_state = False  # the file's optimizer state replaced the model's
+        self._keep_ledger(kept, "load_weights", foreign_over=holds_state and self._foreign())
         return status
+
+    def _optimizer_values(self):
+        """The optimizer's variables, as numpy arrays (none before it is built)."""
+        optimizer = getattr(self, "optimizer", None)
+        variables = getattr(optimizer, "variables", None)
+        variables = variables() if callable(variables) else (variables or [])
+        return [np.array(v.numpy()) for v in variables]
+
+    def _optimizer_holds_state(self) -> bool:
+        """Whether the optimizer holds a state its updates built and its next updates read
+        (momentum, Adam's moments, EMA weights): variables besides its iteration count, and
+        updates applied. Keras' SGD keeps its last update in a slot that a momentum of 0
+        never reads. `set_weights` and an HDF5 `load_weights` leave that state as it was."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or len(self._optimizer_values()) < 2:
+            return False
+        if (isinstance(optimizer, tf.keras.optimizers.SGD) and not optimizer.use_ema
+                and float(optimizer.momentum) == 0.0):
+            return False
+        iterations = getattr(optimizer, "iterations", None)
+        return iterations is not None and int(iterations.numpy()) > 0
+
+    def _foreign(self) -> bool:
+        """Whether the weights the model holds now are not a state it handed out
+        (`get_weights`, `save_weights`, `save`): weights of another run."""
+        return _weights_digest(super().get_weights()) not in self._exported_states
 
     def _set_ledger(self, state):
         """The step counter and the ledger's rows set to ``state = (steps, rows)``."""
@@ -658,7 +718,7 @@ class _DPModelMixin:
         if state[0] >= self._ledger_high_water[0]:
             self._ledger_high_water = state
 
-    def _keep_ledger(self, kept, how: str):
+    def _keep_ledger(self, kept, how: str, foreign_over: bool = False):
         """The ledger and step counter are among the model's weights (so checkpoints and
         saved models carry them). After weights were loaded over the ledger `kept`, the
         model's ledger is:
@@ -672,9 +732,26 @@ class _DPModelMixin:
         * both, one after the other (`lipdp.ledger.concatenated`), when neither continues the
           other: weights of another run loaded into a model that trained on its own. Keeping
           the longer one, as before 2026-12-05, reported the small epsilon of a long,
-          noisy run for weights that came from a short run with little noise.
+          noisy run for weights that came from a short run with little noise;
+        * both as well when `foreign_over`: weights the model did not hand out, set over an
+          optimizer state built by its own steps (Adam's moments, momentum), whatever the
+          two ledgers hold. Two runs of one mechanism record the same segments, so one
+          seemed to continue the other: a model of 4 Adam steps given the weights of
+          another run of 8 reported 8 steps, then 12 after 4 more, for an update that read
+          16 (an audit, 2026-12-06).
         """
         current = self._ledger_state()
+        if foreign_over and kept[0] and current[0]:
+            self._set_ledger(concatenated(kept, current))
+            self._note_ledger()
+            warnings.warn(
+                f"{how}: weights that this model did not hand out (get_weights, save_weights, "
+                f"save) were set while its optimizer holds the state of its own {kept[0]} "
+                "private steps (momentum, moments): its next updates read both runs, so the "
+                f"ledger now holds both, the model's {kept[0]} steps then the loaded "
+                f"{current[0]}. To train on the loaded weights alone, compile with a new optimizer "
+                "before setting them.", stacklevel=3)
+            return
         if continues(kept, current):
             self._note_ledger(current)
             return
@@ -701,7 +778,34 @@ class _DPModelMixin:
         since (weights and ledger restored from a run of another mechanism); the step
         checks it (`_ledger_guard`)."""
         self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
+        self._take_variables()
         self._open_segment()
+
+    def _take_variables(self):
+        """Make this model the ledger owner of its trainable variables, its ledger composed
+        with the ledger of every other DP model that owned one of them (layers shared
+        between models). Each owner's ledger counts the steps that trained the variables
+        under it, so the ledger that continues the other is kept, and two that do not
+        continue each other are both counted (`lipdp.ledger.concatenated`). Runs at
+        `compile`, before steps run and when the ledger is read: a model built on a
+        trained model's layers (``DP_Sequential(a.layers[:-1] + [head])``) reported only its
+        own steps, and the first model, trained on by the second, only its own (an audit,
+        2026-12-06)."""
+        owners = []
+        for variable in self.trainable_variables:
+            owner = getattr(variable, "_lipdp_ledger_owner", None)
+            owner = owner() if owner is not None else None
+            if owner is not None and owner is not self and all(o is not owner for o in owners):
+                owners.append(owner)
+        for owner in owners:
+            theirs = max(owner._ledger_state(), owner._ledger_high_water, key=lambda st: st[0])
+            ours = self._ledger_state()
+            if not theirs[0] or continues(theirs, ours):
+                continue
+            self._set_ledger(theirs if continues(ours, theirs) else concatenated(ours, theirs))
+            self._note_ledger()
+        for variable in self.trainable_variables:
+            variable._lipdp_ledger_owner = weakref.ref(self)
 
     def _ledger_guard(self):
         """An assertion, in the traced step, that the ledger's last segment is the compiled
@@ -829,6 +933,7 @@ class _DPModelMixin:
         self._step_mechanism = StepMechanism.of(self.dp_parameters, self.dataset_metadata,
                                                 len(self.trainable_variables))
         self._step_views = self.dataset_metadata.augmentation_multiplicity
+        self._take_variables()
 
     def _bind_certifiable_metrics(self, metrics):
         """`lipdp.certify.CertifiableAccuracy` metrics given without a model certify with this
@@ -966,13 +1071,16 @@ class _DPModelMixin:
     def save(self, *args, **kwargs):
         """`tf.keras.Model.save`, with the metrics' state left out of the file (saved at its
         initial values, and put back in the model after): it holds totals computed on the
-        training data outside the noisy gradient (`_metric_state_left_out`)."""
+        training data outside the noisy gradient (`_metric_state_left_out`). The state
+        saved is remembered as this model's own (`_keep_ledger`)."""
+        self._exported_states.add(_weights_digest(super().get_weights()))
         with _metric_state_left_out(self):
             return super().save(*args, **kwargs)
 
     def save_weights(self, *args, **kwargs):
         """`tf.keras.Model.save_weights` (which `ModelCheckpoint` calls too), with the
-        metrics' state left out as in `save`."""
+        metrics' state left out as in `save`, and the state remembered as in `save`."""
+        self._exported_states.add(_weights_digest(super().get_weights()))
         with _metric_state_left_out(self):
             return super().save_weights(*args, **kwargs)
 

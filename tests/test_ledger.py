@@ -10,6 +10,7 @@ allowed.
 """
 
 import math
+import warnings
 
 import dp_accounting
 import numpy as np
@@ -598,3 +599,99 @@ def test_a_dataset_of_unknown_length_counts_no_update_for_its_exhausted_call():
     for _ in range(2):
         model.fit(dataset, epochs=2, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == model.dp_steps_taken == 16
+
+
+def _adam_model(epochs, seed):
+    """`_model()` with Adam (moments: an optimizer state built by the private steps), trained
+    `epochs` epochs (4 steps each) on `_data(seed)`."""
+    model = _model()
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.Adam(1e-2))
+    x, y = _data(seed)
+    model.fit(x, y, epochs=epochs, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("epochs_a,epochs_b", [(2, 1), (2, 2), (1, 2)],
+                         ids=["ahead", "same length", "behind"])
+def test_weights_of_another_run_set_over_an_optimizer_state_compose_both_runs(
+        epochs_a, epochs_b, tmp_path):
+    """Model B's Adam moments come from its own steps; given the weights of another run A of
+    the same mechanism (set_weights, or an HDF5 file of them), its next updates read both
+    runs. Both ledgers record the same segment, so each seemed to continue the other: B
+    reported A's 8 steps (ahead, then 12 after 4 more, for 16: an audit), or its own 8
+    (same length, behind). The ledger now composes both."""
+    a, b = _adam_model(epochs_a, seed=1), _adam_model(epochs_b, seed=2)
+    steps = 4 * (epochs_a + epochs_b)
+    with pytest.warns(UserWarning, match="did not hand out"):
+        b.set_weights(a.get_weights())
+    s, q = 1.0 / math.sqrt(6), 16 / N
+    assert b.dp_steps_taken == steps
+    _assert_agrees(accounting.epsilon_spent(b), _reference([(s, q, steps)]))
+    x, y = _data(3)
+    b.fit(x, y, epochs=1, verbose=0)
+    assert b.dp_steps_taken == steps + 4
+    _assert_agrees(accounting.epsilon_spent(b), _reference([(s, q, steps + 4)]))
+
+    a.save_weights(str(tmp_path / "a.h5"))
+    c = _adam_model(epochs_b, seed=2)
+    with pytest.warns(UserWarning, match="did not hand out"):
+        c.load_weights(str(tmp_path / "a.h5"))
+    assert c.dp_steps_taken == steps
+
+
+def test_its_own_states_set_back_or_a_fresh_optimizer_keep_the_ledger(tmp_path):
+    """What the model handed out (get_weights: Keras' EarlyStopping restores it; save_weights:
+    ModelCheckpoint) is its own run: set back, the ledger keeps its steps, nothing added. A
+    TensorFlow-format file carries the optimizer's state, which replaces the model's: the
+    loaded run is then the only one its updates read. So does a model whose optimizer holds
+    no state of its own (plain SGD, never stepped)."""
+    x, y = _data(4)
+    model = _adam_model(1, seed=1)
+    best = model.get_weights()
+    model.save_weights(str(tmp_path / "best.h5"))
+    model.fit(x, y, epochs=1, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_weights(str(tmp_path / "best.h5"))
+        model.set_weights(best)
+    assert not [w for w in caught if "did not hand out" in str(w.message)]
+    assert model.dp_steps_taken == 8 and model.privacy_ledger.steps == 8
+
+    other = _adam_model(2, seed=2)
+    other.save_weights(str(tmp_path / "other"))  # TensorFlow format: the optimizer's state too
+    model.load_weights(str(tmp_path / "other"))
+    assert model.dp_steps_taken == 8  # the loaded 8 steps continue the model's (same segment)
+
+    fresh = _model()  # plain SGD
+    fresh.fit(x, y, epochs=1, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh.set_weights(other.get_weights())
+    assert not [w for w in caught if "did not hand out" in str(w.message)]
+    assert fresh.dp_steps_taken == 8
+
+
+def test_models_sharing_layers_count_each_others_steps():
+    """A model built on a trained model's layers trains the same variables: each ledger must
+    count the other's steps. Model B on A's layers reported its own 8 steps, and A, trained
+    on by B, its own 4, for weights that took 12 (an audit, 2026-12-06); a new head on A's
+    layers reported only its own steps too."""
+    x, y = _data(5)
+    s, q = 1.0 / math.sqrt(6), 16 / N
+    a = _model()
+    a.fit(x, y, epochs=1, verbose=0)
+    b = lipdp.DP_Sequential(a.layers, dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"),
+                            dataset_metadata=_metadata())
+    _compile(b)
+    b.fit(x, y, epochs=2, verbose=0)
+    assert b.dp_steps_taken == 12 and a.privacy_ledger.steps == 12
+    _assert_agrees(accounting.epsilon_spent(a), _reference([(s, q, 12)]))
+    a.fit(x, y, epochs=1, verbose=0)
+    assert a.dp_steps_taken == 16 and b.privacy_ledger.steps == 16
+    head = lipdp.DP_Sequential(
+        a.layers[:-1] + [DP_QuickSpectralDense(K)], dataset_metadata=_metadata(),
+        dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"))
+    _compile(head)
+    head.fit(x, y, epochs=1, verbose=0)
+    assert head.dp_steps_taken == 20
+    _assert_agrees(accounting.epsilon_spent(head), _reference([(s, q, 20)]))
