@@ -1593,6 +1593,9 @@ class _DPModelMixin:
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).
             self.reset_metrics()
+            # A fit stopped by an exception ends no epoch: its steps are noted here, so that
+            # a checkpoint restored next (BackupAndRestore) does not roll them back.
+            self._note_ledger()
 
     def _final_refresh(self):
         """With ``bjorck_every > 1``, the weights `fit` returns get a Björck projection, as if

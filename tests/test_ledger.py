@@ -695,3 +695,26 @@ def test_models_sharing_layers_count_each_others_steps():
     head.fit(x, y, epochs=1, verbose=0)
     assert head.dp_steps_taken == 20
     _assert_agrees(accounting.epsilon_spent(head), _reference([(s, q, 20)]))
+
+
+def test_steps_of_a_fit_stopped_by_an_exception_are_not_rolled_back(tmp_path):
+    """The high-water mark was noted at epoch ends only: 3 steps of an epoch stopped by an
+    exception, then a checkpoint of the step before them restored (what BackupAndRestore does
+    when the run is started again), left the ledger at the checkpoint's count (an audit)."""
+    x, y = _data(6)
+    model = _model()
+    model.fit(x, y, epochs=1, verbose=0)
+    checkpoint = tf.train.Checkpoint(model=model)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+
+    class Stop(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[Stop()])
+    assert model.dp_steps_taken == 7
+    checkpoint.restore(path)
+    with pytest.warns(UserWarning, match="keeps the 7 steps"):
+        assert model.privacy_ledger.steps == 7
