@@ -37,9 +37,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import itertools
 import math
 import warnings
-import weakref
 from typing import Optional, Tuple
 
 import numpy as np
@@ -319,6 +319,9 @@ def _once_per_global_batch(noised, otherwise):
     return tf.cond(tf.equal(context.replica_id_in_sync_group, 0), noised, otherwise)
 
 
+_LEDGER_TOKENS = itertools.count()
+
+
 def _weights_digest(weights) -> str:
     """A digest of a list of weight arrays: their dtypes, shapes and bytes."""
     digest = hashlib.blake2b(digest_size=16)
@@ -394,6 +397,12 @@ class _DPModelMixin:
         # Digests of the weights (ledger included) this model handed out: get_weights,
         # save_weights, save. A state set back from one of them is its own (`_foreign`).
         self._exported_states = set()
+        # Private steps this object took since its optimizer's state was last replaced
+        # (`_optimizer_holds_state`), and the step counts of the other models' ledgers its
+        # own ledger includes, by token (`_take_variables`).
+        self._own_steps = 0
+        self._ledger_token = next(_LEDGER_TOKENS)
+        self._lineage = ()  # (token, steps) pairs: a dict attribute would be tracked by Keras
         # Ids of the Poisson samplers this model looked at (`_warn_if_a_seeded_pipeline_is_
         # behind`) or that `fit` started at its step.
         self._samplers_seen = set()
@@ -493,6 +502,7 @@ class _DPModelMixin:
     def get_weights(self):
         """Keras `get_weights`; the state returned is remembered as this model's own
         (`_keep_ledger`: Keras' EarlyStopping restores it with ``restore_best_weights``)."""
+        self._take_variables()
         weights = super().get_weights()
         self._exported_states.add(_weights_digest(weights))
         return weights
@@ -539,6 +549,7 @@ class _DPModelMixin:
             self._set_ledger(kept)
         if not _same_values(optimizer_before, self._optimizer_values()):
             holds_state = False  # the file's optimizer state replaced the model's
+            self._own_steps = 0
         self._keep_ledger(kept, "load_weights", foreign_over=holds_state and self._foreign())
         return status
 
@@ -550,18 +561,23 @@ class _DPModelMixin:
         return [np.array(v.numpy()) for v in variables]
 
     def _optimizer_holds_state(self) -> bool:
-        """Whether the optimizer holds a state its updates built and its next updates read
-        (momentum, Adam's moments, EMA weights): variables besides its iteration count, and
-        updates applied. Keras' SGD keeps its last update in a slot that a momentum of 0
-        never reads. `set_weights` and an HDF5 `load_weights` leave that state as it was."""
+        """Whether the optimizer holds a state that this object's own private steps built
+        and its next updates read (momentum, Adam's moments, EMA weights): variables besides
+        its iteration count, and steps taken by this object's `fit` or `train_on_batch`
+        since that state was last replaced (a state restored with the model, by
+        `tf.keras.models.load_model` or a TensorFlow-format `load_weights`, is the loaded
+        run's, which its ledger counts). Keras' SGD keeps its last update in a slot that a
+        momentum of 0 never reads. `set_weights` and an HDF5 `load_weights` leave that state
+        as it was."""
         optimizer = getattr(self, "optimizer", None)
-        if optimizer is None or len(self._optimizer_values()) < 2:
+        if not self._own_steps or optimizer is None or len(self._optimizer_values()) < 2:
             return False
-        if (isinstance(optimizer, tf.keras.optimizers.SGD) and not optimizer.use_ema
-                and float(optimizer.momentum) == 0.0):
-            return False
-        iterations = getattr(optimizer, "iterations", None)
-        return iterations is not None and int(iterations.numpy()) > 0
+        return not (isinstance(optimizer, tf.keras.optimizers.SGD) and not optimizer.use_ema
+                    and float(optimizer.momentum) == 0.0)
+
+    def _count_own_steps(self, steps_before: int):
+        """After `fit` or `train_on_batch`: the steps they took are this object's own."""
+        self._own_steps += max(0, self.dp_steps_taken - steps_before)
 
     def _foreign(self) -> bool:
         """Whether the weights the model holds now are not a state it handed out
@@ -600,7 +616,9 @@ class _DPModelMixin:
             self._warn_if_a_seeded_pipeline_is_behind()
             self._warn_once_that_batches_are_unchecked()
         baseline = self._update_counts()
+        steps_before = self.dp_steps_taken
         result = super().train_on_batch(*args, **kwargs)
+        self._count_own_steps(steps_before)
         self._note_ledger()
         self._check_updates_recorded(baseline, "In this train_on_batch")
         if kwargs.get("reset_metrics", args[4] if len(args) > 4 else True):
@@ -783,29 +801,51 @@ class _DPModelMixin:
 
     def _take_variables(self):
         """Make this model the ledger owner of its trainable variables, its ledger composed
-        with the ledger of every other DP model that owned one of them (layers shared
-        between models). Each owner's ledger counts the steps that trained the variables
-        under it, so the ledger that continues the other is kept, and two that do not
-        continue each other are both counted (`lipdp.ledger.concatenated`). Runs at
-        `compile`, before steps run and when the ledger is read: a model built on a
-        trained model's layers (``DP_Sequential(a.layers[:-1] + [head])``) reported only its
-        own steps, and the first model, trained on by the second, only its own (an audit,
-        2026-12-06)."""
+        with the ledger of every other DP model that owned one of its variables (layers
+        shared between models, trainable here or frozen). Runs at `compile`, before steps
+        run, when the ledger is read and before the weights are handed out (`get_weights`,
+        `save_weights`, `save`): a model built on a trained model's layers
+        (``DP_Sequential(a.layers[:-1] + [head])``) reported only its own steps, and the
+        first model, trained on by the second, only its own (an audit, 2026-12-06). The
+        owner is held by the variable (a strong reference: its ledger outlives it).
+
+        Two runs of one mechanism record the same segments, so whether one ledger continues
+        the other is read from the models' lineage (`_absorb`), not from the segments."""
         owners = []
-        for variable in self.trainable_variables:
+        for variable in self.weights:
             owner = getattr(variable, "_lipdp_ledger_owner", None)
-            owner = owner() if owner is not None else None
             if owner is not None and owner is not self and all(o is not owner for o in owners):
                 owners.append(owner)
         for owner in owners:
-            theirs = max(owner._ledger_state(), owner._ledger_high_water, key=lambda st: st[0])
-            ours = self._ledger_state()
-            if not theirs[0] or continues(theirs, ours):
-                continue
-            self._set_ledger(theirs if continues(ours, theirs) else concatenated(ours, theirs))
-            self._note_ledger()
+            self._absorb(owner)
         for variable in self.trainable_variables:
-            variable._lipdp_ledger_owner = weakref.ref(self)
+            variable._lipdp_ledger_owner = self
+
+    def _lineage_now(self):
+        """``{model token: its step count}`` of every ledger this model's ledger includes, its
+        own at its current count."""
+        return {**dict(self._lineage), self._ledger_token: self.dp_steps_taken}
+
+    def _absorb(self, owner):
+        """This model's ledger composed with `owner`'s (which trained some of its variables):
+        kept when it includes `owner`'s steps, replaced by `owner`'s when that one includes
+        this model's current steps (a model built on our layers after our last step),
+        both counted one after the other (`lipdp.ledger.concatenated`) otherwise: two
+        independent runs (a model built on the layers of two runs counted the longer one)."""
+        owner._keep_ledger(owner._ledger_high_water, "restoring an older checkpoint")
+        theirs, ours = owner._ledger_state(), self._ledger_state()
+        mine, their_lineage = self._lineage_now(), owner._lineage_now()
+        if not theirs[0] or mine.get(owner._ledger_token, -1) >= theirs[0]:
+            return
+        if not ours[0] or their_lineage.get(self._ledger_token, -1) == ours[0]:
+            self._set_ledger(theirs)
+        else:
+            self._set_ledger(concatenated(ours, theirs))
+        self._note_ledger()
+        for token, steps in their_lineage.items():
+            mine[token] = max(steps, mine.get(token, -1))
+        mine.pop(self._ledger_token, None)
+        self._lineage = tuple(mine.items())
 
     def _ledger_guard(self):
         """An assertion, in the traced step, that the ledger's last segment is the compiled
@@ -920,7 +960,10 @@ class _DPModelMixin:
                             "compile time (build it before `compile`)")
         if kwargs.get("jit_compile"):
             raise ValueError(_XLA_REFUSAL)
+        previous_optimizer = getattr(self, "optimizer", None)
         self._compile_dp(optimizer, loss, metrics, loss_weights, **kwargs)
+        if self.optimizer is not previous_optimizer:
+            self._own_steps = 0  # a new optimizer holds no state of the steps taken
         self._bind_certifiable_metrics(metrics)
         if not self.trainable_variables:
             raise ValueError("The model has no trainable variables to train privately (is it "
@@ -1073,6 +1116,7 @@ class _DPModelMixin:
         initial values, and put back in the model after): it holds totals computed on the
         training data outside the noisy gradient (`_metric_state_left_out`). The state
         saved is remembered as this model's own (`_keep_ledger`)."""
+        self._take_variables()
         self._exported_states.add(_weights_digest(super().get_weights()))
         with _metric_state_left_out(self):
             return super().save(*args, **kwargs)
@@ -1080,6 +1124,7 @@ class _DPModelMixin:
     def save_weights(self, *args, **kwargs):
         """`tf.keras.Model.save_weights` (which `ModelCheckpoint` calls too), with the
         metrics' state left out as in `save`, and the state remembered as in `save`."""
+        self._take_variables()
         self._exported_states.add(_weights_digest(super().get_weights()))
         with _metric_state_left_out(self):
             return super().save_weights(*args, **kwargs)
@@ -1582,6 +1627,7 @@ class _DPModelMixin:
                 "test pipeline).")
         _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only,
                                          on_training, x, y)
+        steps_before = self.dp_steps_taken
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
@@ -1596,6 +1642,7 @@ class _DPModelMixin:
             # A fit stopped by an exception ends no epoch: its steps are noted here, so that
             # a checkpoint restored next (BackupAndRestore) does not roll them back.
             self._note_ledger()
+            self._count_own_steps(steps_before)
 
     def _final_refresh(self):
         """With ``bjorck_every > 1``, the weights `fit` returns get a Björck projection, as if

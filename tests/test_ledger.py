@@ -718,3 +718,70 @@ def test_steps_of_a_fit_stopped_by_an_exception_are_not_rolled_back(tmp_path):
     checkpoint.restore(path)
     with pytest.warns(UserWarning, match="keeps the 7 steps"):
         assert model.privacy_ledger.steps == 7
+
+
+def _pretrained_layers(epochs, seed):
+    """The layers of a `_model()` trained `epochs` epochs (4 steps each), the model dropped."""
+    model = _model()
+    x, y = _data(seed)
+    model.fit(x, y, epochs=epochs, verbose=0)
+    return model.layers
+
+
+def test_layers_of_collected_frozen_or_several_runs_bring_their_steps(tmp_path):
+    """The ledger owner is kept by its variables, and every owner of a model's variables
+    counts, trainable or frozen, each run once. The audit of the first version (2026-12-06):
+    a model on the layers of two runs of one mechanism (8 and 12 steps) counted 12, since one
+    ledger seemed to continue the other; on the layers of a model since collected, 0; on a
+    frozen base, 0; and a model trained on by another, exported before reading its ledger,
+    wrote its own steps only."""
+    import gc
+
+    s, q = 1.0 / math.sqrt(6), 16 / N
+    first, second = _pretrained_layers(2, 8), _pretrained_layers(3, 9)
+    gc.collect()
+    mixed = lipdp.DP_Sequential(first[:3] + second[3:], dataset_metadata=_metadata(),
+                                dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"))
+    _compile(mixed)
+    assert mixed.privacy_ledger.steps == 20
+    _assert_agrees(accounting.epsilon_spent(mixed), _reference([(s, q, 20)]))
+
+    base = _pretrained_layers(2, 10)
+    for layer in base:
+        layer.trainable = False
+    head = lipdp.DP_Sequential(base[:-1] + [DP_QuickSpectralDense(K)], dataset_metadata=_metadata(),
+                               dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"))
+    _compile(head)
+    x, y = _data(11)
+    head.fit(x, y, epochs=1, verbose=0)
+    assert head.dp_steps_taken == 12
+    _assert_agrees(accounting.epsilon_spent(head),
+                   _reference([(s, q, 8), (1 / math.sqrt(2), q, 4)]))
+
+    a = _model()
+    a.fit(x, y, epochs=1, verbose=0)
+    b = lipdp.DP_Sequential(a.layers, dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"),
+                            dataset_metadata=_metadata())
+    _compile(b)
+    b.fit(x, y, epochs=2, verbose=0)
+    a.save_weights(str(tmp_path / "a.h5"))
+    fresh = _model()
+    fresh.load_weights(str(tmp_path / "a.h5"))
+    assert fresh.dp_steps_taken == 12
+
+
+def test_a_reloaded_model_given_weights_of_its_own_run_counts_the_run_once(tmp_path):
+    """A model restored with its optimizer's state (`lipdp.load_model`) holds no state of
+    steps it took itself: the best weights of the same run loaded into it then are not
+    another run's (the first version of the rule counted the run twice: 16 steps for 8)."""
+    x, y = _data(12)
+    model = _adam_model(1, seed=1)
+    model.save_weights(str(tmp_path / "best.h5"))
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(str(tmp_path / "last.keras"))
+    reloaded = lipdp.load_model(str(tmp_path / "last.keras"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reloaded.load_weights(str(tmp_path / "best.h5"))
+    assert not [w for w in caught if "did not hand out" in str(w.message)]
+    assert reloaded.dp_steps_taken == 8
