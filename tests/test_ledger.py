@@ -601,6 +601,15 @@ def test_a_dataset_of_unknown_length_counts_no_update_for_its_exhausted_call():
     assert int(model.optimizer.iterations.numpy()) == model.dp_steps_taken == 16
 
 
+def _on_layers(layers):
+    """A compiled DP_Sequential of `layers` (shared with the models they come from), with the
+    parameters of `_model()`."""
+    model = lipdp.DP_Sequential(layers, dataset_metadata=_metadata(),
+                                dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"))
+    _compile(model)
+    return model
+
+
 def _adam_model(epochs, seed):
     """`_model()` with Adam (moments: an optimizer state built by the private steps), trained
     `epochs` epochs (4 steps each) on `_data(seed)`."""
@@ -680,18 +689,13 @@ def test_models_sharing_layers_count_each_others_steps():
     s, q = 1.0 / math.sqrt(6), 16 / N
     a = _model()
     a.fit(x, y, epochs=1, verbose=0)
-    b = lipdp.DP_Sequential(a.layers, dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"),
-                            dataset_metadata=_metadata())
-    _compile(b)
+    b = _on_layers(a.layers)
     b.fit(x, y, epochs=2, verbose=0)
     assert b.dp_steps_taken == 12 and a.privacy_ledger.steps == 12
     _assert_agrees(accounting.epsilon_spent(a), _reference([(s, q, 12)]))
     a.fit(x, y, epochs=1, verbose=0)
     assert a.dp_steps_taken == 16 and b.privacy_ledger.steps == 16
-    head = lipdp.DP_Sequential(
-        a.layers[:-1] + [DP_QuickSpectralDense(K)], dataset_metadata=_metadata(),
-        dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"))
-    _compile(head)
+    head = _on_layers(a.layers[:-1] + [DP_QuickSpectralDense(K)])
     head.fit(x, y, epochs=1, verbose=0)
     assert head.dp_steps_taken == 20
     _assert_agrees(accounting.epsilon_spent(head), _reference([(s, q, 20)]))
@@ -740,18 +744,14 @@ def test_layers_of_collected_frozen_or_several_runs_bring_their_steps(tmp_path):
     s, q = 1.0 / math.sqrt(6), 16 / N
     first, second = _pretrained_layers(2, 8), _pretrained_layers(3, 9)
     gc.collect()
-    mixed = lipdp.DP_Sequential(first[:3] + second[3:], dataset_metadata=_metadata(),
-                                dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"))
-    _compile(mixed)
+    mixed = _on_layers(first[:3] + second[3:])
     assert mixed.privacy_ledger.steps == 20
     _assert_agrees(accounting.epsilon_spent(mixed), _reference([(s, q, 20)]))
 
     base = _pretrained_layers(2, 10)
     for layer in base:
         layer.trainable = False
-    head = lipdp.DP_Sequential(base[:-1] + [DP_QuickSpectralDense(K)], dataset_metadata=_metadata(),
-                               dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"))
-    _compile(head)
+    head = _on_layers(base[:-1] + [DP_QuickSpectralDense(K)])
     x, y = _data(11)
     head.fit(x, y, epochs=1, verbose=0)
     assert head.dp_steps_taken == 12
@@ -760,9 +760,7 @@ def test_layers_of_collected_frozen_or_several_runs_bring_their_steps(tmp_path):
 
     a = _model()
     a.fit(x, y, epochs=1, verbose=0)
-    b = lipdp.DP_Sequential(a.layers, dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"),
-                            dataset_metadata=_metadata())
-    _compile(b)
+    b = _on_layers(a.layers)
     b.fit(x, y, epochs=2, verbose=0)
     a.save_weights(str(tmp_path / "a.h5"))
     fresh = _model()
