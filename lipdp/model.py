@@ -502,6 +502,11 @@ class _DPModelMixin:
     def get_weights(self):
         """Keras `get_weights`; the state returned is remembered as this model's own
         (`_keep_ledger`: Keras' EarlyStopping restores it with ``restore_best_weights``)."""
+        return self._handed_out_weights()
+
+    def _handed_out_weights(self):
+        """The weights, the ledger composed first (`_take_variables`), remembered as a
+        state this model handed out (`_foreign`)."""
         self._take_variables()
         weights = super().get_weights()
         self._exported_states.add(_weights_digest(weights))
@@ -553,12 +558,14 @@ class _DPModelMixin:
         self._keep_ledger(kept, "load_weights", foreign_over=holds_state and self._foreign())
         return status
 
+    def _optimizer_variables(self):
+        """The optimizer's variables (none before it is built)."""
+        variables = getattr(getattr(self, "optimizer", None), "variables", None)
+        return variables() if callable(variables) else list(variables or [])
+
     def _optimizer_values(self):
-        """The optimizer's variables, as numpy arrays (none before it is built)."""
-        optimizer = getattr(self, "optimizer", None)
-        variables = getattr(optimizer, "variables", None)
-        variables = variables() if callable(variables) else (variables or [])
-        return [np.array(v.numpy()) for v in variables]
+        """The optimizer's variables, as numpy arrays."""
+        return [np.array(v.numpy()) for v in self._optimizer_variables()]
 
     def _optimizer_holds_state(self) -> bool:
         """Whether the optimizer holds a state that this object's own private steps built
@@ -570,7 +577,7 @@ class _DPModelMixin:
         momentum of 0 never reads. `set_weights` and an HDF5 `load_weights` leave that state
         as it was."""
         optimizer = getattr(self, "optimizer", None)
-        if not self._own_steps or optimizer is None or len(self._optimizer_values()) < 2:
+        if not self._own_steps or optimizer is None or len(self._optimizer_variables()) < 2:
             return False
         return not (isinstance(optimizer, tf.keras.optimizers.SGD) and not optimizer.use_ema
                     and float(optimizer.momentum) == 0.0)
@@ -1116,16 +1123,14 @@ class _DPModelMixin:
         initial values, and put back in the model after): it holds totals computed on the
         training data outside the noisy gradient (`_metric_state_left_out`). The state
         saved is remembered as this model's own (`_keep_ledger`)."""
-        self._take_variables()
-        self._exported_states.add(_weights_digest(super().get_weights()))
+        self._handed_out_weights()
         with _metric_state_left_out(self):
             return super().save(*args, **kwargs)
 
     def save_weights(self, *args, **kwargs):
         """`tf.keras.Model.save_weights` (which `ModelCheckpoint` calls too), with the
         metrics' state left out as in `save`, and the state remembered as in `save`."""
-        self._take_variables()
-        self._exported_states.add(_weights_digest(super().get_weights()))
+        self._handed_out_weights()
         with _metric_state_left_out(self):
             return super().save_weights(*args, **kwargs)
 
