@@ -13,7 +13,10 @@ The ledger lives in the model's saved state (a variable saved with the weights,
 `.keras` files and checkpoints alike) as one row of numbers per segment:
 ``[first step, *StepMechanism.to_row()]`` (`EMPTY_STORAGE` before the first); a
 segment's length is the distance to the next segment's first step, or to the model's
-step counter for the last one. This module is pure Python and numpy: it never touches tensors.
+step counter for the last one. Each run's segments follow a row naming the run
+(`run_row`: a random number drawn when its first segment opens), so that two runs of
+one mechanism, whose segments are the same numbers, are told apart (`continues`).
+This module is pure Python and numpy: it never touches tensors.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, Noi
                             Sampling)
 
 __all__ = ["StepMechanism", "Segment", "PrivacyLedger", "LedgerMismatchError", "ROW_SIZE",
-           "EMPTY_STORAGE", "segment_rows", "continues", "concatenated"]
+           "EMPTY_STORAGE", "RUN_MARK", "run_row", "stored_rows", "segment_rows", "continues",
+           "concatenated"]
 
 
 class LedgerMismatchError(ValueError):
@@ -153,31 +157,59 @@ ROW_SIZE = 1 + len(dataclasses.fields(StepMechanism))
 EMPTY_STORAGE = np.full((1, ROW_SIZE), -1.0)
 
 
-def segment_rows(stored) -> np.ndarray:
-    """The segment rows of a stored ledger: `stored` without the placeholder of an empty
-    ledger (`EMPTY_STORAGE`); ledgers saved before the placeholder existed store no row."""
+#: The first number of a row that names a run (`run_row`) instead of starting a segment.
+RUN_MARK = -2.0
+
+
+def run_row(run_id: int) -> np.ndarray:
+    """The row naming a run: ``[RUN_MARK, run_id, 0, ...]``, `run_id` an integer below 2**53
+    (exact in float64). The segments of the run follow it."""
+    if not 0 < run_id < 2 ** 53:
+        raise ValueError(f"A run id is an integer in (0, 2**53); received {run_id!r}.")
+    row = np.zeros(ROW_SIZE)
+    row[0], row[1] = RUN_MARK, float(run_id)
+    return row
+
+
+def stored_rows(stored) -> np.ndarray:
+    """The rows of a stored ledger, run rows (`run_row`) and segment rows, without the
+    placeholder of an empty ledger (`EMPTY_STORAGE`); ledgers saved before the placeholder
+    existed store no row."""
     rows = (np.asarray(stored, dtype=np.float64).reshape(-1, ROW_SIZE) if np.size(stored)
             else np.zeros((0, ROW_SIZE)))
     return rows[:0] if np.array_equal(rows, EMPTY_STORAGE) else rows
 
 
+def segment_rows(stored) -> np.ndarray:
+    """The segment rows of a stored ledger (`stored_rows` without the rows naming runs)."""
+    rows = stored_rows(stored)
+    return rows[rows[:, 0] != RUN_MARK]
+
+
 def continues(earlier, later) -> bool:
     """Whether the stored ledger ``later = (steps, rows)`` continues ``earlier``: the same
-    segments (first steps and mechanisms) up to ``earlier``'s step count, then perhaps more
-    steps. A ledger without steps is continued by every ledger."""
+    rows (the runs named, the segments' first steps and mechanisms) up to ``earlier``'s step
+    count, then perhaps more steps. A ledger without steps is continued by every ledger.
+
+    Two runs of one mechanism record the same segments; the rows naming them differ
+    (`run_row`), so neither continues the other. Ledgers saved before runs were named
+    (2026-12-06) name none: between two of them the segments alone decide."""
     (steps_a, stored_a), (steps_b, stored_b) = earlier, later
-    a, b = segment_rows(stored_a), segment_rows(stored_b)
+    if steps_a == 0:
+        return True
+    a, b = stored_rows(stored_a), stored_rows(stored_b)
     if steps_a > steps_b or len(a) > len(b) or not np.array_equal(a, b[:len(a)]):
-        return steps_a == 0 and not len(a)
-    return len(a) == len(b) or b[len(a), 0] >= steps_a
+        return False
+    following = segment_rows(b[len(a):])
+    return not len(following) or following[0, 0] >= steps_a
 
 
 def concatenated(first, then):
     """The stored ledger ``(steps, rows)`` of ``first``'s steps followed by ``then``'s: what
     a model holding weights from two runs has cost (the composition of both)."""
     (steps_a, stored_a), (steps_b, stored_b) = first, then
-    a, b = segment_rows(stored_a), segment_rows(stored_b).copy()
-    b[:, 0] += steps_a
+    a, b = stored_rows(stored_a), stored_rows(stored_b).copy()
+    b[b[:, 0] != RUN_MARK, 0] += steps_a
     rows = np.concatenate([a, b]) if len(a) + len(b) else EMPTY_STORAGE
     return steps_a + steps_b, rows
 
@@ -199,8 +231,8 @@ class PrivacyLedger:
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, steps_taken: int) -> "PrivacyLedger":
-        """The ledger stored as `rows` (one per segment) for a model that took `steps_taken`
-        steps in all.
+        """The ledger stored as `rows` (one per segment; rows naming runs are skipped) for a
+        model that took `steps_taken` steps in all.
 
         Raises:
             ValueError: rows of the wrong width, first steps not increasing from 0, or

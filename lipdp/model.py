@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import itertools
 import math
+import secrets
 import warnings
 from typing import Optional, Tuple
 
@@ -59,8 +60,8 @@ from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_built_conf
                                check_float32, plain_configuration, replaced_call,
                                round_up_to_float32, with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
-from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, PrivacyLedger, StepMechanism, concatenated,
-                          continues, segment_rows)
+from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, StepMechanism,
+                          concatenated, continues, run_row, stored_rows)
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
@@ -514,10 +515,12 @@ class _DPModelMixin:
 
     def set_weights(self, weights):
         """Keras `set_weights`; the privacy ledger never loses steps (`_keep_ledger`)."""
+        self._build_optimizer()  # its slots, and the state a load left pending for them
         kept = self._ledger_state()
         holds_state = self._optimizer_holds_state()
         super().set_weights(weights)
-        self._keep_ledger(kept, "set_weights", foreign_over=holds_state and self._foreign())
+        self._keep_ledger(kept, "set_weights", foreign_over=holds_state and self._foreign(),
+                          state_kept=self._optimizer_holds_any_state(), wholesale=True)
 
     def load_weights(self, *args, **kwargs):
         """Keras `load_weights`; the privacy ledger never loses steps (`_keep_ledger`).
@@ -528,9 +531,11 @@ class _DPModelMixin:
         the counter) is undone and refused; it used to stretch the model's own mechanism
         over the loaded step count (an epsilon of 0.81 reported for weights that had cost
         68.9). A file holding neither leaves the ledger as it was."""
+        self._build_optimizer()  # its slots exist: a file's state for them is set, not pending
         kept = self._ledger_state()
         holds_state = self._optimizer_holds_state()
         optimizer_before = self._optimizer_values()
+        trainable_before = [v.numpy() for v in self.trainable_variables]
         before = super().get_weights()
         self._dp_steps.assign(-1)  # sentinels: what the file sets is what changes
         self._dp_ledger.assign(np.full((1, ROW_SIZE), np.nan))
@@ -552,10 +557,21 @@ class _DPModelMixin:
                 "the layers' weights with layer.set_weights and account for their origin.")
         if not steps_loaded:
             self._set_ledger(kept)
-        if not _same_values(optimizer_before, self._optimizer_values()):
+        optimizer_after = self._optimizer_values()
+        if not _same_values(optimizer_before, optimizer_after):
             holds_state = False  # the file's optimizer state replaced the model's
             self._own_steps = 0
-        self._keep_ledger(kept, "load_weights", foreign_over=holds_state and self._foreign())
+        # The state the optimizer held is gone only if the file set every slot (the
+        # iteration count aside: two runs of as many steps hold the same one).
+        state_replaced = len(optimizer_before) != len(optimizer_after) or all(
+            not np.array_equal(a, b) for a, b, v in
+            zip(optimizer_before, optimizer_after, self._optimizer_variables())
+            if v is not getattr(self.optimizer, "iterations", None))
+        self._keep_ledger(
+            kept, "load_weights", foreign_over=holds_state and self._foreign(),
+            state_kept=not state_replaced and self._optimizer_holds_any_state(),
+            wholesale=all(not np.array_equal(a, v.numpy())
+                          for a, v in zip(trainable_before, self.trainable_variables)))
         return status
 
     def _optimizer_variables(self):
@@ -569,15 +585,27 @@ class _DPModelMixin:
 
     def _optimizer_holds_state(self) -> bool:
         """Whether the optimizer holds a state that this object's own private steps built
-        and its next updates read (momentum, Adam's moments, EMA weights): variables besides
-        its iteration count, and steps taken by this object's `fit` or `train_on_batch`
-        since that state was last replaced (a state restored with the model, by
-        `tf.keras.models.load_model` or a TensorFlow-format `load_weights`, is the loaded
-        run's, which its ledger counts). Keras' SGD keeps its last update in a slot that a
-        momentum of 0 never reads. `set_weights` and an HDF5 `load_weights` leave that state
-        as it was."""
+        and its next updates read (`_optimizer_reads_state`): steps taken by this object's
+        `fit` or `train_on_batch` since that state was last replaced (a state restored with
+        the model, by `tf.keras.models.load_model` or a TensorFlow-format `load_weights`, is
+        the loaded run's, which its ledger counts). `set_weights` and an HDF5 `load_weights`
+        leave that state as it was."""
+        return bool(self._own_steps) and self._optimizer_reads_state()
+
+    def _optimizer_holds_any_state(self) -> bool:
+        """Whether the optimizer holds a state its next updates read, whoever built it (its
+        iteration count above 0: this object's steps, a file's or another run's restored
+        state, public pretraining)."""
+        iterations = getattr(getattr(self, "optimizer", None), "iterations", None)
+        return (self._optimizer_reads_state() and iterations is not None
+                and int(iterations.numpy()) > 0)
+
+    def _optimizer_reads_state(self) -> bool:
+        """Whether the optimizer's updates read a state of its own (momentum, Adam's moments,
+        EMA weights): variables besides its iteration count. Keras' SGD keeps its last
+        update in a slot that a momentum of 0 never reads."""
         optimizer = getattr(self, "optimizer", None)
-        if not self._own_steps or optimizer is None or len(self._optimizer_variables()) < 2:
+        if optimizer is None or len(self._optimizer_variables()) < 2:
             return False
         return not (isinstance(optimizer, tf.keras.optimizers.SGD) and not optimizer.use_ema
                     and float(optimizer.momentum) == 0.0)
@@ -743,27 +771,36 @@ class _DPModelMixin:
         if state[0] >= self._ledger_high_water[0]:
             self._ledger_high_water = state
 
-    def _keep_ledger(self, kept, how: str, foreign_over: bool = False):
+    def _keep_ledger(self, kept, how: str, foreign_over: bool = False, state_kept: bool = True,
+                     wholesale: bool = False):
         """The ledger and step counter are among the model's weights (so checkpoints and
         saved models carry them). After weights were loaded over the ledger `kept`, the
         model's ledger is:
 
+        * both, one after the other (`lipdp.ledger.concatenated`), when `foreign_over`:
+          weights the model did not hand out, set over an optimizer state built by its own
+          steps (Adam's moments, momentum), whatever the two ledgers hold: its next updates
+          read both (two objects that resumed one checkpoint and trained apart hold ledgers
+          that seem to continue each other);
         * the loaded one when it continues `kept` (`lipdp.ledger.continues`: a fresh model
           loading trained weights, a run resumed from its last checkpoint);
         * `kept` when it continues the loaded one: an earlier checkpoint of the same run
           (Keras' EarlyStopping with ``restore_best_weights=True`` restores an earlier
           epoch's weights after later epochs ran, and those epochs were released to choose
           them, so the count is never rolled back);
-        * both, one after the other (`lipdp.ledger.concatenated`), when neither continues the
-          other: weights of another run loaded into a model that trained on its own. Keeping
-          the longer one, as before 2026-12-05, reported the small epsilon of a long,
-          noisy run for weights that came from a short run with little noise;
-        * both as well when `foreign_over`: weights the model did not hand out, set over an
-          optimizer state built by its own steps (Adam's moments, momentum), whatever the
-          two ledgers hold. Two runs of one mechanism record the same segments, so one
-          seemed to continue the other: a model of 4 Adam steps given the weights of
-          another run of 8 reported 8 steps, then 12 after 4 more, for an update that read
-          16 (an audit, 2026-12-06).
+        * when neither continues the other (another run: each run's segments follow a row
+          naming it, `lipdp.ledger.run_row`):
+
+          - the loaded one alone when the load replaced every trainable variable
+            (`wholesale`) and the optimizer holds no state that its updates read and the
+            file did not replace (`state_kept`): nothing of the model's run is left in it;
+          - both, one after the other, otherwise: weights of another run set over an
+            optimizer state (a model of 4 Adam steps given the weights of another run of 8
+            reported 8 steps, then 12 after 4 more, for an update that read 16; one whose
+            Adam state was loaded from a run of 8 steps, given another's 8, reported 8 for
+            16: audits, 2026-12-06), or over some variables only (before runs were named,
+            a run of one mechanism seemed to continue another of as many steps or fewer,
+            and its ledger replaced the model's).
         """
         current = self._ledger_state()
         if foreign_over and kept[0] and current[0]:
@@ -786,11 +823,18 @@ class _DPModelMixin:
                        f"but the model took {steps}: the ledger keeps the {steps} steps "
                        "(weights chosen among the iterates of a run cost the whole run's "
                        "epsilon)")
+        elif wholesale and not state_kept:
+            self._ledger_high_water = current  # the model's run is gone from its state
+            return
         else:
             steps, rows = concatenated(kept, current)
-            message = ("the weights loaded record a ledger that does not continue the model's, "
-                       "nor the model's theirs (another run): the ledger now holds both, the "
-                       f"model's {kept[0]} steps then the loaded {current[0]}")
+            held = ("its optimizer's state (momentum, moments) of that run" if state_kept
+                    else "variables the load did not replace")
+            message = ("the weights loaded come from another run than the model's ledger "
+                       f"records, and the model keeps {held}: the ledger now holds both, the "
+                       f"model's {kept[0]} steps then the loaded {current[0]} (to hold the "
+                       "loaded run alone, load it into a new model or compile with a new "
+                       "optimizer first)")
         self._set_ledger((steps, rows))
         warnings.warn(f"{how}: {message}.", stacklevel=3)
 
@@ -869,19 +913,40 @@ class _DPModelMixin:
 
     def _open_segment(self):
         """Record that the next steps run the compiled mechanism (a new ledger segment
-        unless the last one has it). Runs eagerly, when the step is traced and before steps
-        run (`_resume_ledger`)."""
+        unless the last one has it), after a row naming the run when the ledger is empty
+        (`lipdp.ledger.run_row`, `_new_run_id`). Runs eagerly, when the step is traced and
+        before steps run (`_resume_ledger`)."""
         with tf.init_scope():
             stored = self._dp_ledger.numpy()
-            recorded = segment_rows(stored)
+            rows = stored_rows(stored)
             steps = float(self._dp_steps.numpy())
             row = np.array(self._step_mechanism.to_row(), np.float64)
-            rows = (recorded[:-1] if len(recorded) and recorded[-1, 0] == steps
-                    else recorded)  # the last segment ran no step
-            if not (len(rows) and np.array_equal(rows[-1, 1:], row)):
+            if len(rows) and rows[-1, 0] == steps:
+                rows = rows[:-1]  # the last segment ran no step
+            if not len(rows) and steps == 0:
+                rows = run_row(self._new_run_id())[None]
+            if not (len(rows) and rows[-1, 0] != RUN_MARK and np.array_equal(rows[-1, 1:], row)):
                 rows = np.concatenate([rows, [[steps, *row]]])
             if not np.array_equal(rows, stored):
                 self._dp_ledger.assign(rows)
+
+    def _new_run_id(self) -> int:
+        """A number naming the run that starts (`lipdp.ledger.run_row`): 52 random bits. The
+        workers of a multi-worker strategy each run this and must agree without a
+        collective (it runs while the step is traced), so there it is a digest of the
+        trainable weights, which the strategy made equal on every worker when it created
+        them: two multi-worker runs from the same initial weights and of one mechanism get
+        one name, and `continues` then tells them apart by their segments only, as it did
+        every run before runs were named."""
+        resolver = getattr(self.distribute_strategy, "cluster_resolver", None)
+        tasks = (sum(len(t) for t in resolver.cluster_spec().as_dict().values())
+                 if resolver is not None else 1)
+        if tasks <= 1:
+            return 1 + secrets.randbits(52)
+        digest = hashlib.blake2b(digest_size=8)
+        for variable in self.trainable_variables:
+            digest.update(np.ascontiguousarray(variable.numpy()).tobytes())
+        return 1 + (int.from_bytes(digest.digest(), "big") >> 12)
 
     def _check_compiled(self):
         """The compiled mechanism must still be the model's: parameters, metadata, trainable

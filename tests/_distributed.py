@@ -140,6 +140,8 @@ def mirrored():
     rng = np.random.RandomState(0)
     x = rng.randn(64, 10).astype(np.float32)
     y = tf.one_hot(rng.randint(0, 3, 64), 3).numpy()
+    from tests._models import weights_of_the_run
+
     results = {}
     for config in CONFIGS:
         single = _model(config, 0.0, 0.5)
@@ -149,7 +151,7 @@ def mirrored():
         _fit(single, x, y, 2)
         _fit(replicated, x, y, 2)
         weights_diff = max(float(np.max(np.abs(a - b))) for a, b in
-                           zip(single.get_weights(), replicated.get_weights()))
+                           zip(weights_of_the_run(single), weights_of_the_run(replicated)))
         gradient_diff = max(float(np.max(np.abs(a.numpy() - b.numpy()))) for a, b in
                             zip(single.optimizer.recorded, replicated.optimizer.recorded))
         single_ratio, n = _noise_statistic(_model(config, 2.0, 0.0, NOISE_STEPS), config)
@@ -209,6 +211,8 @@ def _adaptive_clipping(strategy, x, y):
     """Adaptive clipping across replicas: with a negligible count noise, C_t and the weights
     follow the single-device run; with sigma_b = 2, the noise on the summed count has the
     single-device std."""
+    from tests._models import weights_of_the_run
+
     exact = dict(noise_multiplier=1e-9, initial_clip=0.5)
     single = _adaptive_model(exact, 0.5)
     with strategy.scope():
@@ -217,7 +221,7 @@ def _adaptive_clipping(strategy, x, y):
     _fit(single, x, y, 2)
     _fit(replicated, x, y, 2)
     weights_diff = max(float(np.max(np.abs(a - b))) for a, b in
-                       zip(single.get_weights(), replicated.get_weights()))
+                       zip(weights_of_the_run(single), weights_of_the_run(replicated)))
     noisy = dict(noise_multiplier=COUNT_SIGMA, initial_clip=10 * np.sqrt(2.0),
                  learning_rate=COUNT_RATE, target_quantile=0.5)
     single_ratio = _count_noise_statistic(_adaptive_model(noisy, 0.0, COUNT_STEPS))

@@ -4,10 +4,23 @@ import tensorflow as tf
 
 from lipdp.layers import (DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralConv2D,
                           DP_QuickSpectralDense, DP_ScaledL2NormPooling2D)
+from lipdp.ledger import RUN_MARK
 from lipdp.metadata import DatasetMetadata, DPParameters
 from lipdp.model import DP_Model, DP_Sequential
 
 X0 = 3.0
+
+
+def weights_of_the_run(model):
+    """``model.get_weights()`` with the name of every run in its ledger set to 0 (a random
+    number drawn when a run starts, `lipdp.ledger.run_row`): two runs that computed the same
+    updates compare equal, their ledgers' segments and step counts included."""
+    weights = model.get_weights()
+    for index, variable in enumerate(model.weights):
+        if variable is model._dp_ledger:
+            ledger = weights[index] = weights[index].copy()
+            ledger[ledger[:, 0] == RUN_MARK, 1] = 0.0
+    return weights
 
 
 def metadata(input_shape, nb_classes, n=64, batch=16, sampling="shuffle"):

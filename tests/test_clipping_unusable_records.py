@@ -27,6 +27,7 @@ from lipdp.clipping import GhostFallbackWarning
 from lipdp.metadata import DatasetMetadata, DPParameters
 from lipdp.model import DP_Model, DP_Sequential
 from lipdp.records import OutOfRangeIdError
+from tests._models import weights_of_the_run
 from tests._soundness import per_example_gradients
 
 L = tf.keras.layers
@@ -234,7 +235,7 @@ def test_ids_and_labels_the_check_does_not_see_are_mapped_into_range(case, engin
     first, by_hand = build(), build()
     first.train_on_batch(tf.nest.map_structure(lambda a: a[:D], x), y[:D])
     by_hand.train_on_batch(tf.nest.map_structure(lambda a: a[:D], mapped[0]), mapped[1][:D])
-    for a, b in zip(first.get_weights(), by_hand.get_weights()):
+    for a, b in zip(weights_of_the_run(first), weights_of_the_run(by_hand)):
         np.testing.assert_array_equal(a, b)
     first.fit(x, y, batch_size=D, epochs=1, verbose=0, validate_data=False)
     assert first.dp_steps_taken == 1 + 64 // D

@@ -669,7 +669,7 @@ def test_its_own_states_set_back_or_a_fresh_optimizer_keep_the_ledger(tmp_path):
     other = _adam_model(2, seed=2)
     other.save_weights(str(tmp_path / "other"))  # TensorFlow format: the optimizer's state too
     model.load_weights(str(tmp_path / "other"))
-    assert model.dp_steps_taken == 8  # the loaded 8 steps continue the model's (same segment)
+    assert model.dp_steps_taken == 8  # the model's run is gone: weights and moments replaced
 
     fresh = _model()  # plain SGD
     fresh.fit(x, y, epochs=1, verbose=0)
@@ -678,6 +678,92 @@ def test_its_own_states_set_back_or_a_fresh_optimizer_keep_the_ledger(tmp_path):
         fresh.set_weights(other.get_weights())
     assert not [w for w in caught if "did not hand out" in str(w.message)]
     assert fresh.dp_steps_taken == 8
+
+
+def test_runs_of_one_mechanism_are_told_apart_by_the_rows_naming_them():
+    """`continues` and `concatenated` on stored ledgers: two runs of one mechanism differ
+    only in the row naming each; a later checkpoint of a run continues its earlier ones, the
+    composition of two runs continues the first and counts both, and ledgers saved before
+    runs were named are decided by their segments."""
+    ledger = lipdp.ledger
+    mechanism = _model()._step_mechanism.to_row()
+    segment = [0.0, *mechanism]
+
+    def run(name, steps):
+        return steps, np.array([ledger.run_row(name), segment])
+
+    a, b = run(5, 8), run(7, 8)
+    assert not ledger.continues(a, b) and not ledger.continues(b, a)
+    assert ledger.continues(a, run(5, 12)) and not ledger.continues(run(5, 12), a)
+    assert ledger.continues((0, ledger.EMPTY_STORAGE), a) and ledger.continues(run(9, 0), a)
+    both = ledger.concatenated(a, b)
+    assert both[0] == 16 and both[1][:, 0].tolist() == [ledger.RUN_MARK, 0, ledger.RUN_MARK, 8]
+    assert ledger.continues(a, both) and not ledger.continues(both, a)
+    assert not ledger.continues(b, both)
+    assert [s.steps for s in ledger.PrivacyLedger.from_rows(both[1], 16).segments] == [8, 8]
+    unnamed = np.array([segment])
+    assert ledger.continues((8, unnamed), (12, unnamed))
+    assert not ledger.continues((8, unnamed), a)  # an unnamed run and a named one: two runs
+    for name in (0, 2 ** 53):
+        with pytest.raises(ValueError, match="run id"):
+            ledger.run_row(name)
+
+
+def _adam_compiled():
+    model = _model()
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.Adam(1e-2))
+    return model
+
+
+@pytest.mark.parametrize("epochs_b", [2, 1], ids=["same length", "shorter"])
+def test_weights_of_another_run_set_over_a_loaded_optimizer_state_compose_both_runs(
+        epochs_b, tmp_path):
+    """A new model loads run A's TensorFlow-format checkpoint (weights, ledger and Adam
+    moments), then is given the weights of another run B of the same mechanism: its next
+    updates read A's moments and B's weights. Both ledgers recorded the same segment and the
+    model had taken no step of its own, so B's ledger replaced A's (8 steps reported for 16)
+    or A's was kept (8 for 12): an audit, 2026-12-06. Each run's ledger now names the run."""
+    a, b = _adam_model(2, seed=1), _adam_model(epochs_b, seed=2)
+    a.save_weights(str(tmp_path / "a"))
+    model = _adam_compiled()
+    model.load_weights(str(tmp_path / "a"))
+    assert model.dp_steps_taken == 8
+    with pytest.warns(UserWarning, match="another run"):
+        model.set_weights(b.get_weights())
+    steps = 8 + 4 * epochs_b
+    assert model.dp_steps_taken == steps
+    _assert_agrees(accounting.epsilon_spent(model), _reference([(1.0 / math.sqrt(6), 16 / N,
+                                                                 steps)]))
+
+
+def test_a_run_wholly_replaced_by_another_leaves_only_the_other_and_a_run_keeps_its_name(
+        tmp_path):
+    """Every weight of another run set on a model whose optimizer holds no state its updates
+    read (plain SGD): nothing of the model's run is left, and its ledger is the loaded one,
+    whatever the mechanisms (before, runs of other mechanisms were composed). A run resumed
+    from its checkpoint keeps the name of its run: its earlier checkpoints are its own."""
+    x, y = _data(6)
+    other = _model(sigma=2.0)
+    other.fit(x, y, epochs=2, verbose=0)
+    model = _model()
+    model.fit(x, y, epochs=1, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.set_weights(other.get_weights())
+    assert model.dp_steps_taken == 8
+    assert model.privacy_ledger == other.privacy_ledger
+
+    other.save_weights(str(tmp_path / "early.h5"))
+    other.save_weights(str(tmp_path / "early"))
+    other.fit(x, y, epochs=1, verbose=0)
+    other.save_weights(str(tmp_path / "late"))
+    resumed = _model(sigma=2.0)
+    resumed.load_weights(str(tmp_path / "late"))
+    resumed.fit(x, y, epochs=1, verbose=0)
+    with pytest.warns(UserWarning, match="keeps the 16 steps"):
+        resumed.load_weights(str(tmp_path / "early.h5"))
+    assert resumed.dp_steps_taken == 16
+    assert lipdp.ledger.stored_rows(resumed._dp_ledger.numpy())[0, 0] == lipdp.ledger.RUN_MARK
 
 
 def test_models_sharing_layers_count_each_others_steps():

@@ -25,6 +25,7 @@ from scipy import stats
 from lipdp import kernels
 from lipdp.noise import (SeededNoiseWarning, add_gaussian_noise, drawing_at_step, gaussian_noise,
                          standard_normal)
+from tests._models import weights_of_the_run
 from tests._stats import assert_gaussian_noise
 
 N = 2_000_001  # odd: the last Box–Muller pair is cut
@@ -365,7 +366,7 @@ def _trained_weights(unseed_before_training):
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     seeded = [w for w in record if issubclass(w.category, SeededNoiseWarning)]
-    return initial, model.get_weights(), seeded, model
+    return initial, weights_of_the_run(model), seeded, model
 
 
 def test_a_seeded_program_repeats_its_noise_and_fit_warns():
