@@ -323,6 +323,19 @@ def _once_per_global_batch(noised, otherwise):
 _LEDGER_TOKENS = itertools.count()
 
 
+def _restored_every_object(status, by_name: bool) -> bool:
+    """Whether a Keras `load_weights` set every variable of the model: an HDF5 file read in
+    order (`by_name` skips the layers the file lacks), or a TensorFlow checkpoint whose load
+    `status` matched every object of the model (frozen layers and optimizer included)."""
+    if status is None:
+        return not by_name
+    try:
+        status.assert_existing_objects_matched()
+    except (AssertionError, AttributeError):
+        return False
+    return True
+
+
 def _weights_digest(weights) -> str:
     """A digest of a list of weight arrays: their dtypes, shapes and bytes."""
     digest = hashlib.blake2b(digest_size=16)
@@ -514,8 +527,11 @@ class _DPModelMixin:
         return weights
 
     def set_weights(self, weights):
-        """Keras `set_weights`; the privacy ledger never loses steps (`_keep_ledger`)."""
+        """Keras `set_weights`; the privacy ledger never loses steps (`_keep_ledger`), and
+        the model takes its variables over first (`_take_variables`): set on a model sharing
+        layers with another, the weights reach the other's ledger when it is read."""
         self._build_optimizer()  # its slots, and the state a load left pending for them
+        self._take_variables()  # the variables it sets may be shared with their owner
         kept = self._ledger_state()
         holds_state = self._optimizer_holds_state()
         super().set_weights(weights)
@@ -532,6 +548,7 @@ class _DPModelMixin:
         over the loaded step count (an epsilon of 0.81 reported for weights that had cost
         68.9). A file holding neither leaves the ledger as it was."""
         self._build_optimizer()  # its slots exist: a file's state for them is set, not pending
+        self._take_variables()  # the variables it sets may be shared with their owner
         kept = self._ledger_state()
         holds_state = self._optimizer_holds_state()
         optimizer_before = self._optimizer_values()
@@ -567,11 +584,13 @@ class _DPModelMixin:
             not np.array_equal(a, b) for a, b, v in
             zip(optimizer_before, optimizer_after, self._optimizer_variables())
             if v is not getattr(self.optimizer, "iterations", None))
+        by_name = args[2] if len(args) > 2 else kwargs.get("by_name", False)
         self._keep_ledger(
             kept, "load_weights", foreign_over=holds_state and self._foreign(),
             state_kept=not state_replaced and self._optimizer_holds_any_state(),
-            wholesale=all(not np.array_equal(a, v.numpy())
-                          for a, v in zip(trainable_before, self.trainable_variables)))
+            wholesale=_restored_every_object(status, by_name) and all(
+                not np.array_equal(a, v.numpy())
+                for a, v in zip(trainable_before, self.trainable_variables)))
         return status
 
     def _optimizer_variables(self):
@@ -824,7 +843,9 @@ class _DPModelMixin:
                        "(weights chosen among the iterates of a run cost the whole run's "
                        "epsilon)")
         elif wholesale and not state_kept:
-            self._ledger_high_water = current  # the model's run is gone from its state
+            # The model's run is gone from its state, with the ledgers it had absorbed: a
+            # model sharing its variables composes this one with its own (`_absorb`).
+            self._ledger_high_water, self._lineage = current, ()
             return
         else:
             steps, rows = concatenated(kept, current)

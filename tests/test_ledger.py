@@ -854,6 +854,47 @@ def test_layers_of_collected_frozen_or_several_runs_bring_their_steps(tmp_path):
     assert fresh.dp_steps_taken == 12
 
 
+def test_a_checkpoint_that_restores_part_of_the_model_composes_both_runs(tmp_path):
+    """The model's last layer, trained by its own 4 steps, then frozen; a TensorFlow
+    checkpoint of another run that lacks that layer sets every trainable variable, not the
+    frozen one: the model holds both runs' weights (the load is not a wholesale one)."""
+    x, y = _data(14)
+    model = _model()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.layers[-1].trainable = False
+    _compile(model)
+    shorter = lipdp.DP_Sequential(
+        [DP_BoundedInput(2.0, input_shape=(DIM,)), DP_QuickSpectralDense(8),
+                            DP_GroupSort(2), DP_QuickSpectralDense(8)],
+        dp_parameters=lipdp.DPParameters(1.0, DELTA, "per-layer"),
+        dataset_metadata=lipdp.DatasetMetadata((DIM,), 8, N, 8, 16, 2.0, "shuffle"))
+    _compile(shorter)
+    shorter.fit(x, np.eye(8, dtype="float32")[np.argmax(y, axis=1)], epochs=2, verbose=0)
+    shorter.save_weights(str(tmp_path / "shorter"))
+    with pytest.warns(UserWarning, match="did not replace"):
+        model.load_weights(str(tmp_path / "shorter"))
+    assert model.dp_steps_taken == 12
+
+
+def test_weights_set_on_a_model_sharing_layers_reach_the_other_models_ledger():
+    """Model M shares all but the head of A's layers, and A trained last (A owns them). The
+    weights of another run B, set on M, land in A's variables too: A then holds B's layers
+    under its own head, and reported its own 8 steps for 16 (M's ledger took B's alone, and
+    A saw no other owner). `set_weights` now takes the variables over first, and a run wholly
+    replaced forgets the ledgers it had absorbed."""
+    s, q = 1.0 / math.sqrt(6), 16 / N
+    x, y = _data(13)
+    a = _model()
+    a.fit(x, y, epochs=1, verbose=0)
+    m = _on_layers(a.layers[:-1] + [DP_QuickSpectralDense(K)])
+    a.fit(x, y, epochs=1, verbose=0)
+    b = _model()
+    b.fit(x, y, epochs=2, verbose=0)
+    m.set_weights(b.get_weights())
+    assert a.privacy_ledger.steps == 16
+    _assert_agrees(accounting.epsilon_spent(a), _reference([(s, q, 16)]))
+
+
 def test_a_reloaded_model_given_weights_of_its_own_run_counts_the_run_once(tmp_path):
     """A model restored with its optimizer's state (`lipdp.load_model`) holds no state of
     steps it took itself: the best weights of the same run loaded into it then are not
