@@ -232,7 +232,10 @@ class PrivacyLedger:
     @classmethod
     def from_rows(cls, rows: np.ndarray, steps_taken: int) -> "PrivacyLedger":
         """The ledger stored as `rows` (one per segment; rows naming runs are skipped) for a
-        model that took `steps_taken` steps in all.
+        model that took `steps_taken` steps in all. A segment that ran no step (opened for
+        steps to come) is left out, and consecutive segments of one mechanism are one (a run
+        resumed by another model object, which names its own steps, composes them as the
+        uninterrupted run does, to the last bit).
 
         Raises:
             ValueError: rows of the wrong width, first steps not increasing from 0, or
@@ -244,8 +247,15 @@ class PrivacyLedger:
                 or (not len(rows) and steps_taken):
             raise ValueError(f"Corrupt privacy ledger: segments start at {starts[:-1]} for "
                              f"{steps_taken} steps taken.")
-        return cls(tuple(Segment(StepMechanism.from_row(row[1:]), start, end - start)
-                         for row, start, end in zip(rows, starts, starts[1:])))
+        segments = []
+        for row, start, end in zip(rows, starts, starts[1:]):
+            if end == start:
+                continue
+            mechanism = StepMechanism.from_row(row[1:])
+            if segments and segments[-1].mechanism == mechanism:
+                start = segments.pop().start
+            segments.append(Segment(mechanism, start, end - start))
+        return cls(tuple(segments))
 
     @property
     def steps(self) -> int:
@@ -296,7 +306,6 @@ class PrivacyLedger:
     def describe(self, delta: float) -> str:
         """One line per segment and the composed epsilon."""
         lines = [f"steps {s.start}-{s.start + s.steps - 1}: {s.mechanism.describe()}"
-                 if s.steps else f"(no step yet): {s.mechanism.describe()}"
                  for s in self.segments]
         epsilon = self.epsilon(delta)
         lines.append(f"composed: epsilon={epsilon:.4g} at delta={delta:g} after {self.steps} "

@@ -417,6 +417,7 @@ class _DPModelMixin:
         self._own_steps = 0
         self._ledger_token = next(_LEDGER_TOKENS)
         self._lineage = ()  # (token, steps) pairs: a dict attribute would be tracked by Keras
+        self._run_name = None  # the name of the steps this object takes (`_open_segment`)
         # Ids of the Poisson samplers this model looked at (`_warn_if_a_seeded_pipeline_is_
         # behind`) or that `fit` started at its step.
         self._samplers_seen = set()
@@ -466,14 +467,23 @@ class _DPModelMixin:
     # ------------------------------------------------------------------ ledger
     @property
     def dp_steps_taken(self) -> int:
-        """Number of private steps recorded in this model's ledger."""
+        """Number of private steps recorded in this model's ledger, composed first with the
+        ledgers of the models that trained its variables (`_take_variables`: a model whose
+        layers another model trained read its own count until its ledger was read: an
+        audit, 2026-12-06)."""
+        self._take_variables()
+        return self._recorded_steps
+
+    @property
+    def _recorded_steps(self) -> int:
+        """The ledger's step counter as it stands (`dp_steps_taken` composes first)."""
         return int(self._dp_steps.numpy())
 
     def _update_counts(self) -> Tuple[int, int]:
         """``(optimizer.iterations, dp_steps_taken)``: the baseline of
         `_check_updates_recorded` (iterations 0 without an optimizer)."""
         iterations = getattr(getattr(self, "optimizer", None), "iterations", None)
-        return (0 if iterations is None else int(iterations.numpy())), self.dp_steps_taken
+        return (0 if iterations is None else int(iterations.numpy())), self._recorded_steps
 
     def _check_updates_recorded(self, baseline: Tuple[int, int], when: str):
         """Raise a RuntimeError when, since `baseline` (`_update_counts` taken when `fit` or
@@ -505,7 +515,7 @@ class _DPModelMixin:
         an older checkpoint) do not roll the count back (`_keep_ledger`)."""
         self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
         self._take_variables()
-        return PrivacyLedger.from_rows(self._dp_ledger.numpy(), self.dp_steps_taken)
+        return PrivacyLedger.from_rows(self._dp_ledger.numpy(), self._recorded_steps)
 
     @property
     def step_mechanism(self) -> StepMechanism:
@@ -534,9 +544,12 @@ class _DPModelMixin:
         self._take_variables()  # the variables it sets may be shared with their owner
         kept = self._ledger_state()
         holds_state = self._optimizer_holds_state()
+        trainable_before = [v.numpy() for v in self.trainable_variables]
         super().set_weights(weights)
         self._keep_ledger(kept, "set_weights", foreign_over=holds_state and self._foreign(),
-                          state_kept=self._optimizer_holds_any_state(), wholesale=True)
+                          state_kept=self._optimizer_holds_any_state(),
+                          wholesale=self._replaced_every_trainable(trainable_before))
+        self._name_next_steps()
 
     def load_weights(self, *args, **kwargs):
         """Keras `load_weights`; the privacy ledger never loses steps (`_keep_ledger`).
@@ -561,7 +574,7 @@ class _DPModelMixin:
         except BaseException:
             self._set_ledger(kept)
             raise
-        steps_loaded = self.dp_steps_taken != -1
+        steps_loaded = self._recorded_steps != -1
         rows_loaded = not np.isnan(self._dp_ledger.numpy()).any()
         if steps_loaded != rows_loaded:
             super().set_weights(before)
@@ -588,10 +601,28 @@ class _DPModelMixin:
         self._keep_ledger(
             kept, "load_weights", foreign_over=holds_state and self._foreign(),
             state_kept=not state_replaced and self._optimizer_holds_any_state(),
-            wholesale=_restored_every_object(status, by_name) and all(
-                not np.array_equal(a, v.numpy())
-                for a, v in zip(trainable_before, self.trainable_variables)))
+            wholesale=_restored_every_object(status, by_name)
+            and self._replaced_every_trainable(trainable_before))
+        self._name_next_steps()
         return status
+
+    def _name_next_steps(self):
+        """After a load: the steps to come are this object's, named so in the ledger
+        (`_open_segment`) now, not when `fit` next begins. A load inside training (a callback
+        restoring a checkpoint, a custom loop over a step traced before) filed the steps
+        that followed under the loaded run's name, and a model given that branch's weights
+        over the run's later optimizer state reported 16 steps for 20 (an audit,
+        2026-12-06)."""
+        if self._step_mechanism is not None:
+            self._open_segment()
+
+    def _replaced_every_trainable(self, before) -> bool:
+        """Whether every trainable variable holds another value than `before` (a list in
+        their order): a list of weights that keeps some of the model's own (an audit: a
+        model's trained kernel put back into another run's list, 4 steps reported for 12)
+        leaves the model's run in it."""
+        return all(not np.array_equal(b, v.numpy())
+                   for b, v in zip(before, self.trainable_variables))
 
     def _optimizer_variables(self):
         """The optimizer's variables (none before it is built)."""
@@ -631,7 +662,7 @@ class _DPModelMixin:
 
     def _count_own_steps(self, steps_before: int):
         """After `fit` or `train_on_batch`: the steps they took are this object's own."""
-        self._own_steps += max(0, self.dp_steps_taken - steps_before)
+        self._own_steps += max(0, self._recorded_steps - steps_before)
 
     def _foreign(self) -> bool:
         """Whether the weights the model holds now are not a state it handed out
@@ -670,7 +701,7 @@ class _DPModelMixin:
             self._warn_if_a_seeded_pipeline_is_behind()
             self._warn_once_that_batches_are_unchecked()
         baseline = self._update_counts()
-        steps_before = self.dp_steps_taken
+        steps_before = self._recorded_steps
         result = super().train_on_batch(*args, **kwargs)
         self._count_own_steps(steps_before)
         self._note_ledger()
@@ -736,11 +767,11 @@ class _DPModelMixin:
             if id(sampler) in seen:
                 continue
             seen.add(id(sampler))
-            if sampler.started_at < self.dp_steps_taken:
+            if sampler.started_at < self._recorded_steps:
                 warnings.warn(
                     f"A lipdp.data.load_dataset Poisson pipeline of seed {sampler.seed} draws "
                     f"from step {sampler.started_at}, while this model has taken "
-                    f"{self.dp_steps_taken} steps: if its batches feed train_on_batch, they "
+                    f"{self._recorded_steps} steps: if its batches feed train_on_batch, they "
                     "are the draws of earlier steps again (replayed samples are not the "
                     "independent subsampling the accountant assumes). Call "
                     "`ds_train.lipdp_sampler.start_at(model.dp_steps_taken)` before "
@@ -846,6 +877,10 @@ class _DPModelMixin:
             # The model's run is gone from its state, with the ledgers it had absorbed: a
             # model sharing its variables composes this one with its own (`_absorb`).
             self._ledger_high_water, self._lineage = current, ()
+            # A new token too: a model that absorbed this one's ledger before remembers its
+            # step count under the old token, and would take the new ledger, of as many
+            # steps or fewer, for one it already counts.
+            self._ledger_token = next(_LEDGER_TOKENS)
             return
         else:
             steps, rows = concatenated(kept, current)
@@ -896,7 +931,7 @@ class _DPModelMixin:
     def _lineage_now(self):
         """``{model token: its step count}`` of every ledger this model's ledger includes, its
         own at its current count."""
-        return {**dict(self._lineage), self._ledger_token: self.dp_steps_taken}
+        return {**dict(self._lineage), self._ledger_token: self._recorded_steps}
 
     def _absorb(self, owner):
         """This model's ledger composed with `owner`'s (which trained some of its variables):
@@ -934,9 +969,15 @@ class _DPModelMixin:
 
     def _open_segment(self):
         """Record that the next steps run the compiled mechanism (a new ledger segment
-        unless the last one has it), after a row naming the run when the ledger is empty
-        (`lipdp.ledger.run_row`, `_new_run_id`). Runs eagerly, when the step is traced and
-        before steps run (`_resume_ledger`)."""
+        unless the last one has it), after a row naming this object's steps
+        (`lipdp.ledger.run_row`) unless the last steps recorded are already its own. Two
+        objects that resume one checkpoint and train apart record each its own name after
+        the common steps, so neither ledger seems to continue the other (an audit of the
+        first version, 2026-12-06: both kept the checkpoint's name, and a model given one
+        branch's weights over the other's Adam state reported 12 steps for 16). Steps and
+        names recorded before a ledger holds any step are dropped: a saved ledger of 0 steps
+        names no run. Runs eagerly, when the step is traced and before steps run
+        (`_resume_ledger`)."""
         with tf.init_scope():
             stored = self._dp_ledger.numpy()
             rows = stored_rows(stored)
@@ -944,21 +985,28 @@ class _DPModelMixin:
             row = np.array(self._step_mechanism.to_row(), np.float64)
             if len(rows) and rows[-1, 0] == steps:
                 rows = rows[:-1]  # the last segment ran no step
-            if not len(rows) and steps == 0:
-                rows = run_row(self._new_run_id())[None]
-            if not (len(rows) and rows[-1, 0] != RUN_MARK and np.array_equal(rows[-1, 1:], row)):
+            while len(rows) and rows[-1, 0] == RUN_MARK:
+                rows = rows[:-1]  # a name followed by no step
+            if steps == 0:
+                rows = rows[:0]
+            names = rows[rows[:, 0] == RUN_MARK, 1]
+            if self._run_name is None:
+                self._run_name = self._new_run_id()
+            if not len(names) or names[-1] != self._run_name:
+                rows = np.concatenate([rows, run_row(self._run_name)[None]])
+            if not (rows[-1, 0] != RUN_MARK and np.array_equal(rows[-1, 1:], row)):
                 rows = np.concatenate([rows, [[steps, *row]]])
             if not np.array_equal(rows, stored):
                 self._dp_ledger.assign(rows)
 
     def _new_run_id(self) -> int:
-        """A number naming the run that starts (`lipdp.ledger.run_row`): 52 random bits. The
-        workers of a multi-worker strategy each run this and must agree without a
+        """A number naming the steps this object takes (`lipdp.ledger.run_row`): 52 random
+        bits. The workers of a multi-worker strategy each run this and must agree without a
         collective (it runs while the step is traced), so there it is a digest of the
-        trainable weights, which the strategy made equal on every worker when it created
-        them: two multi-worker runs from the same initial weights and of one mechanism get
-        one name, and `continues` then tells them apart by their segments only, as it did
-        every run before runs were named."""
+        trainable weights, which the strategy keeps equal on every worker: two
+        multi-worker runs from the same weights and of one mechanism get one name, and
+        `continues` then tells them apart by their segments only, as it did every run
+        before runs were named."""
         resolver = getattr(self.distribute_strategy, "cluster_resolver", None)
         tasks = (sum(len(t) for t in resolver.cluster_spec().as_dict().values())
                  if resolver is not None else 1)
@@ -1718,7 +1766,7 @@ class _DPModelMixin:
                 "test pipeline).")
         _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only,
                                          on_training, x, y)
-        steps_before = self.dp_steps_taken
+        steps_before = self._recorded_steps
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,

@@ -359,10 +359,13 @@ def test_ledger_rows_round_trip_and_corrupt_rows_are_refused():
     mechanism = StepMechanism.of(lipdp.DPParameters(2.0, DELTA, "per-layer"), _metadata(), 5)
     assert StepMechanism.from_row(mechanism.to_row()) == mechanism
     assert mechanism.step_noise_multiplier == pytest.approx(2.0 / math.sqrt(5))
-    rows = np.array([[0.0, *mechanism.to_row()], [7.0, *mechanism.to_row()]])
+    louder = StepMechanism.of(lipdp.DPParameters(3.0, DELTA, "per-layer"), _metadata(), 5)
+    rows = np.array([[0.0, *mechanism.to_row()], [7.0, *louder.to_row()]])
     ledger = PrivacyLedger.from_rows(rows, 10)
     assert [s.steps for s in ledger.segments] == [7, 3] and ledger.steps == 10
     assert "steps 0-6" in ledger.describe(DELTA)
+    same = np.array([[0.0, *mechanism.to_row()], [7.0, *mechanism.to_row()]])
+    assert [s.steps for s in PrivacyLedger.from_rows(same, 10).segments] == [10]
     with pytest.raises(ValueError, match="Corrupt"):
         PrivacyLedger.from_rows(rows, 5)  # steps beyond the last segment's start missing
     with pytest.raises(ValueError, match="Corrupt"):
@@ -700,7 +703,8 @@ def test_runs_of_one_mechanism_are_told_apart_by_the_rows_naming_them():
     assert both[0] == 16 and both[1][:, 0].tolist() == [ledger.RUN_MARK, 0, ledger.RUN_MARK, 8]
     assert ledger.continues(a, both) and not ledger.continues(both, a)
     assert not ledger.continues(b, both)
-    assert [s.steps for s in ledger.PrivacyLedger.from_rows(both[1], 16).segments] == [8, 8]
+    # one mechanism's consecutive segments are one: composed as an uninterrupted run is
+    assert [s.steps for s in ledger.PrivacyLedger.from_rows(both[1], 16).segments] == [16]
     unnamed = np.array([segment])
     assert ledger.continues((8, unnamed), (12, unnamed))
     assert not ledger.continues((8, unnamed), a)  # an unnamed run and a named one: two runs
@@ -734,6 +738,72 @@ def test_weights_of_another_run_set_over_a_loaded_optimizer_state_compose_both_r
     assert model.dp_steps_taken == steps
     _assert_agrees(accounting.epsilon_spent(model), _reference([(1.0 / math.sqrt(6), 16 / N,
                                                                  steps)]))
+
+
+@pytest.mark.parametrize("common_steps", [8, 0], ids=["trained checkpoint", "untrained file"])
+def test_branches_resumed_from_one_file_are_told_apart(common_steps, tmp_path):
+    """Two models resume one file (8 Adam steps, or none: saved by ``fit(epochs=0)``) and
+    train apart; a third loads one branch's TensorFlow checkpoint (its Adam moments) and is
+    given the other's weights. The first version of run names let both branches keep the
+    file's name: 12 steps reported for 16, and 8 for 16 from the untrained file (an audit,
+    2026-12-06). Each object now names its own steps; the common steps count twice (safe)."""
+    base = _adam_compiled()
+    base.fit(*_data(1), epochs=common_steps // 4, verbose=0)
+    base.save_weights(str(tmp_path / "base"))
+    branches = []
+    for seed in (2, 3):
+        branch = _adam_compiled()
+        branch.load_weights(str(tmp_path / "base"))
+        branch.fit(*_data(seed), epochs=1, verbose=0)
+        branches.append(branch)
+    branches[1].save_weights(str(tmp_path / "second"))
+    model = _adam_compiled()
+    model.load_weights(str(tmp_path / "second"))
+    with pytest.warns(UserWarning, match="another run"):
+        model.set_weights(branches[0].get_weights())
+    truth = common_steps + 8
+    assert model.dp_steps_taken >= truth
+    assert accounting.epsilon_spent(model) >= _reference([(1.0 / math.sqrt(6), 16 / N, truth)])
+
+
+def test_steps_after_a_load_inside_training_are_the_model_s_own(tmp_path):
+    """A callback loads run A's checkpoint of 8 Adam steps at the second epoch: the 4 steps
+    that follow are the model's. They were filed under A's name, and a model given these
+    weights over A's later Adam state (16 steps) reported 16 for 20 (an audit, 2026-12-06)."""
+    x, y = _data(15)
+    a = _adam_compiled()
+    a.fit(x, y, epochs=2, verbose=0)
+    a.save_weights(str(tmp_path / "a8"))
+    a.fit(x, y, epochs=2, verbose=0)
+    a.save_weights(str(tmp_path / "a16"))
+
+    class Restore(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.model.load_weights(str(tmp_path / "a8"))
+
+    model = _adam_compiled()
+    model.fit(*_data(16), epochs=2, verbose=0, callbacks=[Restore()])
+    assert model.dp_steps_taken == 12
+    model.save_weights(str(tmp_path / "model.h5"))
+    other = _adam_compiled()
+    other.load_weights(str(tmp_path / "a16"))
+    with pytest.warns(UserWarning, match="another run"):
+        other.load_weights(str(tmp_path / "model.h5"))
+    assert other.dp_steps_taken >= 20
+
+
+def test_a_list_of_weights_that_keeps_some_of_the_model_s_own_is_not_a_replacement():
+    """`set_weights` with another run's list in which the model's own trained kernel was put
+    back: the model keeps its run (an audit of the first version: 4 steps for 12)."""
+    model, other = _model(), _model()
+    model.fit(*_data(1), epochs=2, verbose=0)
+    other.fit(*_data(2), epochs=1, verbose=0)
+    weights = other.get_weights()
+    weights[0] = model.get_weights()[0]
+    with pytest.warns(UserWarning, match="did not replace"):
+        model.set_weights(weights)
+    assert model.dp_steps_taken == 12
 
 
 def test_a_run_wholly_replaced_by_another_leaves_only_the_other_and_a_run_keeps_its_name(
@@ -777,7 +847,8 @@ def test_models_sharing_layers_count_each_others_steps():
     a.fit(x, y, epochs=1, verbose=0)
     b = _on_layers(a.layers)
     b.fit(x, y, epochs=2, verbose=0)
-    assert b.dp_steps_taken == 12 and a.privacy_ledger.steps == 12
+    assert b.dp_steps_taken == 12 and a.dp_steps_taken == 12  # read before a's ledger
+    assert a.privacy_ledger.steps == 12
     _assert_agrees(accounting.epsilon_spent(a), _reference([(s, q, 12)]))
     a.fit(x, y, epochs=1, verbose=0)
     assert a.dp_steps_taken == 16 and b.privacy_ledger.steps == 16
@@ -893,6 +964,16 @@ def test_weights_set_on_a_model_sharing_layers_reach_the_other_models_ledger():
     m.set_weights(b.get_weights())
     assert a.privacy_ledger.steps == 16
     _assert_agrees(accounting.epsilon_spent(a), _reference([(s, q, 16)]))
+
+    # The replacing run shorter than the steps a model sharing the layers remembers of the
+    # replaced one (an audit of the first version: 12 reported for 16, the token kept).
+    n = _on_layers(b.layers[:-1] + [DP_QuickSpectralDense(K)])
+    n.fit(x, y, epochs=1, verbose=0)
+    assert n.dp_steps_taken == 12
+    r = _model()
+    r.fit(x, y, epochs=1, verbose=0)
+    b.set_weights(r.get_weights())
+    assert n.privacy_ledger.steps == 16
 
 
 def test_a_reloaded_model_given_weights_of_its_own_run_counts_the_run_once(tmp_path):
