@@ -109,6 +109,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         self.max_steps: Optional[int] = None
         self._stopped_for_budget = False
         self._planned_with = None  # the ledger max_steps was computed from, until epoch 1
+        self._seen = None  # the ledger when the plan was made or the last step ended
 
     # ------------------------------------------------------------------ helpers
     def _ledger(self):
@@ -148,7 +149,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
 
     def _plan(self):
         """``max_steps`` from the model's ledger; raises if not one more call fits."""
-        self._planned_with = self._ledger_state()
+        self._planned_with = self._seen = self._ledger_state()
         mechanism = self.model.step_mechanism
         sigma, q = mechanism.step_noise_multiplier, mechanism.sampling_rate
         delta = float(self.model.dp_parameters.delta)
@@ -176,9 +177,19 @@ class DP_Accountant(tf.keras.callbacks.Callback):
             f"{self.max_steps} steps; {steps} already taken (epsilon={epsilon:.4g})."
         )
 
+    def on_train_batch_begin(self, batch, logs=None):
+        """Plan again, before the step, when the ledger changed since the last step ended (no
+        private step runs in between: another run's weights set or loaded by a callback,
+        their ledger composed with the model's). The plan of the old ledger let training
+        run past the budget (an audit, 2026-12-06: epsilon 304.9 for a budget of 62.4).
+        Raises, as at the start of `fit`, when not one more step fits."""
+        if self.max_steps is not None and self._ledger_state() != self._seen:
+            self._plan()
+
     def on_train_batch_end(self, batch, logs=None):
         if self.max_steps is None or self.model.stop_training:
             return
+        self._seen = self._ledger_state()
         steps = accounting._check_count(self.model.dp_steps_taken, "dp_steps_taken")
         # The largest call seen: Keras lowers the value during an epoch's last, partial call,
         # and the next epoch's calls are whole again.

@@ -544,11 +544,11 @@ class _DPModelMixin:
         self._take_variables()  # the variables it sets may be shared with their owner
         kept = self._ledger_state()
         holds_state = self._optimizer_holds_state()
-        trainable_before = [v.numpy() for v in self.trainable_variables]
+        before = super().get_weights()
         super().set_weights(weights)
         self._keep_ledger(kept, "set_weights", foreign_over=holds_state and self._foreign(),
                           state_kept=self._optimizer_holds_any_state(),
-                          wholesale=self._replaced_every_trainable(trainable_before))
+                          wholesale=self._replaced_every_weight(before))
         self._name_next_steps()
 
     def load_weights(self, *args, **kwargs):
@@ -565,7 +565,6 @@ class _DPModelMixin:
         kept = self._ledger_state()
         holds_state = self._optimizer_holds_state()
         optimizer_before = self._optimizer_values()
-        trainable_before = [v.numpy() for v in self.trainable_variables]
         before = super().get_weights()
         self._dp_steps.assign(-1)  # sentinels: what the file sets is what changes
         self._dp_ledger.assign(np.full((1, ROW_SIZE), np.nan))
@@ -602,7 +601,7 @@ class _DPModelMixin:
             kept, "load_weights", foreign_over=holds_state and self._foreign(),
             state_kept=not state_replaced and self._optimizer_holds_any_state(),
             wholesale=_restored_every_object(status, by_name)
-            and self._replaced_every_trainable(trainable_before))
+            and self._replaced_every_weight(before))
         self._name_next_steps()
         return status
 
@@ -616,13 +615,24 @@ class _DPModelMixin:
         if self._step_mechanism is not None:
             self._open_segment()
 
-    def _replaced_every_trainable(self, before) -> bool:
-        """Whether every trainable variable holds another value than `before` (a list in
-        their order): a list of weights that keeps some of the model's own (an audit: a
-        model's trained kernel put back into another run's list, 4 steps reported for 12)
-        leaves the model's run in it."""
-        return all(not np.array_equal(b, v.numpy())
-                   for b, v in zip(before, self.trainable_variables))
+    def _replaced_every_weight(self, before) -> bool:
+        """Whether every weight holds another value than `before` (``get_weights()`` taken
+        before a load), the ledger's own counters aside and the loss-gradient clip of
+        `lipdp.AdaptiveClipping` when neither run set it: weights that keep some of the
+        model's own leave the model's run in it. Audits found a model's trained kernel put
+        back into another run's list (4 steps reported for 12) and a layer the model
+        trained, then froze, kept (4 for 12). Weights that no run trained and that both
+        hold alike (a public frozen base) make the load a partial one too: both ledgers are
+        then composed (safe)."""
+        counters = (self._dp_steps, self._dp_ledger, self._examples_seen)
+        for variable, old in zip(self.weights, before):
+            new = variable.numpy()
+            if any(variable is c for c in counters) or (
+                    variable is self._logit_clip and float(old) == float(new) == 0.0):
+                continue
+            if np.array_equal(old, new):
+                return False
+        return True
 
     def _optimizer_variables(self):
         """The optimizer's variables (none before it is built)."""

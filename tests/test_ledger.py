@@ -793,17 +793,52 @@ def test_steps_after_a_load_inside_training_are_the_model_s_own(tmp_path):
     assert other.dp_steps_taken >= 20
 
 
+def test_the_budget_holds_when_a_callback_loads_another_run_during_fit():
+    """DP_Accountant planned its step limit once per epoch: weights of another run set by a
+    callback during `fit` composed both ledgers, and training ran on past the budget (an
+    audit, 2026-12-06: 13-14 steps for a budget of 12; epsilon 304.9 for 62.4). It now plans
+    again before the next step and stops `fit` there."""
+    s, q = 1.0 / math.sqrt(6), 16 / N
+    budget = _reference([(s, q, 12)]) * 1.001
+    other = _model()
+    other.fit(*_data(2), epochs=2, verbose=0)
+    model = _model()
+    model.fit(*_data(1), epochs=1, verbose=0)
+
+    class Loader(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                weights = other.get_weights()
+                weights[0] = self.model.get_weights()[0]  # both runs in the model
+                with pytest.warns(UserWarning, match="did not replace"):
+                    self.model.set_weights(weights)
+
+    with pytest.raises(ValueError, match="Cannot train within epsilon_budget"):
+        model.fit(*_data(1), epochs=3, verbose=0,
+                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget), Loader()])
+    assert model.dp_steps_taken == 13  # 4, one step of this fit, then the other run's 8
+    assert accounting.epsilon_spent(model) > budget  # the load, not a step, went past it
+
+
 def test_a_list_of_weights_that_keeps_some_of_the_model_s_own_is_not_a_replacement():
     """`set_weights` with another run's list in which the model's own trained kernel was put
-    back: the model keeps its run (an audit of the first version: 4 steps for 12)."""
-    model, other = _model(), _model()
-    model.fit(*_data(1), epochs=2, verbose=0)
+    back, or the layer it trained then froze, or the power-iteration vectors its kernels
+    left: the model keeps its run (audits of the first versions: 4 steps for 12)."""
+    other = _model()
     other.fit(*_data(2), epochs=1, verbose=0)
-    weights = other.get_weights()
-    weights[0] = model.get_weights()[0]
-    with pytest.warns(UserWarning, match="did not replace"):
-        model.set_weights(weights)
-    assert model.dp_steps_taken == 12
+    for kept in ("kernel", "frozen layer", "power_iteration_u"):
+        model = _model()
+        model.fit(*_data(1), epochs=2, verbose=0)
+        if kept == "frozen layer":
+            model.layers[-1].trainable = False
+            _compile(model)
+        own = {id(v) for v in (model.layers[-1].weights if kept == "frozen layer" else
+                               [w for w in model.weights if kept in w.name][:1])}
+        weights = [mine if id(v) in own else theirs for v, mine, theirs in
+                   zip(model.weights, model.get_weights(), other.get_weights())]
+        with pytest.warns(UserWarning, match="did not replace"):
+            model.set_weights(weights)
+        assert model.dp_steps_taken == 12, kept
 
 
 def test_a_run_wholly_replaced_by_another_leaves_only_the_other_and_a_run_keeps_its_name(
