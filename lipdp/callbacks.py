@@ -17,6 +17,7 @@ outside the noisy gradient, and epsilon does not cover what they log.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Callable, Dict, Optional, Tuple, Union
@@ -48,6 +49,21 @@ def _make_log_fn(log_fn):
         "Received an invalid value for `log_fn`, expected None, 'print', 'logging' "
         f"or a callable taking one string. Received: log_fn={log_fn!r}"
     )
+
+
+def _only_steps_since(before, after, most) -> bool:
+    """Whether the ledger state ``after`` (``(steps, PrivacyLedger)``) is ``before`` plus at
+    most `most` steps of one mechanism at its end, as a train call leaves it."""
+    (steps_before, ledger_before), (steps_after, ledger_after) = before, after
+    grown = steps_after - steps_before
+    if not 0 <= grown <= most:
+        return False
+    segments = list(ledger_after.segments)
+    if grown:
+        last = segments.pop()
+        if last.steps > grown:
+            segments.append(dataclasses.replace(last, steps=last.steps - grown))
+    return tuple(segments) == tuple(ledger_before.segments)
 
 
 def _steps_per_execution(model) -> int:
@@ -189,11 +205,17 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.max_steps is None or self.model.stop_training:
             return
-        self._seen = self._ledger_state()
-        steps = accounting._check_count(self.model.dp_steps_taken, "dp_steps_taken")
         # The largest call seen: Keras lowers the value during an epoch's last, partial call,
         # and the next epoch's calls are whole again.
         self._lookahead = lookahead = max(self._lookahead, _steps_per_execution(self.model))
+        seen, self._seen = self._seen, self._ledger_state()
+        if not _only_steps_since(seen, self._seen, lookahead):
+            # Changed by more than the steps of this call (a callback listed before this one
+            # set another run's weights): the limit of the ledger as it now stands.
+            mechanism = self.model.step_mechanism
+            self.max_steps = self._seen[1].max_steps(
+                self.epsilon_budget, mechanism, float(self.model.dp_parameters.delta))
+        steps = accounting._check_count(self.model.dp_steps_taken, "dp_steps_taken")
         if steps + lookahead > self.max_steps:
             self.model.stop_training = True
             self._stopped_for_budget = True

@@ -13,9 +13,9 @@ The ledger lives in the model's saved state (a variable saved with the weights,
 `.keras` files and checkpoints alike) as one row of numbers per segment:
 ``[first step, *StepMechanism.to_row()]`` (`EMPTY_STORAGE` before the first); a
 segment's length is the distance to the next segment's first step, or to the model's
-step counter for the last one. Each run's segments follow a row naming the run
-(`run_row`: a random number drawn when its first segment opens), so that two runs of
-one mechanism, whose segments are the same numbers, are told apart (`continues`).
+step counter for the last one. The steps each model object takes follow a row naming
+them (`run_row`: a random number the object draws), so that two runs of one mechanism,
+whose segments are the same numbers, are told apart (`continues`).
 This module is pure Python and numpy: it never touches tensors.
 """
 

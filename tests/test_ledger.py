@@ -819,6 +819,28 @@ def test_the_budget_holds_when_a_callback_loads_another_run_during_fit():
     assert model.dp_steps_taken == 13  # 4, one step of this fit, then the other run's 8
     assert accounting.epsilon_spent(model) > budget  # the load, not a step, went past it
 
+    # The loader listed first, at the end of a step, with a costlier run (sigma 0.3): the
+    # accountant sees the change at that step's end and stops there (it trained on to 16
+    # steps, epsilon 304.9 for a budget of 62.4).
+    costly = _model(sigma=0.3)
+    costly.fit(*_data(2), epochs=1, verbose=0)
+    model = _model()
+    model.fit(*_data(1), epochs=1, verbose=0)
+
+    class FirstLoader(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                own = {id(self.model.weights[0]), id(self.model._examples_seen)}
+                self.model.set_weights(
+                    [mine if id(v) in own else theirs for v, mine, theirs in
+                     zip(self.model.weights, self.model.get_weights(), costly.get_weights())])
+
+    budget = _reference([(s, q, 16)]) * 1.001
+    with pytest.warns(UserWarning, match="did not replace"):
+        model.fit(*_data(1), epochs=6, verbose=0,
+                  callbacks=[FirstLoader(), lipdp.DP_Accountant(epsilon_budget=budget)])
+    assert model.dp_steps_taken == 9  # 4, one step, the costly run's 4: no step after it
+
 
 def test_a_list_of_weights_that_keeps_some_of_the_model_s_own_is_not_a_replacement():
     """`set_weights` with another run's list in which the model's own trained kernel was put
