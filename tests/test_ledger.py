@@ -793,6 +793,27 @@ def test_steps_after_a_load_inside_training_are_the_model_s_own(tmp_path):
     assert other.dp_steps_taken >= 20
 
 
+def _mixed_weights(model, other, own):
+    """`other`'s weights, as `model.set_weights` takes them, with the model's own kept for
+    the variables in `own`: both runs in the model."""
+    own = {id(v) for v in own}
+    return [mine if id(v) in own else theirs for v, mine, theirs in
+            zip(model.weights, model.get_weights(), other.get_weights())]
+
+
+class _SetsWeightsAfterFirstStep(tf.keras.callbacks.Callback):
+    """At the end of a fit's first step, sets `other`'s weights on the model, keeping its own
+    for the variables ``own(model)`` lists (`_mixed_weights`)."""
+
+    def __init__(self, other, own):
+        super().__init__()
+        self.other, self.own = other, own
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            self.model.set_weights(_mixed_weights(self.model, self.other, self.own(self.model)))
+
+
 def test_the_budget_holds_when_a_callback_loads_another_run_during_fit():
     """DP_Accountant planned its step limit once per epoch: weights of another run set by a
     callback during `fit` composed both ledgers, and training ran on past the budget (an
@@ -805,17 +826,11 @@ def test_the_budget_holds_when_a_callback_loads_another_run_during_fit():
     model = _model()
     model.fit(*_data(1), epochs=1, verbose=0)
 
-    class Loader(tf.keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 0:
-                weights = other.get_weights()
-                weights[0] = self.model.get_weights()[0]  # both runs in the model
-                with pytest.warns(UserWarning, match="did not replace"):
-                    self.model.set_weights(weights)
-
-    with pytest.raises(ValueError, match="Cannot train within epsilon_budget"):
+    loader = _SetsWeightsAfterFirstStep(other, lambda m: m.weights[:1])
+    with pytest.warns(UserWarning, match="did not replace"), \
+            pytest.raises(ValueError, match="Cannot train within epsilon_budget"):
         model.fit(*_data(1), epochs=3, verbose=0,
-                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget), Loader()])
+                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget), loader])
     assert model.dp_steps_taken == 13  # 4, one step of this fit, then the other run's 8
     assert accounting.epsilon_spent(model) > budget  # the load, not a step, went past it
 
@@ -827,18 +842,11 @@ def test_the_budget_holds_when_a_callback_loads_another_run_during_fit():
     model = _model()
     model.fit(*_data(1), epochs=1, verbose=0)
 
-    class FirstLoader(tf.keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 0:
-                own = {id(self.model.weights[0]), id(self.model._examples_seen)}
-                self.model.set_weights(
-                    [mine if id(v) in own else theirs for v, mine, theirs in
-                     zip(self.model.weights, self.model.get_weights(), costly.get_weights())])
-
+    loader = _SetsWeightsAfterFirstStep(costly, lambda m: [m.weights[0], m._examples_seen])
     budget = _reference([(s, q, 16)]) * 1.001
     with pytest.warns(UserWarning, match="did not replace"):
         model.fit(*_data(1), epochs=6, verbose=0,
-                  callbacks=[FirstLoader(), lipdp.DP_Accountant(epsilon_budget=budget)])
+                  callbacks=[loader, lipdp.DP_Accountant(epsilon_budget=budget)])
     assert model.dp_steps_taken == 9  # 4, one step, the costly run's 4: no step after it
 
 
@@ -854,12 +862,10 @@ def test_a_list_of_weights_that_keeps_some_of_the_model_s_own_is_not_a_replaceme
         if kept == "frozen layer":
             model.layers[-1].trainable = False
             _compile(model)
-        own = {id(v) for v in (model.layers[-1].weights if kept == "frozen layer" else
-                               [w for w in model.weights if kept in w.name][:1])}
-        weights = [mine if id(v) in own else theirs for v, mine, theirs in
-                   zip(model.weights, model.get_weights(), other.get_weights())]
+        own = (model.layers[-1].weights if kept == "frozen layer" else
+               [w for w in model.weights if kept in w.name][:1])
         with pytest.warns(UserWarning, match="did not replace"):
-            model.set_weights(weights)
+            model.set_weights(_mixed_weights(model, other, own))
         assert model.dp_steps_taken == 12, kept
 
 
