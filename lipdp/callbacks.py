@@ -215,7 +215,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
             mechanism = self.model.step_mechanism
             self.max_steps = self._seen[1].max_steps(
                 self.epsilon_budget, mechanism, float(self.model.dp_parameters.delta))
-        steps = accounting._check_count(self.model.dp_steps_taken, "dp_steps_taken")
+        steps = accounting._check_count(self._seen[0], "dp_steps_taken")
         if steps + lookahead > self.max_steps:
             self.model.stop_training = True
             self._stopped_for_budget = True

@@ -540,11 +540,7 @@ class _DPModelMixin:
         """Keras `set_weights`; the privacy ledger never loses steps (`_keep_ledger`), and
         the model takes its variables over first (`_take_variables`): set on a model sharing
         layers with another, the weights reach the other's ledger when it is read."""
-        self._build_optimizer()  # its slots, and the state a load left pending for them
-        self._take_variables()  # the variables it sets may be shared with their owner
-        kept = self._ledger_state()
-        holds_state = self._optimizer_holds_state()
-        before = super().get_weights()
+        kept, holds_state, before = self._state_before_load()
         super().set_weights(weights)
         self._keep_ledger(kept, "set_weights", foreign_over=holds_state and self._foreign(),
                           state_kept=self._optimizer_holds_any_state(),
@@ -560,12 +556,8 @@ class _DPModelMixin:
         the counter) is undone and refused; it used to stretch the model's own mechanism
         over the loaded step count (an epsilon of 0.81 reported for weights that had cost
         68.9). A file holding neither leaves the ledger as it was."""
-        self._build_optimizer()  # its slots exist: a file's state for them is set, not pending
-        self._take_variables()  # the variables it sets may be shared with their owner
-        kept = self._ledger_state()
-        holds_state = self._optimizer_holds_state()
+        kept, holds_state, before = self._state_before_load()
         optimizer_before = self._optimizer_values()
-        before = super().get_weights()
         self._dp_steps.assign(-1)  # sentinels: what the file sets is what changes
         self._dp_ledger.assign(np.full((1, ROW_SIZE), np.nan))
         try:
@@ -604,6 +596,15 @@ class _DPModelMixin:
             and self._replaced_every_weight(before))
         self._name_next_steps()
         return status
+
+    def _state_before_load(self):
+        """Before `set_weights` or `load_weights`: the optimizer built (its slots exist, so a
+        file's state for them is set, not left pending) and the variables taken over (they
+        may be shared with their owner, `_take_variables`); then ``(ledger state, whether
+        the optimizer holds a state of this object's steps, the weights)``."""
+        self._build_optimizer()
+        self._take_variables()
+        return self._ledger_state(), self._optimizer_holds_state(), super().get_weights()
 
     def _name_next_steps(self):
         """After a load: the steps to come are this object's, named so in the ledger
