@@ -67,10 +67,11 @@ GRAM_BLOCKS = 3
 def symmetric_gram(w, wide):
     """``W W^T`` (`wide`) or ``W^T W``: every entry a float32 dot product of two rows
     (columns) of `w`, as in a single product (within ``gamma_n`` of the exact one), and the
-    matrix exactly symmetric. From
-    `GRAM_BLOCKS_MIN_SIDE` rows on, only the blocks on and above the diagonal of a
-    `GRAM_BLOCKS` x `GRAM_BLOCKS` split are computed and the others mirrored:
-    ``(GRAM_BLOCKS + 1) / (2 GRAM_BLOCKS)`` of the multiply-adds."""
+    matrix exactly symmetric (a product's ``(i, j)`` and ``(j, i)`` entries, which TensorFlow's
+    AVX2 kernels may sum in different orders, averaged: a machine without AVX-512 failed the
+    test of it, 2026-12-06). From `GRAM_BLOCKS_MIN_SIDE` rows on, only the blocks on and
+    above the diagonal of a `GRAM_BLOCKS` x `GRAM_BLOCKS` split are computed and the others
+    mirrored: ``(GRAM_BLOCKS + 1) / (2 GRAM_BLOCKS)`` of the multiply-adds."""
     w = tf.convert_to_tensor(w)
     side = w.shape[0] if wide else w.shape[1]
     if side < GRAM_BLOCKS_MIN_SIDE:
@@ -81,6 +82,8 @@ def symmetric_gram(w, wide):
     cuts = [round(i * side / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]
     upper = {(i, j): tf.matmul(rows[cuts[i]:cuts[i + 1]], columns[:, cuts[j]:cuts[j + 1]])
              for i in range(GRAM_BLOCKS) for j in range(i, GRAM_BLOCKS)}
+    for i in range(GRAM_BLOCKS):  # the diagonal blocks are products of X and X^T
+        upper[i, i] = _symmetric(upper[i, i])
     return tf.concat([
         tf.concat([upper[i, j] if j >= i else tf.transpose(upper[j, i])
                    for j in range(GRAM_BLOCKS)], 1)
