@@ -33,7 +33,7 @@ from lipdp.metadata import (Clipping, DatasetMetadata, DPMode, DPParameters, Noi
 
 __all__ = ["StepMechanism", "Segment", "PrivacyLedger", "LedgerMismatchError", "ROW_SIZE",
            "EMPTY_STORAGE", "RUN_MARK", "run_row", "stored_rows", "segment_rows", "continues",
-           "concatenated"]
+           "includes", "steps_run", "concatenated"]
 
 
 class LedgerMismatchError(ValueError):
@@ -202,6 +202,47 @@ def continues(earlier, later) -> bool:
         return False
     following = segment_rows(b[len(a):])
     return not len(following) or following[0, 0] >= steps_a
+
+
+def includes(later, earlier) -> bool:
+    """Whether the stored ledger ``later = (steps, rows)`` holds every step of ``earlier``:
+    `continues`, or ``earlier``'s rows found in ``later``'s as one block (the runs named
+    and the mechanisms equal, the segments' first steps all shifted by one number) whose
+    segments run on in ``later`` for at least ``earlier``'s steps: a ledger that composed
+    ``earlier``'s run after steps of its own (`concatenated`). A block that names no run
+    (ledgers saved before runs were named) is looked for at the start only (`continues`):
+    runs of one mechanism record the same segments."""
+    if continues(earlier, later):
+        return True
+    (steps_a, stored_a), (steps_b, stored_b) = earlier, later
+    a, b = stored_rows(stored_a), stored_rows(stored_b)
+    named = a[:, 0] == RUN_MARK
+    if not named.any():
+        return False
+    for start in range(1, len(b) - len(a) + 1):
+        block = b[start:start + len(a)]
+        if not (np.array_equal(block[:, 0] == RUN_MARK, named)
+                and np.array_equal(block[:, 1:], a[:, 1:])):
+            continue
+        shifts = block[~named, 0] - a[~named, 0]
+        if not len(shifts) or np.any(shifts != shifts[0]):
+            continue
+        following = segment_rows(b[start + len(a):])
+        end = following[0, 0] if len(following) else steps_b
+        if end - shifts[0] >= steps_a:
+            return True
+    return False
+
+
+def steps_run(state):
+    """``state = (steps, rows)`` without its rows after the last step run: the row naming
+    a model's next steps and the segment opened for them (`DP_Model._open_segment`), which
+    record no step yet."""
+    steps, stored = state
+    rows = stored_rows(stored)
+    while len(rows) and (rows[-1, 0] == RUN_MARK or rows[-1, 0] >= steps > 0):
+        rows = rows[:-1]
+    return steps, (rows if len(rows) else EMPTY_STORAGE)
 
 
 def concatenated(first, then):

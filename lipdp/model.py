@@ -61,7 +61,8 @@ from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_built_conf
                                round_up_to_float32, with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, StepMechanism,
-                          concatenated, continues, run_row, stored_rows)
+                          concatenated, continues, includes, run_row, steps_run,
+                          stored_rows)
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
@@ -71,6 +72,7 @@ from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            embedding_id_limits, into_range, realigned, records_in_arrays,
                            row_fingerprints, sparse_label_classes)
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
+from lipdp.weight_copies import TrainedBy, keys_of, origins, remember
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -418,6 +420,9 @@ class _DPModelMixin:
         self._ledger_token = next(_LEDGER_TOKENS)
         self._lineage = ()  # (token, steps) pairs: a dict attribute would be tracked by Keras
         self._run_name = None  # the name of the steps this object takes (`_open_segment`)
+        # The values before the current fit or train_on_batch call's steps (`_resume_ledger`):
+        # still held after them, no step of this model produced them.
+        self._untrained_values = None
         # Ids of the Poisson samplers this model looked at (`_warn_if_a_seeded_pipeline_is_
         # behind`) or that `fit` started at its step.
         self._samplers_seen = set()
@@ -534,6 +539,7 @@ class _DPModelMixin:
         self._take_variables()
         weights = super().get_weights()
         self._exported_states.add(_weights_digest(weights))
+        self._remember_trained_values()
         return weights
 
     def set_weights(self, weights):
@@ -716,6 +722,7 @@ class _DPModelMixin:
         result = super().train_on_batch(*args, **kwargs)
         self._count_own_steps(steps_before)
         self._note_ledger()
+        self._remember_trained_values(transient=True, own_step=True)
         self._check_updates_recorded(baseline, "In this train_on_batch")
         if kwargs.get("reset_metrics", args[4] if len(args) > 4 else True):
             # The returned values are this batch's; the state left would be saved by
@@ -916,6 +923,7 @@ class _DPModelMixin:
         self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
         self._take_variables()
         self._open_segment()
+        self._untrained_values = keys_of(self.trainable_variables)
 
     def _take_variables(self):
         """Make this model the ledger owner of its trainable variables, its ledger composed
@@ -928,7 +936,8 @@ class _DPModelMixin:
         owner is held by the variable (a strong reference: its ledger outlives it).
 
         Two runs of one mechanism record the same segments, so whether one ledger continues
-        the other is read from the models' lineage (`_absorb`), not from the segments."""
+        the other is read from the models' lineage (`_absorb`), not from the segments. The
+        values copied into the model are looked up too (`_take_copied_values`)."""
         owners = []
         for variable in self.weights:
             owner = getattr(variable, "_lipdp_ledger_owner", None)
@@ -938,6 +947,55 @@ class _DPModelMixin:
             self._absorb(owner)
         for variable in self.trainable_variables:
             variable._lipdp_ledger_owner = self
+        self._take_copied_values()
+
+    def _take_copied_values(self):
+        """Compose into this model's ledger the ledger of every other model object whose
+        private steps produced a value one of its variables holds (`lipdp.weight_copies`):
+        weights copied layer by layer (``layer.set_weights``, ``variable.assign``) carried
+        no ledger, and a new model given every layer of a run of 8 steps reported 0, then 4
+        after its own 4 (the README's pitfalls listed it). A ledger that holds the copied
+        run's steps already (`lipdp.ledger.includes`: the whole weights loaded, then
+        layers copied again) adds nothing. Runs wherever `_take_variables` does, before each
+        step of `fit` (a callback copying at a step's end) and before the model's values are
+        remembered as its own (`_remember_trained_values`). The steps to come are then named
+        as the model's own (`_open_segment`), as after a load."""
+        changed = False
+        for trained_by in origins(self.weights, self._ledger_token):
+            steps = self._recorded_steps
+            self._compose_with(trained_by.token, trained_by.state, dict(trained_by.lineage),
+                               copied=True)
+            if self._recorded_steps != steps:
+                changed = True
+                warnings.warn(
+                    f"weights of this model hold values copied from another model, trained by "
+                    f"{trained_by.state[0]} private steps (layer.set_weights, "
+                    f"variable.assign): its ledger now holds them, {self._recorded_steps} "
+                    "steps in all.", stacklevel=4)
+        if changed:
+            self._name_next_steps()
+
+    def _trained_by(self) -> TrainedBy:
+        """This model's ledger as `lipdp.weight_copies` remembers it with its values."""
+        return TrainedBy(self._ledger_token, self._ledger_state(),
+                         tuple(self._lineage_now().items()))
+
+    def _remember_trained_values(self, transient: bool = False, own_step: bool = False):
+        """Remember the values of the trainable variables with this model's ledger
+        (`lipdp.weight_copies.remember`): right after each of its steps (`own_step`,
+        `transient`: replaced after the next), after every epoch and `fit`, and whenever
+        the weights are handed out (`get_weights`, `save_weights`, `save`, a DP layer's
+        `get_weights`). Values remembered as the model's own are never looked up as copies,
+        so the values are looked up first (`_take_copied_values`) unless a step of the
+        model has just produced them (`own_step`: nothing else ran since): a callback of
+        the model's `fit` copying another run's layers at an epoch's end had them
+        remembered as the model's own (an audit, 2026-12-06: 4 steps reported for 12),
+        and a seeded program training two models to the same values has each keep its
+        own."""
+        if not own_step:
+            self._take_copied_values()
+        remember(self.trainable_variables, self._trained_by(), transient,
+                 self._untrained_values)
 
     def _lineage_now(self):
         """``{model token: its step count}`` of every ledger this model's ledger includes, its
@@ -951,17 +1009,29 @@ class _DPModelMixin:
         both counted one after the other (`lipdp.ledger.concatenated`) otherwise: two
         independent runs (a model built on the layers of two runs counted the longer one)."""
         owner._keep_ledger(owner._ledger_high_water, "restoring an older checkpoint")
-        theirs, ours = owner._ledger_state(), self._ledger_state()
-        mine, their_lineage = self._lineage_now(), owner._lineage_now()
-        if not theirs[0] or mine.get(owner._ledger_token, -1) >= theirs[0]:
+        self._compose_with(owner._ledger_token, owner._ledger_state(), owner._lineage_now())
+
+    def _compose_with(self, token, theirs, their_lineage, copied=False):
+        """This model's ledger composed with ``theirs = (steps, rows)``, the ledger of the
+        model of `token` (whose lineage is `their_lineage`), as `_absorb` states. For values
+        `copied` from that model (`_take_copied_values`): kept as it is when it includes
+        ``theirs`` already (`lipdp.ledger.includes`), replaced by ``theirs`` when that
+        continues it (`lipdp.ledger.continues`; a model synchronised with a training one
+        after each epoch counted 4, 12, then 24 steps for 12, and a best checkpoint loaded,
+        then the run's last layers copied, 24 for 16: an audit, 2026-12-06)."""
+        ours, mine = self._ledger_state(), self._lineage_now()
+        if not theirs[0] or mine.get(token, -1) >= theirs[0]:
             return
-        if not ours[0] or their_lineage.get(self._ledger_token, -1) == ours[0]:
+        if copied and includes(ours, theirs):
+            pass
+        elif (not ours[0] or their_lineage.get(self._ledger_token, -1) == ours[0]
+              or copied and continues(steps_run(ours), theirs)):
             self._set_ledger(theirs)
         else:
             self._set_ledger(concatenated(ours, theirs))
         self._note_ledger()
-        for token, steps in their_lineage.items():
-            mine[token] = max(steps, mine.get(token, -1))
+        for included, steps in {**their_lineage, token: theirs[0]}.items():
+            mine[included] = max(steps, mine.get(included, -1))
         mine.pop(self._ledger_token, None)
         self._lineage = tuple(mine.items())
 
@@ -1756,8 +1826,8 @@ class _DPModelMixin:
                 check_sparse_labels(x, y, class_index_classes(self, self.dp_loss, labels),
                                     dp_loss=True)
         # Last, so that they run after a BackupAndRestore restored the model.
-        callbacks = list(callbacks or []) + [_EpochSizeCheck(), _NoteLedger(),
-                                             _StartSampler(getattr(x, "lipdp_sampler", None))]
+        callbacks = [_RememberTrainedValues()] + list(callbacks or []) + [
+            _EpochSizeCheck(), _NoteLedger(), _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)
         shared = _examples_shared(x, y, validation_data)
@@ -1782,7 +1852,9 @@ class _DPModelMixin:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
                                   shuffle=shuffle, **kwargs)
+            self._take_copied_values()  # a callback's copy at the end, before the refresh
             self._final_refresh()
+            self._remember_trained_values(own_step=True)
             return history
         finally:
             # The History holds the epochs' values; the state left is the last epoch's
@@ -1793,6 +1865,7 @@ class _DPModelMixin:
             # a checkpoint restored next (BackupAndRestore) does not roll them back.
             self._note_ledger()
             self._count_own_steps(steps_before)
+            self._remember_trained_values()
 
     def _final_refresh(self):
         """With ``bjorck_every > 1``, the weights `fit` returns get a Björck projection, as if
@@ -2148,15 +2221,34 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
                 "(`augmentation`) rather than adding examples to its batches.")
 
 
+class _RememberTrainedValues(tf.keras.callbacks.Callback):
+    """First of `fit`'s callbacks, so that no other callback copies values in or out before
+    (`_remember_trained_values`): the values of each step remembered as the model's own
+    right after it, those of an epoch's end kept for the process (a callback copying them
+    into another model at the epoch's end and saving it there wrote a ledger of 0 steps:
+    an audit, 2026-12-06)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model._remember_trained_values(transient=True, own_step=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model._remember_trained_values()
+
+
 class _NoteLedger(tf.keras.callbacks.Callback):
     """The ledger resumed before training (`_resume_ledger`: after any checkpoint was
     restored by a callback listed before), its high-water mark after every epoch and at
     the end of training; after every epoch and at the end, no update applied outside the
-    ledger since training began (`_check_updates_recorded`)."""
+    ledger since training began (`_check_updates_recorded`); before every step, the values
+    copied into the model looked up (`_take_copied_values`: a callback copying another
+    run's layers at a step's end)."""
 
     def on_train_begin(self, logs=None):
         self.model._resume_ledger()
         self._baseline = self.model._update_counts()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model._take_copied_values()
 
     def on_epoch_end(self, epoch, logs=None):
         self.model._note_ledger()

@@ -77,5 +77,10 @@ def _seed_everything():
     use explicit seeds: `np.random.default_rng(k)`, `tf.keras.utils.set_random_seed(k)`)."""
     import tensorflow as tf  # after TF_ENABLE_ONEDNN_OPTS is set above
 
+    from lipdp import weight_copies
+
     tf.keras.utils.set_random_seed(0)
+    # Seeded, the models of two tests train to the same values: each test starts with no
+    # value remembered, as a program of its own would (`lipdp.weight_copies.clear`).
+    weight_copies.clear()
     yield

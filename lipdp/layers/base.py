@@ -145,7 +145,15 @@ class DPLayer(abc.ABC):
     Inheriting from this class guarantees nothing by itself: each subclass must
     prove (in its docstring) and test (against exact per-example gradients) the
     bounds it returns.
+
+    Every subclass's `get_weights` first has the values remembered, with their privacy
+    ledger, by the DP model that trains them (`remembering_get_weights`).
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "get_weights" not in cls.__dict__:
+            cls.get_weights = remembering_get_weights
 
     @abc.abstractmethod
     def propagate_inputs(self, input_bound):
@@ -202,6 +210,24 @@ class DPLayer(abc.ABC):
     def lipschitz_bound(self):
         """Certified Lipschitz constant w.r.t. the input (``G_in`` for ``G = 1``)."""
         return self.backpropagate_lipschitz(as_bound(float("inf")), as_bound(1.0))
+
+
+def remembering_get_weights(layer):
+    """Keras' `get_weights` of a DP layer, after the DP model that trains its variables (the
+    last to take them, ``_lipdp_ledger_owner``) remembered its values with its ledger
+    (`lipdp.weight_copies`): a copy of the layer into another model
+    (``target.set_weights(layer.get_weights())``) brings that ledger, even when the model
+    trains on (values between two `train_on_batch` calls were otherwise remembered only
+    until the next: an audit, 2026-12-06, 0 steps reported for an evaluation copy taken
+    after 3)."""
+    owners = []
+    for variable in layer.weights:
+        owner = getattr(variable, "_lipdp_ledger_owner", None)
+        if owner is not None and all(o is not owner for o in owners):
+            owners.append(owner)
+    for owner in owners:
+        owner._remember_trained_values()
+    return tf.keras.layers.Layer.get_weights(layer)
 
 
 def check_float32(layers):
