@@ -1342,6 +1342,14 @@ class _DPModelMixin:
         with _metric_state_left_out(self):
             return super().save(*args, **kwargs)
 
+    def save_own_variables(self, store):
+        """Keras' hook writing the model's own variables (the ledger's) into a `.keras` file,
+        after the copies are looked up (`_take_variables`): ``tf.keras.models.save_model``
+        does not call `save`, and a model given another run's layers one by one, saved so
+        right after, wrote 0 steps for 8 (an audit, 2026-12-06)."""
+        self._take_variables()
+        return super().save_own_variables(store)
+
     def save_weights(self, *args, **kwargs):
         """`tf.keras.Model.save_weights` (which `ModelCheckpoint` calls too), with the
         metrics' state left out as in `save`, and the state remembered as in `save`."""

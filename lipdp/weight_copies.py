@@ -22,7 +22,10 @@ Values are keyed by their dtype, shape and a hash of the bytes of a fixed sample
 entries (`_key`: at most `SAMPLED_ENTRIES`, spread over the whole value), so that a lookup
 costs a fraction of a millisecond for a 784 x 1024 kernel. Two values of one key, whether
 they differ elsewhere or their samples' hashes collide, compose a ledger that did not train
-the model: an over-report, never an under-report.
+the model (an over-report), with one exception: a copied value whose key is also that of a
+value the model's own steps produced is taken for its own (`origins`). That needs the two
+to agree at every sampled entry and differ elsewhere, which values that private steps
+noised everywhere do not do (an audit, 2026-12-06, found it by reading the code).
 """
 
 from __future__ import annotations

@@ -234,7 +234,13 @@ def test_early_stopping_restoring_best_weights_keeps_every_step_in_the_ledger():
 
 
 def test_loading_older_weights_keeps_the_ledger(trained, tmp_path):
-    model, metadata = trained
+    """A model of 12 steps given initial weights keeps its steps. On a model of its own: the
+    module's trained one, left holding the initial weights of every model built with the
+    tests' seed, would then hand them out as 12 steps' values (`lipdp.weight_copies`), and
+    the later tests' new models, built with that seed, would count them."""
+    _, metadata = trained
+    model = _model(metadata)
+    model.fit(_data()[0], epochs=2, verbose=0)
     fresh = _model(metadata)
     path = str(tmp_path / "untrained")  # TensorFlow checkpoint format
     fresh.save_weights(path)

@@ -147,13 +147,16 @@ class DPLayer(abc.ABC):
     bounds it returns.
 
     Every subclass's `get_weights` first has the values remembered, with their privacy
-    ledger, by the DP model that trains them (`remembering_get_weights`).
+    ledger, by the DP model that trains them (`remembering_get_weights`), and its
+    `set_weights` has that model look the new values up (`looked_up_set_weights`).
     """
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "get_weights" not in cls.__dict__:
             cls.get_weights = remembering_get_weights
+        if "set_weights" not in cls.__dict__:
+            cls.set_weights = looked_up_set_weights
 
     @abc.abstractmethod
     def propagate_inputs(self, input_bound):
@@ -220,14 +223,30 @@ def remembering_get_weights(layer):
     trains on (values between two `train_on_batch` calls were otherwise remembered only
     until the next: an audit, 2026-12-06, 0 steps reported for an evaluation copy taken
     after 3)."""
+    for owner in _ledger_owners(layer):
+        owner._remember_trained_values()
+    return tf.keras.layers.Layer.get_weights(layer)
+
+
+def looked_up_set_weights(layer, weights):
+    """Keras' `set_weights` of a DP layer, then the DP model that trains its variables looks
+    the values up (`DP_Model._take_copied_values`): a copy from another run's layer is in
+    its ledger at once, so a file written next by a path that does not read the ledger
+    (``tf.train.Checkpoint(model=...).write``) holds it (an audit, 2026-12-06: 0 steps
+    written for 8)."""
+    tf.keras.layers.Layer.set_weights(layer, weights)
+    for owner in _ledger_owners(layer):
+        owner._take_copied_values()
+
+
+def _ledger_owners(layer):
+    """The DP models that last took the layer's variables (``_lipdp_ledger_owner``)."""
     owners = []
     for variable in layer.weights:
         owner = getattr(variable, "_lipdp_ledger_owner", None)
         if owner is not None and all(o is not owner for o in owners):
             owners.append(owner)
-    for owner in owners:
-        owner._remember_trained_values()
-    return tf.keras.layers.Layer.get_weights(layer)
+    return owners
 
 
 def check_float32(layers):
