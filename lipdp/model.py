@@ -57,8 +57,8 @@ from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_built_configuration,
-                               check_float32, plain_configuration, replaced_call,
-                               round_up_to_float32, with_pass_slack)
+                               check_float32, ledger_owners, plain_configuration,
+                               replaced_call, round_up_to_float32, with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, StepMechanism,
                           concatenated, continues, includes, run_row, steps_run,
@@ -539,7 +539,7 @@ class _DPModelMixin:
         self._take_variables()
         weights = super().get_weights()
         self._exported_states.add(_weights_digest(weights))
-        self._remember_trained_values()
+        self._remember_trained_values(look_up=False)  # `_take_variables` looked them up
         return weights
 
     def set_weights(self, weights):
@@ -722,7 +722,7 @@ class _DPModelMixin:
         result = super().train_on_batch(*args, **kwargs)
         self._count_own_steps(steps_before)
         self._note_ledger()
-        self._remember_trained_values(transient=True, own_step=True)
+        self._remember_trained_values(transient=True, look_up=False)
         self._check_updates_recorded(baseline, "In this train_on_batch")
         if kwargs.get("reset_metrics", args[4] if len(args) > 4 else True):
             # The returned values are this batch's; the state left would be saved by
@@ -938,13 +938,9 @@ class _DPModelMixin:
         Two runs of one mechanism record the same segments, so whether one ledger continues
         the other is read from the models' lineage (`_absorb`), not from the segments. The
         values copied into the model are looked up too (`_take_copied_values`)."""
-        owners = []
-        for variable in self.weights:
-            owner = getattr(variable, "_lipdp_ledger_owner", None)
-            if owner is not None and owner is not self and all(o is not owner for o in owners):
-                owners.append(owner)
-        for owner in owners:
-            self._absorb(owner)
+        for owner in ledger_owners(self):
+            if owner is not self:
+                self._absorb(owner)
         for variable in self.trainable_variables:
             variable._lipdp_ledger_owner = self
         self._take_copied_values()
@@ -980,19 +976,19 @@ class _DPModelMixin:
         return TrainedBy(self._ledger_token, self._ledger_state(),
                          tuple(self._lineage_now().items()))
 
-    def _remember_trained_values(self, transient: bool = False, own_step: bool = False):
+    def _remember_trained_values(self, transient: bool = False, look_up: bool = True):
         """Remember the values of the trainable variables with this model's ledger
-        (`lipdp.weight_copies.remember`): right after each of its steps (`own_step`,
-        `transient`: replaced after the next), after every epoch and `fit`, and whenever
-        the weights are handed out (`get_weights`, `save_weights`, `save`, a DP layer's
+        (`lipdp.weight_copies.remember`): right after each of its steps (`transient`:
+        replaced after the next; in `fit`, only when a callback could copy them between two
+        steps, `_copies_between_steps`), after every epoch and `fit`, and whenever the
+        weights are handed out (`get_weights`, `save_weights`, `save`, a DP layer's
         `get_weights`). Values remembered as the model's own are never looked up as copies,
-        so the values are looked up first (`_take_copied_values`) unless a step of the
-        model has just produced them (`own_step`: nothing else ran since): a callback of
-        the model's `fit` copying another run's layers at an epoch's end had them
-        remembered as the model's own (an audit, 2026-12-06: 4 steps reported for 12),
-        and a seeded program training two models to the same values has each keep its
-        own."""
-        if not own_step:
+        so the values are looked up first (`_take_copied_values`) unless nothing but the
+        model's own steps or a lookup ran since (``look_up=False``): a callback of the
+        model's `fit` copying another run's layers at an epoch's end had them remembered as
+        the model's own (an audit, 2026-12-06: 4 steps reported for 12), and a seeded
+        program training two models to the same values has each keep its own."""
+        if look_up:
             self._take_copied_values()
         remember(self.trainable_variables, self._trained_by(), transient,
                  self._untrained_values)
@@ -1834,8 +1830,11 @@ class _DPModelMixin:
                 check_sparse_labels(x, y, class_index_classes(self, self.dp_loss, labels),
                                     dp_loss=True)
         # Last, so that they run after a BackupAndRestore restored the model.
-        callbacks = [_RememberTrainedValues()] + list(callbacks or []) + [
-            _EpochSizeCheck(), _NoteLedger(), _StartSampler(getattr(x, "lipdp_sampler", None))]
+        callbacks = list(callbacks or [])
+        each_step = _copies_between_steps(callbacks)
+        callbacks = [_RememberTrainedValues(each_step)] + callbacks + [
+            _EpochSizeCheck(), _NoteLedger(each_step),
+            _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)
         shared = _examples_shared(x, y, validation_data)
@@ -1855,14 +1854,14 @@ class _DPModelMixin:
                 "test pipeline).")
         _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only,
                                          on_training, x, y)
-        steps_before = self._recorded_steps
+        steps_before, finished = self._recorded_steps, False
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
                                   shuffle=shuffle, **kwargs)
             self._take_copied_values()  # a callback's copy at the end, before the refresh
             self._final_refresh()
-            self._remember_trained_values(own_step=True)
+            finished = True
             return history
         finally:
             # The History holds the epochs' values; the state left is the last epoch's
@@ -1873,7 +1872,7 @@ class _DPModelMixin:
             # a checkpoint restored next (BackupAndRestore) does not roll them back.
             self._note_ledger()
             self._count_own_steps(steps_before)
-            self._remember_trained_values()
+            self._remember_trained_values(look_up=not finished)
 
     def _final_refresh(self):
         """With ``bjorck_every > 1``, the weights `fit` returns get a Björck projection, as if
@@ -2229,15 +2228,30 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
                 "(`augmentation`) rather than adding examples to its batches.")
 
 
+def _copies_between_steps(callbacks) -> bool:
+    """Whether a callback of `fit` could copy weights between two of its steps: any but
+    Keras' and lipdp's own that copy none (`_COPYING_NO_WEIGHTS`, exact types: a subclass
+    may add hooks). Without one, only an epoch's end and `fit`'s need the bookkeeping of
+    copied weights (`_RememberTrainedValues`, `_NoteLedger`), which on a small model's
+    step took a fifth of its time (2026-12-06)."""
+    return any(type(callback) not in _COPYING_NO_WEIGHTS for callback in callbacks)
+
+
 class _RememberTrainedValues(tf.keras.callbacks.Callback):
     """First of `fit`'s callbacks, so that no other callback copies values in or out before
-    (`_remember_trained_values`): the values of each step remembered as the model's own
-    right after it, those of an epoch's end kept for the process (a callback copying them
-    into another model at the epoch's end and saving it there wrote a ledger of 0 steps:
-    an audit, 2026-12-06)."""
+    (`_remember_trained_values`): the values of an epoch's end kept for the process (a
+    callback copying them into another model at the epoch's end and saving it there wrote
+    a ledger of 0 steps: an audit, 2026-12-06) and, `each_step` (`_copies_between_steps`),
+    those of each step remembered as the model's own right after it."""
 
-    def on_train_batch_end(self, batch, logs=None):
-        self.model._remember_trained_values(transient=True, own_step=True)
+    def __init__(self, each_step: bool):
+        super().__init__()
+        self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
+        if each_step:
+            self.on_train_batch_end = self._remember_step
+
+    def _remember_step(self, batch, logs=None):
+        self.model._remember_trained_values(transient=True, look_up=False)
 
     def on_epoch_end(self, epoch, logs=None):
         self.model._remember_trained_values()
@@ -2247,15 +2261,21 @@ class _NoteLedger(tf.keras.callbacks.Callback):
     """The ledger resumed before training (`_resume_ledger`: after any checkpoint was
     restored by a callback listed before), its high-water mark after every epoch and at
     the end of training; after every epoch and at the end, no update applied outside the
-    ledger since training began (`_check_updates_recorded`); before every step, the values
-    copied into the model looked up (`_take_copied_values`: a callback copying another
-    run's layers at a step's end)."""
+    ledger since training began (`_check_updates_recorded`); `each_step`
+    (`_copies_between_steps`), before every step, the values copied into the model looked
+    up (`_take_copied_values`: a callback copying another run's layers at a step's end)."""
+
+    def __init__(self, each_step: bool):
+        super().__init__()
+        self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
+        if each_step:
+            self.on_train_batch_begin = self._look_up_copies
 
     def on_train_begin(self, logs=None):
         self.model._resume_ledger()
         self._baseline = self.model._update_counts()
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def _look_up_copies(self, batch, logs=None):
         self.model._take_copied_values()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -2370,6 +2390,17 @@ class DP_Model(_DPModelMixin, tf.keras.Model):
 # (imported above) and are re-exported here unchanged. lipdp.callbacks does not import
 # this module, so the import below is not circular.
 # --------------------------------------------------------------------------- #
-from lipdp.callbacks import DP_Accountant  # noqa: E402
+from lipdp.callbacks import BoundMonitor, DP_Accountant, SignalToNoise  # noqa: E402
+
+#: `fit` callbacks that copy no weights into or out of the model between two steps
+#: (`_copies_between_steps`): they read the ledger, the logs or the gradients, or save and
+#: restore the model's own weights with its ledger.
+_COPYING_NO_WEIGHTS = frozenset({
+    DP_Accountant, BoundMonitor, SignalToNoise, tf.keras.callbacks.History,
+    tf.keras.callbacks.ProgbarLogger, tf.keras.callbacks.EarlyStopping,
+    tf.keras.callbacks.ModelCheckpoint, tf.keras.callbacks.BackupAndRestore,
+    tf.keras.callbacks.CSVLogger, tf.keras.callbacks.TerminateOnNaN,
+    tf.keras.callbacks.ReduceLROnPlateau, tf.keras.callbacks.LearningRateScheduler,
+    tf.keras.callbacks.TensorBoard})
 
 __all__ = ["DP_Accountant", "DP_Model", "DP_Sequential", "DPParameters"]

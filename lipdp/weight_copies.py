@@ -77,8 +77,9 @@ def _dtype_and_shape(variable):
 def _key(variable) -> _Key:
     """A variable's dtype, shape and the hash of its entries' bytes at a fixed stride (every
     entry up to `SAMPLED_ENTRIES`; the stride odd, so that it does not follow a power-of-two
-    row length, and the last entry read too)."""
-    array = np.asarray(variable.numpy())
+    row length, and the last entry read too). The value is read without `read_value`'s
+    identity op, which doubled a small variable's read."""
+    array = np.asarray(variable.value().numpy())
     flat = array.reshape(-1)
     stride = max(1, flat.size // SAMPLED_ENTRIES) | 1
     sample = np.concatenate([flat[::stride], flat[-1:]]) if stride > 1 else flat

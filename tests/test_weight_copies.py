@@ -330,3 +330,66 @@ def test_a_file_written_right_after_a_copy_holds_its_steps(how, tmp_path):
     else:
         fresh = lipdp.load_model(str(tmp_path / "d.keras"))
     assert fresh.dp_steps_taken == 8
+
+
+def test_fit_looks_for_copies_at_each_step_only_beside_a_callback_that_could_copy():
+    """`fit` remembers and looks up values at each step only when a callback other than
+    Keras' and lipdp's own (which copy no weights) could copy them between two steps; a
+    subclass of one of those may add hooks, so it counts as any other."""
+
+    class Subclassed(tf.keras.callbacks.EarlyStopping):
+        pass
+
+    copies = lipdp.model._copies_between_steps
+    assert not copies([])
+    assert not copies([tf.keras.callbacks.EarlyStopping(), lipdp.DP_Accountant(),
+                       tf.keras.callbacks.TerminateOnNaN()])
+    assert copies([tf.keras.callbacks.LambdaCallback()])
+    assert copies([Subclassed()])
+    x, y = _data(22)
+    a = _model()
+    looked = []
+    a._take_copied_values = lambda: looked.append(1)
+    a.fit(x, y, epochs=1, verbose=0)
+    without = len(looked)
+    a.fit(x, y, epochs=1, verbose=0, callbacks=[tf.keras.callbacks.LambdaCallback()])
+    assert len(looked) - without == without + N // 16
+
+
+class _AssignAtSecondStep(tf.keras.callbacks.Callback):
+    """Assigns `source`'s variables into `target`'s, one by one (no DP layer's get_weights or
+    set_weights runs), at the end of the fit's second step; `then(target)` runs next."""
+
+    def __init__(self, source, target, then=None):
+        super().__init__()
+        self.source, self.target, self.then = source, target, then
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            for to_variable, from_variable in zip(self.target.trainable_variables,
+                                                  self.source.trainable_variables):
+                to_variable.assign(from_variable)
+            if self.then is not None:
+                self.then(self.target)
+
+
+@pytest.mark.parametrize("direction", ["out of the fitting model", "into it"])
+def test_variables_assigned_by_a_callback_between_two_steps_bring_their_steps(direction):
+    """A callback assigning variables between two steps of a fit: out of the fitting model,
+    into a model whose ledger is read at once, those values are found only if remembered
+    after each step; into the fitting model, only if looked up before the next step trains
+    them on (`_copies_between_steps`)."""
+    x, y = _data(33)
+    a, b = _model(), _model()
+    counted = []
+    with pytest.warns(UserWarning, match="copied"):
+        if direction == "into it":
+            a.fit(x, y, epochs=2, verbose=0)
+            b.fit(x, y, epochs=1, verbose=0, callbacks=[_AssignAtSecondStep(a, b)])
+            counted.append(b.dp_steps_taken)
+            expected = 12
+        else:
+            a.fit(x, y, epochs=1, verbose=0, callbacks=[
+                _AssignAtSecondStep(a, b, then=lambda m: counted.append(m.dp_steps_taken))])
+            expected = 2
+    assert counted == [expected]

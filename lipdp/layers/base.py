@@ -223,7 +223,7 @@ def remembering_get_weights(layer):
     trains on (values between two `train_on_batch` calls were otherwise remembered only
     until the next: an audit, 2026-12-06, 0 steps reported for an evaluation copy taken
     after 3)."""
-    for owner in _ledger_owners(layer):
+    for owner in ledger_owners(layer):
         owner._remember_trained_values()
     return tf.keras.layers.Layer.get_weights(layer)
 
@@ -235,11 +235,11 @@ def looked_up_set_weights(layer, weights):
     (``tf.train.Checkpoint(model=...).write``) holds it (an audit, 2026-12-06: 0 steps
     written for 8)."""
     tf.keras.layers.Layer.set_weights(layer, weights)
-    for owner in _ledger_owners(layer):
+    for owner in ledger_owners(layer):
         owner._take_copied_values()
 
 
-def _ledger_owners(layer):
+def ledger_owners(layer):
     """The DP models that last took the layer's variables (``_lipdp_ledger_owner``)."""
     owners = []
     for variable in layer.weights:
