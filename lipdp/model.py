@@ -1833,7 +1833,8 @@ class _DPModelMixin:
         callbacks = list(callbacks or [])
         each_step = _copies_between_steps(callbacks)
         callbacks = [_RememberTrainedValues(each_step)] + callbacks + [
-            _EpochSizeCheck(), _NoteLedger(each_step),
+            _EpochSizeCheck(),
+            _NoteLedger(each_step, [c for c in callbacks if isinstance(c, DP_Accountant)]),
             _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)
@@ -2263,20 +2264,26 @@ class _NoteLedger(tf.keras.callbacks.Callback):
     the end of training; after every epoch and at the end, no update applied outside the
     ledger since training began (`_check_updates_recorded`); `each_step`
     (`_copies_between_steps`), before every step, the values copied into the model looked
-    up (`_take_copied_values`: a callback copying another run's layers at a step's end)."""
+    up (`_take_copied_values`: a callback copying another run's layers at a step's end),
+    then the `accountants`' budgets checked again: a callback listed after a
+    `DP_Accountant` that set another run's weights before a step (its ledger composed
+    with the model's) had that step run past the budget."""
 
-    def __init__(self, each_step: bool):
+    def __init__(self, each_step: bool, accountants=()):
         super().__init__()
         self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
+        self._accountants = list(accountants)
         if each_step:
-            self.on_train_batch_begin = self._look_up_copies
+            self.on_train_batch_begin = self._look_up_copies_and_check_budgets
 
     def on_train_begin(self, logs=None):
         self.model._resume_ledger()
         self._baseline = self.model._update_counts()
 
-    def _look_up_copies(self, batch, logs=None):
+    def _look_up_copies_and_check_budgets(self, batch, logs=None):
         self.model._take_copied_values()
+        for accountant in self._accountants:
+            accountant.on_train_batch_begin(batch, logs)  # plans again if the ledger changed
 
     def on_epoch_end(self, epoch, logs=None):
         self.model._note_ledger()

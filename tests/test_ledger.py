@@ -850,6 +850,37 @@ def test_the_budget_holds_when_a_callback_loads_another_run_during_fit():
     assert model.dp_steps_taken == 9  # 4, one step, the costly run's 4: no step after it
 
 
+class _SetsWeightsBeforeSecondStep(_SetsWeightsAfterFirstStep):
+    """`_SetsWeightsAfterFirstStep`, at the start of the fit's second step instead."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 1:
+            self.model.set_weights(_mixed_weights(self.model, self.other, self.own(self.model)))
+
+
+def test_the_budget_holds_when_a_callback_after_the_accountant_loads_before_a_step():
+    """A callback listed after `DP_Accountant` setting another run's weights at the start of
+    a step: the accountant had checked the budget already, and the step ran past it (14
+    steps for a budget of 12). `fit` checks the accountants' budgets again after every
+    callback's start of a step (`_NoteLedger`), and stops before the step."""
+    s, q = 1.0 / math.sqrt(6), 16 / N
+    budget = _reference([(s, q, 12)]) * 1.001
+    other = _model()
+    other.fit(*_data(2), epochs=2, verbose=0)
+    model = _model()
+    model.fit(*_data(1), epochs=1, verbose=0)
+
+    loader = _SetsWeightsBeforeSecondStep(other, lambda m: m.weights[:1])
+    with pytest.warns(UserWarning, match="did not replace"), \
+            pytest.raises(ValueError, match="Cannot train within epsilon_budget"):
+        model.fit(*_data(1), epochs=3, verbose=0,
+                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget), loader])
+    assert model.dp_steps_taken == 13  # 4, one step of this fit, then the other run's 8
+
+
 def test_a_list_of_weights_that_keeps_some_of_the_model_s_own_is_not_a_replacement():
     """`set_weights` with another run's list in which the model's own trained kernel was put
     back, or the layer it trained then froze, or the power-iteration vectors its kernels
