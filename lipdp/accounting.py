@@ -658,7 +658,8 @@ def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = None) -> int:
     budget on what the ledger records).
 
     ``E = max_steps_for_budget(...) // steps_per_epoch``, capped at ``epochs_max``
-    when given. 0 if not even one epoch fits.
+    when given. 0 if not even one epoch fits, with a warning (``fit(epochs=0)`` trains
+    nothing and says nothing).
     """
     epsilon_max = _check_budget(epsilon_max, "epsilon_max")
     if epochs_max is not None:
@@ -668,6 +669,14 @@ def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = None) -> int:
     if epochs_max is not None and compute_epsilon(sigma, q, epochs_max * steps_per_epoch, delta) <= epsilon_max:
         return epochs_max
     epochs = max_steps_for_budget(epsilon_max, sigma, q, delta) // steps_per_epoch
+    if epochs == 0 and epochs_max != 0:
+        one_epoch = compute_epsilon(sigma, q, steps_per_epoch, delta)
+        warnings.warn(
+            f"not one epoch fits epsilon_max={epsilon_max:g} (delta={delta:g}): one epoch of "
+            f"{steps_per_epoch} steps at noise multiplier {sigma:g} and sampling rate {q:g} "
+            f"spends epsilon={one_epoch:.4g}, so the plan is 0 epochs, which train nothing. "
+            "Raise epsilon_max or the noise multiplier, or lower the sampling rate.",
+            stacklevel=2)
     return epochs if epochs_max is None else min(epochs, epochs_max)
 
 

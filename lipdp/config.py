@@ -157,6 +157,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
@@ -947,8 +948,11 @@ def planned_epochs(cfg: Dict[str, Dict[str, Any]], model) -> int:
                 "Raise the budget or privacy.noise_multiplier, or lower dataset.batch_size.")
     if epochs is not None:
         return epochs
-    # At least one epoch: if less than an epoch fits, the accountant stops mid-epoch.
-    return max(1, accounting.get_max_epochs(budget, model))
+    # At least one epoch: if less than an epoch fits, the accountant stops mid-epoch (so
+    # get_max_epochs' warning that a plan of 0 epochs trains nothing does not apply).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "not one epoch fits")
+        return max(1, accounting.get_max_epochs(budget, model))
 
 
 def build_from_config(cfg: Dict[str, Dict[str, Any]]):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -340,10 +341,18 @@ def test_model_level_helpers():
 
 @pytest.mark.parametrize("epsilon_max", [0.01, 1.0, 3.0, 10.0])
 def test_get_max_epochs_is_inverse(epsilon_max):
+    """... and says when the plan is 0 epochs (0.01 here), unless capped at 0."""
     model = fake_model(sigma=3.0)
-    epochs = get_max_epochs(epsilon_max, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = get_max_epochs(epsilon_max, model)
+    assert [str(w.message).startswith("not one epoch fits") for w in caught] == (
+        [True] if epochs == 0 else [])
+    assert (epochs == 0) == (epsilon_max == 0.01)
     assert get_eps_delta(model, epochs)[0] <= epsilon_max < get_eps_delta(model, epochs + 1)[0]
-    capped = get_max_epochs(epsilon_max, model, epochs_max=max(epochs - 1, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capped = get_max_epochs(epsilon_max, model, epochs_max=max(epochs - 1, 0))
     assert capped == max(epochs - 1, 0)
     assert get_max_epochs(epsilon_max, model, epochs_max=epochs + 5) == epochs
 
