@@ -423,6 +423,10 @@ class _DPModelMixin:
         # The values before the current fit or train_on_batch call's steps (`_resume_ledger`):
         # still held after them, no step of this model produced them.
         self._untrained_values = None
+        # In a `fit` whose callbacks copy no weights (`_copies_between_steps`), from its start
+        # to its end: every value the model holds came from its steps since the lookup at the
+        # start (`_take_copied_values` has nothing to find).
+        self._only_own_steps_in_fit = False
         # Ids of the Poisson samplers this model looked at (`_warn_if_a_seeded_pipeline_is_
         # behind`) or that `fit` started at its step.
         self._samplers_seen = set()
@@ -955,7 +959,14 @@ class _DPModelMixin:
         layers copied again) adds nothing. Runs wherever `_take_variables` does, before each
         step of `fit` (a callback copying at a step's end) and before the model's values are
         remembered as its own (`_remember_trained_values`). The steps to come are then named
-        as the model's own (`_open_segment`), as after a load."""
+        as the model's own (`_open_segment`), as after a load.
+
+        Nothing is looked up inside a `fit` whose callbacks copy no weights after its start
+        (``_only_own_steps_in_fit``): its values come from its steps, whose values are then
+        not remembered at each step, so a seeded program training two models to the same
+        values would have the second take the first's for copies."""
+        if self._only_own_steps_in_fit:
+            return
         changed = False
         for trained_by in origins(self.weights, self._ledger_token):
             steps = self._recorded_steps
@@ -1865,6 +1876,7 @@ class _DPModelMixin:
             finished = True
             return history
         finally:
+            own_values, self._only_own_steps_in_fit = self._only_own_steps_in_fit, False
             # The History holds the epochs' values; the state left is the last epoch's
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).
@@ -1873,7 +1885,7 @@ class _DPModelMixin:
             # a checkpoint restored next (BackupAndRestore) does not roll them back.
             self._note_ledger()
             self._count_own_steps(steps_before)
-            self._remember_trained_values(look_up=not finished)
+            self._remember_trained_values(look_up=not (finished or own_values))
 
     def _final_refresh(self):
         """With ``bjorck_every > 1``, the weights `fit` returns get a Björck projection, as if
@@ -2272,12 +2284,13 @@ class _NoteLedger(tf.keras.callbacks.Callback):
     def __init__(self, each_step: bool, accountants=()):
         super().__init__()
         self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
-        self._accountants = list(accountants)
+        self._accountants, self._each_step = list(accountants), each_step
         if each_step:
             self.on_train_batch_begin = self._look_up_copies_and_check_budgets
 
     def on_train_begin(self, logs=None):
-        self.model._resume_ledger()
+        self.model._resume_ledger()  # looks copies up (`_take_variables`)
+        self.model._only_own_steps_in_fit = not self._each_step
         self._baseline = self.model._update_counts()
 
     def _look_up_copies_and_check_budgets(self, batch, logs=None):

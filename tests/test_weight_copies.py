@@ -393,3 +393,25 @@ def test_variables_assigned_by_a_callback_between_two_steps_bring_their_steps(di
                 _AssignAtSecondStep(a, b, then=lambda m: counted.append(m.dp_steps_taken))])
             expected = 2
     assert counted == [expected]
+
+
+@pytest.mark.filterwarnings("ignore::lipdp.noise.SeededNoiseWarning")
+@pytest.mark.parametrize("callbacks", [[], [lipdp.DP_Accountant],
+                                       [tf.keras.callbacks.LambdaCallback]])
+def test_a_seeded_program_trains_two_models_to_the_same_values_each_with_its_own_steps(
+        callbacks):
+    """Two models of one seeded program reach the same values; neither copied the other. A
+    `fit` whose callbacks copy no weights does not remember its values at each step, so
+    every lookup inside it (the accountant reads the ledger after each step; an epoch's end)
+    had the second model take the first's values for copies (4 + 4 steps reported for 4)."""
+    x, y = _data(34)
+    models = []
+    for _ in range(2):
+        tf.keras.utils.set_random_seed(35)
+        model = _model()
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[c() for c in callbacks])
+        models.append(model)
+    first, second = models
+    for a, b in zip(first.trainable_variables, second.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert first.dp_steps_taken == second.dp_steps_taken == 4
