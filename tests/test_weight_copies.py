@@ -342,10 +342,16 @@ def test_fit_looks_for_copies_at_each_step_only_beside_a_callback_that_could_cop
 
     copies = lipdp.model._copies_between_steps
     assert not copies([])
-    assert not copies([tf.keras.callbacks.EarlyStopping(), lipdp.DP_Accountant(),
+    assert not copies([tf.keras.callbacks.EarlyStopping(), lipdp.DP_Accountant(log_fn="print"),
                        tf.keras.callbacks.TerminateOnNaN()])
     assert copies([tf.keras.callbacks.LambdaCallback()])
     assert copies([Subclassed()])
+    # the user's code run by one of them: a schedule, a function to log with, a hook
+    assert copies([tf.keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr)])
+    assert copies([lipdp.DP_Accountant(log_fn=lambda text: None)])
+    hooked = tf.keras.callbacks.EarlyStopping()
+    hooked.on_epoch_begin = lambda epoch, logs=None: None
+    assert copies([hooked])
     x, y = _data(22)
     a = _model()
     looked = []
@@ -415,3 +421,24 @@ def test_a_seeded_program_trains_two_models_to_the_same_values_each_with_its_own
     for a, b in zip(first.trainable_variables, second.trainable_variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert first.dp_steps_taken == second.dp_steps_taken == 4
+
+
+def test_a_learning_rate_schedule_copying_another_run_in_counts_it():
+    """An audit (2026-12-06): Keras' `LearningRateScheduler` was taken for a callback that
+    copies no weights, but it runs the user's schedule at each epoch's start; one copying
+    another run's layers in had them trained on unseen (4 steps reported for 12, and a
+    model copied from it 4)."""
+    x, y = _data(36)
+    a = _model()
+    a.fit(x, y, epochs=2, verbose=0)
+    b = _model()
+
+    def schedule(epoch, rate):
+        if epoch == 0:
+            _copy_layers(a, b)
+        return rate
+
+    with pytest.warns(UserWarning, match="copied"):
+        b.fit(x, y, epochs=1, verbose=0,
+              callbacks=[tf.keras.callbacks.LearningRateScheduler(schedule)])
+    assert b.dp_steps_taken == 12
