@@ -423,10 +423,6 @@ class _DPModelMixin:
         # The values before the current fit or train_on_batch call's steps (`_resume_ledger`):
         # still held after them, no step of this model produced them.
         self._untrained_values = None
-        # In a `fit` whose callbacks copy no weights (`_copies_between_steps`), from its start
-        # to its end: every value the model holds came from its steps since the lookup at the
-        # start (`_take_copied_values` has nothing to find).
-        self._only_own_steps_in_fit = False
         # Ids of the Poisson samplers this model looked at (`_warn_if_a_seeded_pipeline_is_
         # behind`) or that `fit` started at its step.
         self._samplers_seen = set()
@@ -959,14 +955,7 @@ class _DPModelMixin:
         layers copied again) adds nothing. Runs wherever `_take_variables` does, before each
         step of `fit` (a callback copying at a step's end) and before the model's values are
         remembered as its own (`_remember_trained_values`). The steps to come are then named
-        as the model's own (`_open_segment`), as after a load.
-
-        Nothing is looked up inside a `fit` whose callbacks copy no weights after its start
-        (``_only_own_steps_in_fit``): its values come from its steps, whose values are then
-        not remembered at each step, so a seeded program training two models to the same
-        values would have the second take the first's for copies."""
-        if self._only_own_steps_in_fit:
-            return
+        as the model's own (`_open_segment`), as after a load."""
         changed = False
         for trained_by in origins(self.weights, self._ledger_token):
             steps = self._recorded_steps
@@ -990,9 +979,8 @@ class _DPModelMixin:
     def _remember_trained_values(self, transient: bool = False, look_up: bool = True):
         """Remember the values of the trainable variables with this model's ledger
         (`lipdp.weight_copies.remember`): right after each of its steps (`transient`:
-        replaced after the next; in `fit`, only when a callback could copy them between two
-        steps, `_copies_between_steps`), after every epoch and `fit`, and whenever the
-        weights are handed out (`get_weights`, `save_weights`, `save`, a DP layer's
+        replaced after the next), after every epoch and `fit`, and whenever the weights are
+        handed out (`get_weights`, `save_weights`, `save`, a DP layer's
         `get_weights`). Values remembered as the model's own are never looked up as copies,
         so the values are looked up first (`_take_copied_values`) unless nothing but the
         model's own steps or a lookup ran since (``look_up=False``): a callback of the
@@ -1842,10 +1830,9 @@ class _DPModelMixin:
                                     dp_loss=True)
         # Last, so that they run after a BackupAndRestore restored the model.
         callbacks = list(callbacks or [])
-        each_step = _copies_between_steps(callbacks)
-        callbacks = [_RememberTrainedValues(each_step)] + callbacks + [
+        callbacks = [_RememberTrainedValues()] + callbacks + [
             _EpochSizeCheck(),
-            _NoteLedger(each_step, [c for c in callbacks if isinstance(c, DP_Accountant)]),
+            _NoteLedger([c for c in callbacks if isinstance(c, DP_Accountant)]),
             _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)
@@ -1876,7 +1863,6 @@ class _DPModelMixin:
             finished = True
             return history
         finally:
-            own_values, self._only_own_steps_in_fit = self._only_own_steps_in_fit, False
             # The History holds the epochs' values; the state left is the last epoch's
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).
@@ -1885,7 +1871,7 @@ class _DPModelMixin:
             # a checkpoint restored next (BackupAndRestore) does not roll them back.
             self._note_ledger()
             self._count_own_steps(steps_before)
-            self._remember_trained_values(look_up=not (finished or own_values))
+            self._remember_trained_values(look_up=not finished)
 
     def _final_refresh(self):
         """With ``bjorck_every > 1``, the weights `fit` returns get a Björck projection, as if
@@ -2241,39 +2227,21 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
                 "(`augmentation`) rather than adding examples to its batches.")
 
 
-def _copies_between_steps(callbacks) -> bool:
-    """Whether a callback of `fit` could copy weights between two of its steps: any that
-    runs the user's code. Only Keras' and lipdp's own that copy none do not
-    (`_COPYING_NO_WEIGHTS`, exact types: a subclass may add hooks), unless a hook was set
-    on the instance or a `DP_Accountant` was given a function to log with (Keras'
-    `LearningRateScheduler` calls its schedule at each epoch's start: a schedule copying
-    another run's layers in went unseen, 4 steps reported for 12, an audit, 2026-12-06).
-    Without such a callback, only an epoch's end and `fit`'s need the bookkeeping of
-    copied weights (`_RememberTrainedValues`, `_NoteLedger`), which on a small model's
-    step took a fifth of its time (2026-12-06)."""
-    return not all(_copies_no_weights(callback) for callback in callbacks)
-
-
-def _copies_no_weights(callback) -> bool:
-    return (type(callback) in _COPYING_NO_WEIGHTS
-            and not any(name.startswith("on_") for name in vars(callback))
-            and getattr(callback, "log_fn", None) in (None, "print", "logging"))
-
-
 class _RememberTrainedValues(tf.keras.callbacks.Callback):
     """First of `fit`'s callbacks, so that no other callback copies values in or out before
-    (`_remember_trained_values`): the values of an epoch's end kept for the process (a
-    callback copying them into another model at the epoch's end and saving it there wrote
-    a ledger of 0 steps: an audit, 2026-12-06) and, `each_step` (`_copies_between_steps`),
-    those of each step remembered as the model's own right after it."""
+    (`_remember_trained_values`): the values of each step remembered as the model's own
+    right after it, those of an epoch's end kept for the process (a callback copying them
+    into another model at the epoch's end and saving it there wrote a ledger of 0 steps:
+    an audit, 2026-12-06). Not only beside callbacks that run the user's code: a training
+    or validation pipeline (``tf.py_function``) or a compiled metric runs it too (an audit
+    of a version that skipped both hooks without such callbacks: 4 steps reported for 12,
+    and budgets overrun)."""
 
-    def __init__(self, each_step: bool):
+    def __init__(self):
         super().__init__()
         self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
-        if each_step:
-            self.on_train_batch_end = self._remember_step
 
-    def _remember_step(self, batch, logs=None):
+    def on_train_batch_end(self, batch, logs=None):
         self.model._remember_trained_values(transient=True, look_up=False)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -2284,26 +2252,22 @@ class _NoteLedger(tf.keras.callbacks.Callback):
     """The ledger resumed before training (`_resume_ledger`: after any checkpoint was
     restored by a callback listed before), its high-water mark after every epoch and at
     the end of training; after every epoch and at the end, no update applied outside the
-    ledger since training began (`_check_updates_recorded`); `each_step`
-    (`_copies_between_steps`), before every step, the values copied into the model looked
-    up (`_take_copied_values`: a callback copying another run's layers at a step's end),
-    then the `accountants`' budgets checked again: a callback listed after a
-    `DP_Accountant` that set another run's weights before a step (its ledger composed
-    with the model's) had that step run past the budget."""
+    ledger since training began (`_check_updates_recorded`); before every step, the values
+    copied into the model looked up (`_take_copied_values`: a callback copying another
+    run's layers at a step's end), then the `accountants`' budgets checked again: a
+    callback listed after a `DP_Accountant` that set another run's weights before a step
+    (its ledger composed with the model's) had that step run past the budget."""
 
-    def __init__(self, each_step: bool, accountants=()):
+    def __init__(self, accountants=()):
         super().__init__()
         self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
-        self._accountants, self._each_step = list(accountants), each_step
-        if each_step:
-            self.on_train_batch_begin = self._look_up_copies_and_check_budgets
+        self._accountants = list(accountants)
 
     def on_train_begin(self, logs=None):
-        self.model._resume_ledger()  # looks copies up (`_take_variables`)
-        self.model._only_own_steps_in_fit = not self._each_step
+        self.model._resume_ledger()
         self._baseline = self.model._update_counts()
 
-    def _look_up_copies_and_check_budgets(self, batch, logs=None):
+    def on_train_batch_begin(self, batch, logs=None):
         self.model._take_copied_values()
         for accountant in self._accountants:
             accountant.on_train_batch_begin(batch, logs)  # plans again if the ledger changed
@@ -2420,16 +2384,6 @@ class DP_Model(_DPModelMixin, tf.keras.Model):
 # (imported above) and are re-exported here unchanged. lipdp.callbacks does not import
 # this module, so the import below is not circular.
 # --------------------------------------------------------------------------- #
-from lipdp.callbacks import BoundMonitor, DP_Accountant, SignalToNoise  # noqa: E402
-
-#: `fit` callbacks that copy no weights into or out of the model between two steps
-#: (`_copies_between_steps`): they run none of the user's code, and read the ledger, the
-#: logs or the gradients, or save and restore the model's own weights with its ledger.
-_COPYING_NO_WEIGHTS = frozenset({
-    DP_Accountant, BoundMonitor, SignalToNoise, tf.keras.callbacks.History,
-    tf.keras.callbacks.ProgbarLogger, tf.keras.callbacks.EarlyStopping,
-    tf.keras.callbacks.ModelCheckpoint, tf.keras.callbacks.BackupAndRestore,
-    tf.keras.callbacks.CSVLogger, tf.keras.callbacks.TerminateOnNaN,
-    tf.keras.callbacks.ReduceLROnPlateau, tf.keras.callbacks.TensorBoard})
+from lipdp.callbacks import DP_Accountant  # noqa: E402
 
 __all__ = ["DP_Accountant", "DP_Model", "DP_Sequential", "DPParameters"]
