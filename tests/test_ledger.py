@@ -814,23 +814,30 @@ class _SetsWeightsAfterFirstStep(tf.keras.callbacks.Callback):
             self.model.set_weights(_mixed_weights(self.model, self.other, self.own(self.model)))
 
 
+def _fit_under_a_budget_of_12_with(loader_type):
+    """A model of 4 steps fitted under a budget of 12 steps, with a `loader_type` listed after
+    the accountant setting another run's weights (8 steps) on its first kernel; the fit
+    must raise before a step past the budget. Returns the model and the budget."""
+    budget = _reference([(1.0 / math.sqrt(6), 16 / N, 12)]) * 1.001
+    other = _model()
+    other.fit(*_data(2), epochs=2, verbose=0)
+    model = _model()
+    model.fit(*_data(1), epochs=1, verbose=0)
+    loader = loader_type(other, lambda m: m.weights[:1])
+    with pytest.warns(UserWarning, match="did not replace"), \
+            pytest.raises(ValueError, match="Cannot train within epsilon_budget"):
+        model.fit(*_data(1), epochs=3, verbose=0,
+                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget), loader])
+    return model, budget
+
+
 def test_the_budget_holds_when_a_callback_loads_another_run_during_fit():
     """DP_Accountant planned its step limit once per epoch: weights of another run set by a
     callback during `fit` composed both ledgers, and training ran on past the budget (an
     audit, 2026-12-06: 13-14 steps for a budget of 12; epsilon 304.9 for 62.4). It now plans
     again before the next step and stops `fit` there."""
     s, q = 1.0 / math.sqrt(6), 16 / N
-    budget = _reference([(s, q, 12)]) * 1.001
-    other = _model()
-    other.fit(*_data(2), epochs=2, verbose=0)
-    model = _model()
-    model.fit(*_data(1), epochs=1, verbose=0)
-
-    loader = _SetsWeightsAfterFirstStep(other, lambda m: m.weights[:1])
-    with pytest.warns(UserWarning, match="did not replace"), \
-            pytest.raises(ValueError, match="Cannot train within epsilon_budget"):
-        model.fit(*_data(1), epochs=3, verbose=0,
-                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget), loader])
+    model, budget = _fit_under_a_budget_of_12_with(_SetsWeightsAfterFirstStep)
     assert model.dp_steps_taken == 13  # 4, one step of this fit, then the other run's 8
     assert accounting.epsilon_spent(model) > budget  # the load, not a step, went past it
 
@@ -866,18 +873,7 @@ def test_the_budget_holds_when_a_callback_after_the_accountant_loads_before_a_st
     a step: the accountant had checked the budget already, and the step ran past it (14
     steps for a budget of 12). `fit` checks the accountants' budgets again after every
     callback's start of a step (`_NoteLedger`), and stops before the step."""
-    s, q = 1.0 / math.sqrt(6), 16 / N
-    budget = _reference([(s, q, 12)]) * 1.001
-    other = _model()
-    other.fit(*_data(2), epochs=2, verbose=0)
-    model = _model()
-    model.fit(*_data(1), epochs=1, verbose=0)
-
-    loader = _SetsWeightsBeforeSecondStep(other, lambda m: m.weights[:1])
-    with pytest.warns(UserWarning, match="did not replace"), \
-            pytest.raises(ValueError, match="Cannot train within epsilon_budget"):
-        model.fit(*_data(1), epochs=3, verbose=0,
-                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget), loader])
+    model, _ = _fit_under_a_budget_of_12_with(_SetsWeightsBeforeSecondStep)
     assert model.dp_steps_taken == 13  # 4, one step of this fit, then the other run's 8
 
 
