@@ -1829,10 +1829,10 @@ class _DPModelMixin:
                 check_sparse_labels(x, y, class_index_classes(self, self.dp_loss, labels),
                                     dp_loss=True)
         # Last, so that they run after a BackupAndRestore restored the model.
-        callbacks = list(callbacks or [])
-        callbacks = [_RememberTrainedValues()] + callbacks + [
+        given = list(callbacks or [])
+        callbacks = [_RememberTrainedValues()] + given + [
             _EpochSizeCheck(),
-            _NoteLedger([c for c in callbacks if isinstance(c, DP_Accountant)]),
+            _NoteLedger([c for c in given if isinstance(c, DP_Accountant)]),
             _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)

@@ -377,9 +377,10 @@ def test_variables_assigned_by_a_callback_between_two_steps_bring_their_steps(di
 def test_a_seeded_program_trains_two_models_to_the_same_values_each_with_its_own_steps(
         callbacks):
     """Two models of one seeded program reach the same values; neither copied the other. A
-    `fit` whose callbacks copy no weights does not remember its values at each step, so
-    every lookup inside it (the accountant reads the ledger after each step; an epoch's end)
-    had the second model take the first's values for copies (4 + 4 steps reported for 4)."""
+    version that did not remember a fit's values at each step unless a callback could copy
+    them had every lookup inside such a fit (the accountant reads the ledger after each
+    step; an epoch's end) take the second model's values for copies of the first's (4 + 4
+    steps reported for 4)."""
     x, y = _data(34)
     models = []
     for _ in range(2):
