@@ -66,7 +66,8 @@ import tensorflow as tf
 
 from lipdp.bounds import dp_layers, lipschitz_bound
 from lipdp.clipping.validation import leaf_layers
-from lipdp.layers.base import check_float32, chain_rounding_error, operator_norm_cache
+from lipdp.layers.base import (chain_rounding_error, check_float32, check_float32_inputs,
+                               operator_norm_cache)
 from lipdp.operator_norms import float32_products_rounded_to_nearest
 
 __all__ = ["CertifiableAccuracy", "certified_accuracy", "certified_auroc", "certified_radii",
@@ -94,12 +95,14 @@ def float_error_bound(model) -> float:
         E as a python float; ``inf`` when no bound is available (a layer without
         a rounding bound, activation norms too large to exclude overflow, or arithmetic
         that is not float32 rounded to nearest: a layer computing in float16 / bfloat16,
-        whose rounding an audit used to flip a prediction 341 times inside its radius, or
-        matrix products in TensorFloat-32 or oneDNN's bfloat16 mode).
+        whose rounding an audit used to flip a prediction 341 times inside its radius, a
+        float16 / bfloat16 model input (`check_float32_inputs`), or matrix products in
+        TensorFloat-32 or oneDNN's bfloat16 mode).
     """
     layers = dp_layers(model)
     try:
         check_float32(leaf_layers(model))
+        check_float32_inputs(model)
     except ValueError:
         return math.inf
     if not float32_products_rounded_to_nearest(device_products=True):

@@ -57,8 +57,9 @@ from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
 from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_built_configuration,
-                               check_float32, ledger_owners, plain_configuration,
-                               replaced_call, round_up_to_float32, with_pass_slack)
+                               check_float32, check_float32_inputs, ledger_owners,
+                               plain_configuration, replaced_call, round_up_to_float32,
+                               with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, StepMechanism,
                           concatenated, continues, includes, run_row, steps_run,
@@ -1275,6 +1276,7 @@ class _DPModelMixin:
             raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata declares "
                              f"nb_classes={self.dataset_metadata.nb_classes}.")
         check_float32(leaf_layers(self))
+        check_float32_inputs(self)
         self._check_user_layers_per_example()
         self.dp_loss = loss
         self._loss_lipschitz = float(loss.lipschitz(nb_outputs))

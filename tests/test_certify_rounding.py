@@ -432,6 +432,21 @@ def test_no_radius_is_certified_for_arithmetic_other_than_float32_rounded_to_nea
     assert certify.float_error_bound(float32) == math.inf
 
 
+def test_no_radius_is_certified_through_a_float16_input():
+    """Keras rounds the records to a float16 ``tf.keras.Input`` before the first layer, a
+    rounding that E does not cover: it made the margin of this input, and a step of 2e-6
+    flips the prediction (`lipdp.layers.base.check_float32_inputs`)."""
+    inputs = tf.keras.Input((2,), dtype="float16")
+    dense = dp.DP_QuickSpectralDense(2, use_bias=False)
+    model = tf.keras.Model(inputs, dense(dp.DP_BoundedInput(10.0)(inputs)))
+    dense.kernel.assign(np.eye(2, dtype=np.float32))
+    x = np.array([[1.0, 1.000489]], np.float32)
+    step = np.array([[0.0, -2e-6]], np.float32)
+    assert np.argmax(model(x)) != np.argmax(model(x + step))
+    assert certify.float_error_bound(model) == math.inf
+    assert certify.certified_radii(model, x)[0] == 0.0
+
+
 def test_a_negative_rounding_bound_certifies_no_radius():
     """A layer whose `rounding_error` has a sign error made E negative and every radius larger
     than the distance to the decision boundary (found by an audit): E is inf instead."""

@@ -294,6 +294,19 @@ def test_a_float16_layer_inside_a_residual_branch_is_refused_and_certifies_nothi
         model.compile(loss=DP_TauCategoricalCrossentropy(1.0))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_float16_input_is_refused_by_name(dtype):
+    """A float16 ``tf.keras.Input`` was accepted: Keras rounded every record to float16 before
+    the first layer, a finite record of 1e5 (beyond float16's range, so not zero-weighted by
+    the step's float32 test) became an infinity there, and the private step stopped at the
+    step that sampled it, which tells when it was sampled (an audit, 2026-12-06)."""
+    inputs = tf.keras.Input((10,), dtype=dtype)
+    model = DP_Model(inputs, DP_QuickSpectralDense(3)(DP_BoundedInput(X0)(inputs)),
+                     DPParameters(1.0), metadata((10,), 3))
+    with pytest.raises(ValueError, match=f"input .* is {dtype}: .*float32"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0))
+
+
 @pytest.mark.parametrize("loss", ["categorical_crossentropy", tf.keras.losses.CategoricalCrossentropy(), None])
 def test_losses_without_lipschitz_constant_are_refused(loss):
     with pytest.raises(TypeError, match="DP loss"):

@@ -270,6 +270,23 @@ def check_float32(layers):
                 "before building the model.")
 
 
+def check_float32_inputs(model):
+    """Raise a ValueError when an input of `model` is floating-point narrower than float32 (a
+    float16 or bfloat16 ``tf.keras.Input``): Keras rounds every record to that dtype before
+    the first layer. A finite float32 record beyond float16's range (1e5) became an infinity
+    there, the private step stopped at the step that sampled it (`finite_rows` tests finiteness
+    in float32), which tells when it was sampled (an audit, 2026-12-06); and the rounding is
+    not covered by the certificates' rounding bound (a step of 2e-6 flipped a prediction whose
+    margin that rounding made)."""
+    for tensor in getattr(model, "inputs", None) or []:
+        if tensor.dtype.is_floating and tensor.dtype.size < 4:
+            raise ValueError(
+                f"The model's input {tensor.name!r} is {tensor.dtype.name}: Keras rounds every "
+                "record to it before the first layer, and lipdp's checks of finite records "
+                "and rounding bounds are for float32. Declare the input float32 "
+                "(tf.keras.Input(shape, dtype='float32'), the default).")
+
+
 def check_no_activation(layer_name, activation):
     """DP dense/conv layers are linear: activations must be separate DP layers."""
     if activation not in (None, "linear"):
