@@ -117,6 +117,7 @@ __all__ = [
     "model_step_noise_multiplier",
     "get_eps_delta",
     "get_max_epochs",
+    "NoEpochFitsWarning",
     "epsilon_spent",
 ]
 
@@ -651,6 +652,11 @@ def get_eps_delta(model, epochs) -> Tuple[float, float]:
     return compute_epsilon(sigma, q, steps, delta), delta
 
 
+class NoEpochFitsWarning(UserWarning):
+    """`get_max_epochs` planned 0 epochs: not one epoch fits the budget, and
+    ``fit(epochs=0)`` would train nothing and say nothing."""
+
+
 def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = None) -> int:
     """Largest integer number of epochs E with ``get_eps_delta(model, E)[0] <= epsilon_max``.
 
@@ -658,8 +664,8 @@ def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = None) -> int:
     budget on what the ledger records).
 
     ``E = max_steps_for_budget(...) // steps_per_epoch``, capped at ``epochs_max``
-    when given. 0 if not even one epoch fits, with a warning (``fit(epochs=0)`` trains
-    nothing and says nothing).
+    when given. 0 if not even one epoch fits, with a `NoEpochFitsWarning` (``fit(epochs=0)``
+    trains nothing and says nothing).
     """
     epsilon_max = _check_budget(epsilon_max, "epsilon_max")
     if epochs_max is not None:
@@ -671,11 +677,11 @@ def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = None) -> int:
     epochs = max_steps_for_budget(epsilon_max, sigma, q, delta) // steps_per_epoch
     if epochs == 0 and epochs_max != 0:
         one_epoch = compute_epsilon(sigma, q, steps_per_epoch, delta)
-        warnings.warn(
+        warnings.warn(NoEpochFitsWarning(
             f"not one epoch fits epsilon_max={epsilon_max:g} (delta={delta:g}): one epoch of "
             f"{steps_per_epoch} steps at noise multiplier {sigma:g} and sampling rate {q:g} "
             f"spends epsilon={one_epoch:.4g}, so the plan is 0 epochs, which train nothing. "
-            "Raise epsilon_max or the noise multiplier, or lower the sampling rate.",
+            "Raise epsilon_max or the noise multiplier, or lower the sampling rate."),
             stacklevel=2)
     return epochs if epochs_max is None else min(epochs, epochs_max)
 

@@ -951,7 +951,7 @@ def planned_epochs(cfg: Dict[str, Dict[str, Any]], model) -> int:
     # At least one epoch: if less than an epoch fits, the accountant stops mid-epoch (so
     # get_max_epochs' warning that a plan of 0 epochs trains nothing does not apply).
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "not one epoch fits")
+        warnings.simplefilter("ignore", accounting.NoEpochFitsWarning)
         return max(1, accounting.get_max_epochs(budget, model))
 
 

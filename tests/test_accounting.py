@@ -47,12 +47,14 @@ from lipdp.accounting import (
     compute_rdp,
     epsilon_spent,
     get_eps_delta,
+    NoEpochFitsWarning,
     get_max_epochs,
     max_steps_for_budget,
     model_step_noise_multiplier,
     noise_for_budget,
     step_noise_multiplier,
 )
+from lipdp.config import planned_epochs
 from lipdp.ledger import PrivacyLedger, Segment, StepMechanism
 from lipdp.metadata import DatasetMetadata, DPParameters, NoiseStrategy
 
@@ -339,22 +341,29 @@ def test_model_level_helpers():
                                                if k != "privacy_ledger"}))
 
 
-@pytest.mark.parametrize("epsilon_max", [0.01, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("epsilon_max", [0.3, 1.0, 3.0, 10.0])
 def test_get_max_epochs_is_inverse(epsilon_max):
-    """... and says when the plan is 0 epochs (0.01 here), unless capped at 0."""
+    """... and says when the plan is 0 epochs (0.3 here: 2 steps of the 10 of an epoch fit),
+    unless capped at 0."""
     model = fake_model(sigma=3.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         epochs = get_max_epochs(epsilon_max, model)
-    assert [str(w.message).startswith("not one epoch fits") for w in caught] == (
-        [True] if epochs == 0 else [])
-    assert (epochs == 0) == (epsilon_max == 0.01)
+    assert [(w.category, str(w.message)[:18]) for w in caught] == (
+        [(NoEpochFitsWarning, "not one epoch fits")] if epochs == 0 else [])
+    assert (epochs == 0) == (epsilon_max == 0.3)
     assert get_eps_delta(model, epochs)[0] <= epsilon_max < get_eps_delta(model, epochs + 1)[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         capped = get_max_epochs(epsilon_max, model, epochs_max=max(epochs - 1, 0))
     assert capped == max(epochs - 1, 0)
     assert get_max_epochs(epsilon_max, model, epochs_max=epochs + 5) == epochs
+    # The CLI trains at least one epoch (its accountant stops mid-epoch), without the warning.
+    cfg = {"training": {"epochs": None}, "privacy": {"epsilon_budget": epsilon_max,
+                                                     "delta": 1e-5}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert planned_epochs(cfg, model) == max(epochs, 1)
 
 
 # --------------------------------------------------------------------------- #
