@@ -877,6 +877,31 @@ def test_the_budget_holds_when_a_callback_after_the_accountant_loads_before_a_st
     assert model.dp_steps_taken == 13  # 4, one step of this fit, then the other run's 8
 
 
+def test_the_budget_holds_when_a_load_before_a_step_keeps_the_step_count():
+    """A callback listed after `DP_Accountant` replacing every weight with those of a costlier
+    run of as many steps (sigma 0.3 against 1, 4 steps each) before a step: only the ledger's
+    rows change, not its step count. The accountant reads the ledger once per check and
+    decodes it again when its stored rows changed (`DP_Accountant._ledger_state`); decoded
+    again only when the count changed, the re-check before the step saw no change, and the
+    step ran past the budget."""
+    costly = _model(sigma=0.3)
+    costly.fit(*_data(2), epochs=1, verbose=0)
+    model = _model()
+    model.fit(*_data(1), epochs=1, verbose=0)
+
+    class Replace(tf.keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                self.model.set_weights(costly.get_weights())
+
+    budget = _reference([(1.0 / math.sqrt(6), 16 / N, 12)]) * 1.001
+    with pytest.raises(ValueError, match="Cannot train within epsilon_budget"):
+        model.fit(*_data(1), epochs=3, verbose=0,
+                  callbacks=[lipdp.DP_Accountant(epsilon_budget=budget), Replace()])
+    assert model.dp_steps_taken == 4  # the costly run's 4: no step after the load
+    assert model.privacy_ledger == costly.privacy_ledger
+
+
 def test_a_list_of_weights_that_keeps_some_of_the_model_s_own_is_not_a_replacement():
     """`set_weights` with another run's list in which the model's own trained kernel was put
     back, or the layer it trained then froze, or the power-iteration vectors its kernels
