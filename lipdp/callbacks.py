@@ -130,10 +130,13 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         self._decoded = None  # the last ledger read: (its stored form, its decoded form)
 
     # ------------------------------------------------------------------ helpers
-    def _ledger(self):
-        steps = accounting._check_count(self.model.dp_steps_taken, "dp_steps_taken")
-        epsilon = accounting.epsilon_spent(self.model)
-        return steps, epsilon, float(self.model.dp_parameters.delta)
+    def _ledger(self, state=None):
+        """``(steps, epsilon, delta)`` of the model's ledger `state` (default: read now,
+        `_ledger_state`), at the model's delta."""
+        steps, ledger = self._ledger_state() if state is None else state
+        steps = accounting._check_count(steps, "dp_steps_taken")
+        delta = accounting._check_delta(self.model.dp_parameters.delta)
+        return steps, ledger.epsilon(delta), delta
 
     def _write_logs(self, logs, epsilon, delta):
         if logs is not None:
@@ -178,13 +181,12 @@ class DP_Accountant(tf.keras.callbacks.Callback):
 
     def _plan(self):
         """``max_steps`` from the model's ledger; raises if not one more call fits."""
-        self._planned_with = self._seen = self._ledger_state()
+        self._planned_with = self._seen = state = self._ledger_state()
         mechanism = self.model.step_mechanism
         sigma, q = mechanism.step_noise_multiplier, mechanism.sampling_rate
-        delta = float(self.model.dp_parameters.delta)
-        ledger = self.model.privacy_ledger
+        steps, epsilon, delta = self._ledger(state)
+        ledger = state[1]
         self.max_steps = ledger.max_steps(self.epsilon_budget, mechanism, delta)
-        steps, epsilon, _ = self._ledger()
         lookahead = _steps_per_execution(self.model)
         if steps + lookahead > self.max_steps:
             if steps >= self.max_steps and steps > 0:
@@ -232,7 +234,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         if steps + lookahead > self.max_steps:
             self.model.stop_training = True
             self._stopped_for_budget = True
-            _, epsilon, delta = self._ledger()
+            _, epsilon, delta = self._ledger(self._seen)
             self._write_logs(logs, epsilon, delta)
             self._log(
                 f"lipdp: stopping training after {steps} steps (epsilon={epsilon:.4g}, "
