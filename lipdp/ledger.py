@@ -193,8 +193,13 @@ def continues(earlier, later) -> bool:
 
     Two runs of one mechanism record the same segments; the rows naming them differ
     (`run_row`), so neither continues the other. Ledgers saved before runs were named
-    (2026-12-06) name none: between two of them the segments alone decide."""
-    (steps_a, stored_a), (steps_b, stored_b) = earlier, later
+    (2026-12-06) name none: between two of them the segments alone decide.
+
+    ``earlier``'s rows after its last step (`steps_run`: the name and segment opened for
+    steps to come) are not compared: a model names those again after a load
+    (`DP_Model._open_segment`), and its high-water mark, noted before, then seemed another
+    run, whose steps the next read added to the loaded ones (16 for a file of 8)."""
+    (steps_a, stored_a), (steps_b, stored_b) = steps_run(earlier), later
     if steps_a == 0:
         return True
     a, b = stored_rows(stored_a), stored_rows(stored_b)

@@ -62,8 +62,7 @@ from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_built_conf
                                with_pass_slack)
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, StepMechanism,
-                          concatenated, continues, includes, run_row, steps_run,
-                          stored_rows)
+                          concatenated, continues, includes, run_row, stored_rows)
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
@@ -410,7 +409,7 @@ class _DPModelMixin:
                                       shape=tf.TensorShape([None, ROW_SIZE]), name="dp_ledger")
         self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen",
                                           aggregation=tf.VariableAggregation.SUM)
-        self._ledger_high_water = (0, EMPTY_STORAGE)  # see `_note_ledger`
+        self._set_high_water((0, EMPTY_STORAGE))
         # Digests of the weights (ledger included) this model handed out: get_weights,
         # save_weights, save. A state set back from one of them is its own (`_foreign`).
         self._exported_states = set()
@@ -473,12 +472,13 @@ class _DPModelMixin:
     # ------------------------------------------------------------------ ledger
     @property
     def dp_steps_taken(self) -> int:
-        """Number of private steps recorded in this model's ledger, composed first with the
-        ledgers of the models that trained its variables (`_take_variables`: a model whose
-        layers another model trained read its own count until its ledger was read: an
-        audit, 2026-12-06)."""
-        self._take_variables()
-        return self._recorded_steps
+        """Number of private steps in this model's ledger as `privacy_ledger` reads it: kept
+        at its high-water mark (`_keep_ledger`; it read the rolled-back count after a
+        checkpoint restored mid-`fit`, which `privacy_ledger` did not: an audit,
+        2026-12-06), then composed with the ledgers of the models that trained its
+        variables (`_take_variables`: a model whose layers another model trained read its
+        own count until its ledger was read: an audit, 2026-12-06)."""
+        return self._ledger_reading()[0]
 
     @property
     def _recorded_steps(self) -> int:
@@ -515,10 +515,10 @@ class _DPModelMixin:
     def privacy_ledger(self) -> PrivacyLedger:
         """Every segment of training: its steps and the mechanism they ran (`lipdp.ledger`).
 
-        Never fewer steps than the model's ledger held at the end of its last `fit` epoch
-        or `train_on_batch` call:
-        variables restored behind its back (``tf.train.Checkpoint(model=...).restore`` of
-        an older checkpoint) do not roll the count back (`_keep_ledger`)."""
+        Never fewer steps than the model's ledger held after any step of `fit` or
+        `train_on_batch` call: variables restored behind its back
+        (``tf.train.Checkpoint(model=...).restore`` of an older checkpoint, in `fit`'s
+        callbacks too) do not roll the count back (`_keep_ledger`)."""
         steps, rows = self._ledger_reading()
         return PrivacyLedger.from_rows(rows, steps)
 
@@ -527,7 +527,7 @@ class _DPModelMixin:
         kept at its high-water mark (`_keep_ledger`), then composed with the ledgers of the
         models that trained its variables (`_take_variables`). `lipdp.DP_Accountant` reads
         it around every step and decodes it only when it changed."""
-        self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
+        self._keep_high_water()
         self._take_variables()
         return self._ledger_state()
 
@@ -849,7 +849,18 @@ class _DPModelMixin:
         seen so far (the high-water mark `privacy_ledger` never goes below)."""
         state = self._ledger_state() if state is None else state
         if state[0] >= self._ledger_high_water[0]:
-            self._ledger_high_water = state
+            self._set_high_water(state)
+
+    def _set_high_water(self, state):
+        """The mark set past Keras' attribute tracking, which wrapped the tuple in 0.15 ms
+        (the mark is noted after every step): it holds no variable or layer to track."""
+        object.__setattr__(self, "_ledger_high_water", state)
+
+    def _keep_high_water(self):
+        """The ledger back to its high-water mark (`_note_ledger`) if variables restored
+        behind its back rolled it back (`_keep_ledger`: the steps taken since count, whatever
+        the weights)."""
+        self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
 
     def _keep_ledger(self, kept, how: str, foreign_over: bool = False, state_kept: bool = True,
                      wholesale: bool = False):
@@ -906,7 +917,8 @@ class _DPModelMixin:
         elif wholesale and not state_kept:
             # The model's run is gone from its state, with the ledgers it had absorbed: a
             # model sharing its variables composes this one with its own (`_absorb`).
-            self._ledger_high_water, self._lineage = current, ()
+            self._set_high_water(current)
+            self._lineage = ()
             # A new token too: a model that absorbed this one's ledger before remembers its
             # step count under the old token, and would take the new ledger, of as many
             # steps or fewer, for one it already counts.
@@ -932,7 +944,7 @@ class _DPModelMixin:
         `compile`, so the segment it opens when traced would not follow a ledger replaced
         since (weights and ledger restored from a run of another mechanism); the step
         checks it (`_ledger_guard`)."""
-        self._keep_ledger(self._ledger_high_water, "restoring an older checkpoint")
+        self._keep_high_water()
         self._take_variables()
         self._open_segment()
         self._untrained_values = keys_of(self.trainable_variables)
@@ -1015,7 +1027,7 @@ class _DPModelMixin:
         this model's current steps (a model built on our layers after our last step),
         both counted one after the other (`lipdp.ledger.concatenated`) otherwise: two
         independent runs (a model built on the layers of two runs counted the longer one)."""
-        owner._keep_ledger(owner._ledger_high_water, "restoring an older checkpoint")
+        owner._keep_high_water()
         self._compose_with(owner._ledger_token, owner._ledger_state(), owner._lineage_now())
 
     def _compose_with(self, token, theirs, their_lineage, copied=False):
@@ -1032,7 +1044,7 @@ class _DPModelMixin:
         if copied and includes(ours, theirs):
             pass
         elif (not ours[0] or their_lineage.get(self._ledger_token, -1) == ours[0]
-              or copied and continues(steps_run(ours), theirs)):
+              or copied and continues(ours, theirs)):
             self._set_ledger(theirs)
         else:
             self._set_ledger(concatenated(ours, theirs))
@@ -2242,7 +2254,12 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
 
 class _RememberTrainedValues(tf.keras.callbacks.Callback):
     """First of `fit`'s callbacks, so that no other callback copies values in or out before
-    (`_remember_trained_values`): the values of each step remembered as the model's own
+    (`_remember_trained_values`) or rolls the ledger back before its high-water mark is
+    noted after each step and epoch (`_note_ledger`: noted only at epochs' ends, a callback
+    restoring weights and ledger of the last epoch's start in its ``on_epoch_end``, the
+    momentum left as it was, dropped 4 of 12 steps without a word: an audit, 2026-12-06;
+    `_NoteLedger` puts such a ledger back): the values of each step remembered as the
+    model's own
     right after it, those of an epoch's end kept for the process (a callback copying them
     into another model at the epoch's end and saving it there wrote a ledger of 0 steps:
     an audit, 2026-12-06). Not only beside callbacks that run the user's code: a training
@@ -2255,18 +2272,22 @@ class _RememberTrainedValues(tf.keras.callbacks.Callback):
         self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
 
     def on_train_batch_end(self, batch, logs=None):
+        self.model._note_ledger()
         self.model._remember_trained_values(transient=True, look_up=False)
 
     def on_epoch_end(self, epoch, logs=None):
+        self.model._note_ledger()
         self.model._remember_trained_values()
 
 
 class _NoteLedger(tf.keras.callbacks.Callback):
     """The ledger resumed before training (`_resume_ledger`: after any checkpoint was
-    restored by a callback listed before), its high-water mark after every epoch and at
-    the end of training; after every epoch and at the end, no update applied outside the
-    ledger since training began (`_check_updates_recorded`); before every step, the values
-    copied into the model looked up (`_take_copied_values`: a callback copying another
+    restored by a callback listed before), put back to its high-water mark before every
+    step, after every epoch and at the end of training (`_keep_high_water`: a callback
+    restored an older ledger mid-`fit`), its mark then noted; after every epoch and at the
+    end, no update applied outside the ledger since training began
+    (`_check_updates_recorded`); before every step, the values copied into the model
+    looked up (`_take_copied_values`: a callback copying another
     run's layers at a step's end), then the `accountants`' budgets checked again: a
     callback listed after a `DP_Accountant` that set another run's weights before a step
     (its ledger composed with the model's) had that step run past the budget."""
@@ -2281,15 +2302,18 @@ class _NoteLedger(tf.keras.callbacks.Callback):
         self._baseline = self.model._update_counts()
 
     def on_train_batch_begin(self, batch, logs=None):
+        self.model._keep_high_water()
         self.model._take_copied_values()
         for accountant in self._accountants:
             accountant.on_train_batch_begin(batch, logs)  # plans again if the ledger changed
 
     def on_epoch_end(self, epoch, logs=None):
+        self.model._keep_high_water()
         self.model._note_ledger()
         self.model._check_updates_recorded(self._baseline, f"By the end of epoch {epoch + 1}")
 
     def on_train_end(self, logs=None):
+        self.model._keep_high_water()
         self.model._note_ledger()
         self.model._check_updates_recorded(self._baseline, "In this fit")
 

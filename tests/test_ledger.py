@@ -705,6 +705,12 @@ def test_runs_of_one_mechanism_are_told_apart_by_the_rows_naming_them():
     assert not ledger.continues(b, both)
     # one mechanism's consecutive segments are one: composed as an uninterrupted run is
     assert [s.steps for s in ledger.PrivacyLedger.from_rows(both[1], 16).segments] == [16]
+    # the name and segment opened for steps to come hold none: named again (after a load)
+    opened = [ledger.run_row(9), [8.0, *mechanism]]
+    assert ledger.continues((8, np.concatenate([a[1], opened])), a)
+    renamed = np.concatenate([a[1], [ledger.run_row(11), [8.0, *mechanism]]])
+    assert ledger.continues((8, np.concatenate([a[1], opened])), (8, renamed))
+    assert not ledger.continues((8, np.concatenate([b[1], opened])), a)
     unnamed = np.array([segment])
     assert ledger.continues((8, unnamed), (12, unnamed))
     assert not ledger.continues((8, unnamed), a)  # an unnamed run and a named one: two runs
@@ -994,6 +1000,46 @@ def test_steps_of_a_fit_stopped_by_an_exception_are_not_rolled_back(tmp_path):
     checkpoint.restore(path)
     with pytest.warns(UserWarning, match="keeps the 7 steps"):
         assert model.privacy_ledger.steps == 7
+
+
+@pytest.mark.parametrize("when, taken", [("epoch", 8), ("step", 6)])
+def test_a_checkpoint_restored_by_a_callback_during_fit_rolls_no_step_back(when, taken, tmp_path):
+    """A callback restores, during `fit`, a tf.train.Checkpoint of the weights (the ledger
+    among them) and of the optimizer's update count written 4 steps earlier, the momentum
+    left as it is: the later updates read those 4 steps' noise, so all 12 steps count. The
+    high-water mark was noted at epochs' ends, after the user's callbacks: restored in
+    ``on_epoch_end``, the ledger read 8 of 12 steps without a word (an audit); restored
+    after a step, the fit stopped on a count of updates outside the ledger."""
+    x, y = _data(6)
+    model = _model()
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0),
+                  optimizer=tf.keras.optimizers.SGD(0.01, momentum=0.9))
+
+    class Restore(tf.keras.callbacks.Callback):
+        path, steps = None, 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+            if when == "step" and self.steps in (2, 6):
+                self._write_then_read()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if when == "epoch" and epoch < 2:
+                self._write_then_read()
+
+        def _write_then_read(self):
+            variables = list(self.model.weights) + [self.model.optimizer.iterations]
+            checkpoint = tf.train.Checkpoint(variables=variables)
+            if self.path is None:
+                self.path = checkpoint.write(str(tmp_path / "ckpt"))
+            else:
+                checkpoint.read(self.path)
+
+    with pytest.warns(UserWarning, match=f"keeps the {taken} steps"):
+        model.fit(x, y, epochs=3, verbose=0, callbacks=[Restore()])
+    assert int(model.optimizer.iterations.numpy()) == 8  # the restored count, then 4 more
+    assert model.dp_steps_taken == 12
+    _assert_agrees(accounting.epsilon_spent(model), _reference([(1.0 / np.sqrt(6), 0.25, 12)]))
 
 
 def _pretrained_layers(epochs, seed):
