@@ -103,7 +103,11 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     ``on_epoch_end`` for the interrupted epoch, so the history ends with the
     final epsilon.) With ``compile(steps_per_execution=k)`` the check looks
     ``k`` steps ahead, which may stop up to ``k - 1`` steps early, never late.
-    Only with a budget does the callback read the ledger after every batch.
+    Only with a budget does the callback read the ledger after every batch. In a
+    DP model's `fit`, the budget is also enforced right before every call of the train
+    function (`check_next_call`): a call that would pass it raises ``RuntimeError``
+    instead of running (another callback cleared ``model.stop_training`` or set
+    ``model.steps_per_execution``).
 
     Args:
         epsilon_budget: optional finite positive epsilon not to exceed (at the
@@ -216,6 +220,26 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         Raises, as at the start of `fit`, when not one more step fits."""
         if self.max_steps is not None and self._ledger_state() != self._seen:
             self._plan()
+
+    def check_next_call(self):
+        """Raise a RuntimeError when the train function's next call would take the ledger
+        past ``max_steps``. `fit` of a DP model runs it right before each call, after every
+        callback's ``on_train_batch_begin`` (and `on_train_batch_begin`'s plan), and its
+        `train_on_batch` before the step. The stop flag this callback sets is Keras' to
+        honour: an audit (2026-12-06) ran 12 steps of 6 allowed (epsilon 49.3 for a budget
+        of 31.3) with a callback clearing ``model.stop_training`` after it, 8 of 6 with
+        ``model.steps_per_execution`` raised from 2 to 4 after its check, and 8 of 6 with
+        a callback calling ``train_on_batch``."""
+        if self.max_steps is None:
+            return
+        steps, calls = self._ledger_state()[0], _steps_per_execution(self.model)
+        if steps + calls > self.max_steps:
+            raise RuntimeError(
+                f"The next call of the train function would run {calls} private step(s) after "
+                f"the {steps} taken, past the {self.max_steps} that fit in "
+                f"epsilon_budget={self.epsilon_budget:g}; it was not run. During fit, a "
+                "callback cleared model.stop_training after DP_Accountant set it, set "
+                "model.steps_per_execution after its check, or called train_on_batch.")
 
     def on_train_batch_end(self, batch, logs=None):
         if self.max_steps is None or self.model.stop_training:

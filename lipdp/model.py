@@ -410,6 +410,7 @@ class _DPModelMixin:
         self._examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen",
                                           aggregation=tf.VariableAggregation.SUM)
         self._set_high_water((0, EMPTY_STORAGE))
+        self._set_fit_accountants(())
         # Digests of the weights (ledger included) this model handed out: get_weights,
         # save_weights, save. A state set back from one of them is its own (`_foreign`).
         self._exported_states = set()
@@ -724,6 +725,8 @@ class _DPModelMixin:
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
             warn_if_seeded()
             self._resume_ledger()
+            for accountant in self._fit_accountants:
+                accountant.check_next_call()
             self._warn_if_a_seeded_pipeline_is_behind()
             self._warn_once_that_batches_are_unchecked()
         baseline = self._update_counts()
@@ -850,6 +853,12 @@ class _DPModelMixin:
         state = self._ledger_state() if state is None else state
         if state[0] >= self._ledger_high_water[0]:
             self._set_high_water(state)
+
+    def _set_fit_accountants(self, accountants):
+        """The `DP_Accountant`s of the `fit` calls running, whose budgets `train_on_batch`
+        honours too: called from a callback, it ran 8 steps of 6 allowed (an audit,
+        2026-12-06). Not tracked by Keras (callbacks hold the model)."""
+        object.__setattr__(self, "_fit_accountants", tuple(accountants))
 
     def _set_high_water(self, state):
         """The mark set past Keras' attribute tracking, which wrapped the tuple in 0.15 ms
@@ -1201,6 +1210,12 @@ class _DPModelMixin:
                             "compile time (build it before `compile`)")
         if kwargs.get("jit_compile"):
             raise ValueError(_XLA_REFUSAL)
+        if isinstance(kwargs.get("steps_per_execution"), str):
+            raise ValueError(
+                f"steps_per_execution={kwargs['steps_per_execution']!r}: Keras' tuner would "
+                "change the number of private steps a call of the train function runs from its "
+                "own thread, at any time, while DP_Accountant's budget stop reads that number "
+                "before each call. Give an integer.")
         previous_optimizer = getattr(self, "optimizer", None)
         self._compile_dp(optimizer, loss, metrics, loss_weights, **kwargs)
         if self.optimizer is not previous_optimizer:
@@ -1855,9 +1870,9 @@ class _DPModelMixin:
                                     dp_loss=True)
         # Last, so that they run after a BackupAndRestore restored the model.
         given = list(callbacks or [])
+        accountants = [c for c in given if isinstance(c, DP_Accountant)]
         callbacks = [_RememberTrainedValues()] + given + [
-            _EpochSizeCheck(),
-            _NoteLedger([c for c in given if isinstance(c, DP_Accountant)]),
+            _EpochSizeCheck(), _NoteLedger(accountants),
             _StartSampler(getattr(x, "lipdp_sampler", None))]
         self._build_optimizer()
         self._build_metrics(x, y)
@@ -1879,6 +1894,8 @@ class _DPModelMixin:
         _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only,
                                          on_training, x, y)
         steps_before, finished = self._recorded_steps, False
+        outer_accountants = self._fit_accountants
+        self._set_fit_accountants(outer_accountants + tuple(accountants))
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
@@ -1888,6 +1905,7 @@ class _DPModelMixin:
             finished = True
             return history
         finally:
+            self._set_fit_accountants(outer_accountants)
             # The History holds the epochs' values; the state left is the last epoch's
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).
@@ -2290,7 +2308,8 @@ class _NoteLedger(tf.keras.callbacks.Callback):
     looked up (`_take_copied_values`: a callback copying another
     run's layers at a step's end), then the `accountants`' budgets checked again: a
     callback listed after a `DP_Accountant` that set another run's weights before a step
-    (its ledger composed with the model's) had that step run past the budget."""
+    (its ledger composed with the model's) had that step run past the budget; and enforced
+    (`DP_Accountant.check_next_call`: the call raises instead of running past it)."""
 
     def __init__(self, accountants=()):
         super().__init__()
@@ -2306,6 +2325,7 @@ class _NoteLedger(tf.keras.callbacks.Callback):
         self.model._take_copied_values()
         for accountant in self._accountants:
             accountant.on_train_batch_begin(batch, logs)  # plans again if the ledger changed
+            accountant.check_next_call()
 
     def on_epoch_end(self, epoch, logs=None):
         self.model._keep_high_water()
