@@ -2220,6 +2220,16 @@ def _changed_configuration(then: dict, now: dict) -> list:
     return changed
 
 
+def _resumed_step(model, epoch: int) -> int:
+    """The step of `epoch` a `fit` resumed from Keras' `BackupAndRestore` starts at (0 when
+    it starts the epoch), as Keras' `fit` reads it from the backup's counters."""
+    if getattr(model, "_training_state", None) is None:
+        return 0
+    steps = model.dataset_metadata.steps_per_epoch
+    resumed_epoch, step = model._maybe_load_initial_counters_from_ckpt(steps, epoch)
+    return int(step) if int(resumed_epoch) == epoch else 0
+
+
 class _EpochSizeCheck(tf.keras.callbacks.Callback):
     """With shuffled fixed batches, an epoch must see exactly the declared examples.
 
@@ -2237,9 +2247,12 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._start_step = self.model.dp_steps_taken
         self._poisson_examples = 0
+        self._resumed_at = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model._examples_seen.assign(0)
+        if self._resumed_at is None:  # the fit's first epoch
+            self._resumed_at = _resumed_step(self.model, epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         md = self.model.dataset_metadata
@@ -2250,6 +2263,12 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
             return
         seen = int(self.model._examples_seen.numpy())
         full = md.nb_samples_train // md.batch_size * md.batch_size
+        skipped, self._resumed_at = self._resumed_at, 0
+        if skipped:
+            # Resumed mid-epoch (BackupAndRestore with an integer save_freq): Keras runs the
+            # epoch's remaining calls on the first batches of a new pass (an audit's resumed
+            # epoch of 3 of 4 steps stopped here after its steps, 2026-12-06).
+            full = (md.steps_per_epoch - skipped) * md.batch_size
         if seen not in (md.nb_samples_train, full):
             raise RuntimeError(
                 f"Epoch {epoch + 1} trained on {seen} examples, but dataset_metadata declares "

@@ -438,6 +438,32 @@ def test_train_on_batch_and_keras_backup_and_restore_record_the_running_mechanis
     assert accounting.epsilon_spent(model) >= _reference([(8.0, 0.25, 4), (1.0, 0.25, 8)])
 
 
+def test_a_run_resumed_mid_epoch_from_shuffled_arrays_trains_on(tmp_path):
+    """BackupAndRestore with an integer ``save_freq`` resumes inside an epoch, whose
+    remaining steps see fewer examples than the metadata's N: the epoch-size check stopped
+    the resumed run after them (an audit, 2026-12-06), so such resumes never finished."""
+    x, y = _data(8)
+
+    class Kill(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.dp_steps_taken == 6:  # the second epoch's second step
+                raise KeyboardInterrupt
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(KeyboardInterrupt):
+        _model().fit(x, y, epochs=3, verbose=0, callbacks=[
+            tf.keras.callbacks.BackupAndRestore(backup, save_freq=1), Kill()])
+    resumed = _model()
+    resumed.fit(x, y, epochs=3, verbose=0,
+                callbacks=[tf.keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    assert resumed.dp_steps_taken == 12
+    # an epoch short of N, not resumed, still stops the fit (the records unchecked before)
+    short = tf.data.Dataset.from_tensor_slices((x[:48], y[:48])).filter(
+        lambda *_: True).batch(16)
+    with pytest.raises(RuntimeError, match="Epoch 1 trained on 48 examples"):
+        _model().fit(short, epochs=1, verbose=0, validate_data=False)
+
+
 def test_a_ledger_replaced_inside_a_traced_loop_stops_the_step():
     """A custom loop calling the traced step after the ledger was swapped for another
     mechanism's (no fit to record the segment): the step's guard fails before any update."""
