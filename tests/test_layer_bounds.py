@@ -448,7 +448,7 @@ def test_l2_norm_pooling_refuses_a_coefficient_that_is_not_finite_and_positive(k
         DP_GlobalL2NormPooling2D(k_coef_lip=k)
 
 
-@pytest.mark.parametrize("eps", [0.0, 1e-39, -1e-6, float("nan")])
+@pytest.mark.parametrize("eps", [0.0, 1e-39, -1e-6, float("nan"), 1e-20, 9.9e-13])
 def test_l2_norm_pooling_refuses_a_square_root_epsilon_that_is_not_positive(eps):
     """deel-lip's square root backpropagates dy / (2 (sqrt(u) + eps)): with eps = 0 (or one
     flushed to 0 in float32) an all-zero window of a finite record gave a NaN gradient,
@@ -459,6 +459,37 @@ def test_l2_norm_pooling_refuses_a_square_root_epsilon_that_is_not_positive(eps)
         DP_ScaledL2NormPooling2D(pool_size=(2, 2), eps_grad_sqrt=eps)
     with pytest.raises(ValueError, match="eps_grad_sqrt"):
         DP_GlobalL2NormPooling2D(eps_grad_sqrt=eps)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_l2_norm_pooling_gradients_stay_within_k_where_squares_underflow(fused):
+    """Windows of activations from 1e-22 to 1e-17, whose squares underflow in float32: the
+    gradient ``k dy x / (sqrt(u) + eps)`` of each window stays within k |dy| at the least
+    eps allowed (`MIN_EPS_GRAD_SQRT`), in the fused kernel and deel-lip's computation; an
+    eps below it (set past the check) goes beyond, as an audit found (2.4x at 1e-20)."""
+    from deel.lip.layers import ScaledL2NormPooling2D
+    from lipdp.layers import DP_ScaledL2NormPooling2D
+    from lipdp.layers.base import MIN_EPS_GRAD_SQRT
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(64, 4, 4, 3)) * 10.0 ** rng.uniform(-22, -17, (64, 1, 1, 1)),
+                    tf.float32)
+    cotangent = tf.constant(rng.normal(size=(64, 2, 2, 3)), tf.float32)
+
+    def worst_ratio(eps):
+        layer = DP_ScaledL2NormPooling2D(pool_size=2) if fused else ScaledL2NormPooling2D(
+            pool_size=2)
+        layer.eps_grad_sqrt = eps
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        gradient = tape.gradient(y, x, output_gradients=cotangent).numpy()
+        windows = gradient.reshape(64, 2, 2, 2, 2, 3)  # (b, i, di, j, dj, c)
+        norms = np.sqrt(np.sum(windows.astype(np.float64) ** 2, axis=(2, 4)))
+        return np.max(norms / np.abs(cotangent.numpy()))
+
+    assert worst_ratio(MIN_EPS_GRAD_SQRT) <= 1 + 1e-5
+    assert worst_ratio(1e-20) > 1.5
 
 
 def test_layer_arguments_that_cannot_run_are_refused_when_the_layer_is_made_or_built():

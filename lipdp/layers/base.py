@@ -521,6 +521,29 @@ def check_built_configuration(layer) -> None:
 _FLOAT32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 
 
+#: The least ``eps_grad_sqrt`` of the L2-norm poolings. Their gradient is deel-lip's
+#: ``k dy x / (sqrt(u) + eps)``, u the window's float32 sum of squares: it stays within the
+#: bound k |dy| only while eps covers what float32 loses of u to underflow (squares and sums
+#: flushed below 2^-126: ``sqrt(u) >= ||x|| (1 - t) - sqrt((6a + 1) mu)`` for a window of a
+#: coordinates, `lipdp.rounding.block_norm_error`'s proof), which 1e-12 does for any window of
+#: fewer than 10^13 coordinates. An audit (2026-12-06) reached 2.4 times the bound at eps =
+#: 1e-20 and 1.5e8 at 1e-24 with records scaled to 1e-18.
+MIN_EPS_GRAD_SQRT = 1e-12
+
+
+def check_eps_grad_sqrt(value) -> float:
+    """``float(value)`` for an L2-norm pooling's ``eps_grad_sqrt`` of at least
+    `MIN_EPS_GRAD_SQRT` (and in float32's range, `check_positive`); a ValueError otherwise."""
+    value = check_positive(value, "eps_grad_sqrt")
+    if value < MIN_EPS_GRAD_SQRT:
+        raise ValueError(
+            f"Received eps_grad_sqrt={value!r}, below {MIN_EPS_GRAD_SQRT:g}: the pooling's "
+            "gradient k x / (sqrt(u) + eps) exceeds its bound k when the window's squares "
+            "underflow in float32 (activations below 1e-19) and eps does not make up for them. "
+            "Keep deel-lip's default, 1e-6.")
+    return value
+
+
 def check_positive(value, name) -> float:
     """``float(value)`` for a positive number in float32's normal range (``1.2e-38`` to
     ``3.4e38``: the step computes in float32); a ValueError naming `name` otherwise. Below

@@ -10,8 +10,8 @@ from deel.lip.layers import GroupSort, ScaledL2NormPooling2D
 
 from lipdp import kernels
 from lipdp.layers._pair_sort import PAIRINGS, sort_pairs
-from lipdp.layers.base import (DPLayer, as_bound, check_float32, check_positive,
-                               pin_input_shape)
+from lipdp.layers.base import (DPLayer, as_bound, check_eps_grad_sqrt, check_float32,
+                               check_positive, pin_input_shape)
 from lipdp.rounding import (UNDERFLOW, UNIT_ROUNDOFF, block_norm_error, comparison_error,
                             rescaling_error)
 
@@ -264,7 +264,9 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
     ``||f(x)||_2 <= k ||x||_2`` and each window map is k-Lipschitz on disjoint
     coordinates: ``X_out = k X_in`` and ``G_in = k G``. (deel-lip's custom
     gradient of the square root, ``dy / (2 (sqrt(u) + eps))``, only shrinks
-    the true derivative, so the computed cotangents obey the same bound.)
+    the true derivative, and with ``eps_grad_sqrt >= 1e-12`` it also covers the float32
+    underflow of tiny windows' squares: `lipdp.layers.base.MIN_EPS_GRAD_SQRT`; so the
+    computed cotangents obey the same bound, up to relative rounding.)
     Those bounds need ``k > 0``: a negative k (which deel-lip stores as given) entered them
     as k, not |k|, and cancelled a residual section's skip path (a Lipschitz bound of 0
     and an infinite certified radius on a 1-Lipschitz network): refused.
@@ -272,12 +274,13 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
 
     def __init__(self, *args, **kwargs):
         # deel-lip's square root backpropagates dy / (2 (sqrt(u) + eps)): with eps = 0 an
-        # all-zero window gives 0 / 0, a NaN gradient from a finite record (an audit).
+        # all-zero window gives 0 / 0, a NaN gradient from a finite record (an audit), and
+        # below MIN_EPS_GRAD_SQRT underflowed squares break the gradient's bound.
         if "eps_grad_sqrt" in kwargs:  # before deel-lip's own check (a RuntimeError)
-            check_positive(float(kwargs["eps_grad_sqrt"]), "eps_grad_sqrt")
+            check_eps_grad_sqrt(float(kwargs["eps_grad_sqrt"]))
         super().__init__(*args, **kwargs)
         check_positive(float(self.k_coef_lip), "k_coef_lip")
-        check_positive(float(self.eps_grad_sqrt), "eps_grad_sqrt")
+        check_eps_grad_sqrt(float(self.eps_grad_sqrt))
         if self.data_format != "channels_last":  # None resolved from keras.json by Keras
             raise ValueError(
                 "DP_ScaledL2NormPooling2D only supports data_format='channels_last' (TensorFlow's "

@@ -10,7 +10,7 @@ import math
 import tensorflow as tf
 from deel.lip.layers import ScaledGlobalL2NormPooling2D
 
-from lipdp.layers.base import DPLayer, check_positive
+from lipdp.layers.base import DPLayer, check_eps_grad_sqrt, check_positive
 from lipdp.rounding import block_norm_error, comparison_error
 
 
@@ -21,7 +21,8 @@ class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
     The channels are disjoint blocks of coordinates, so ``||f(x)|| = k ||x||``,
     and the Jacobian of each block is ``k x_c^T / ||x_c||`` (norm k). deel-lip's
     square root backpropagates ``dy / (2 (sqrt(u) + eps))``, which only shrinks
-    the true derivative: ``X_out = k X_in``, ``G_in = k G``. Float32 rounding:
+    the true derivative (up to rounding; eps at least `lipdp.layers.base.MIN_EPS_GRAD_SQRT`
+    covers the underflow of tiny blocks' squares): ``X_out = k X_in``, ``G_in = k G``. Float32 rounding:
     `lipdp.rounding.block_norm_error` on blocks of ``H W`` coordinates (no division).
     """
 
@@ -33,8 +34,9 @@ class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
             raise ValueError("DP_GlobalL2NormPooling2D does not support keepdims=True.")
         check_positive(float(k_coef_lip), "k_coef_lip")
         # deel-lip's square root backpropagates dy / (2 (sqrt(u) + eps)): with eps = 0 an
-        # all-zero input block gives 0 / 0, a NaN gradient from a finite record (an audit).
-        check_positive(float(eps_grad_sqrt), "eps_grad_sqrt")
+        # all-zero input block gives 0 / 0, a NaN gradient from a finite record (an audit),
+        # and below MIN_EPS_GRAD_SQRT underflowed squares break the gradient's bound.
+        check_eps_grad_sqrt(float(eps_grad_sqrt))
         super().__init__(data_format="channels_last", k_coef_lip=k_coef_lip,
                          eps_grad_sqrt=eps_grad_sqrt, **kwargs)
 
