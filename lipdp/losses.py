@@ -342,16 +342,31 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
     of norm ``sqrt(1 - <u, y>^2) / ||y_pred|| <= 1/K``. Hence ``L = 1 / K``.
     Labels are mapped to one-hot.
 
+    In float32, ``||y_pred||`` loses up to about ``2.7e-19 sqrt(n)`` to squares flushed below
+    2^-126 (n logits), so the gradient's norm is at most ``(1 + 2.7e-19 sqrt(n) / K) / K``:
+    K below `MIN_K` is refused (an audit, 2026-12-06: K = 1.5e-19 and logits near 1e-19 gave
+    1.6 to 10 times 1/K).
+
     Args:
-        K: the floor of the denominator (> 0); larger K means smaller gradients.
+        K: the floor of the denominator, at least `MIN_K` = 1e-6; larger K means smaller
+            gradients.
     """
 
     takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
+    MIN_K = 1e-6
 
     def __init__(self, K=1.0, reduction=Reduction.AUTO, name="DP_KCosineSimilarity"):
-        K = check_positive(K, "K")
+        K = self._checked(K)
         super().__init__(reduction=reduction, name=name)
         self.K = float(K)
+
+    @classmethod
+    def _checked(cls, K) -> float:
+        K = check_positive(K, "K")
+        if K < cls.MIN_K:
+            raise ValueError(f"Received K={K!r}, below {cls.MIN_K:g}: float32's underflow of "
+                             "tiny logits' squares would let the gradient exceed 1/K.")
+        return K
 
     def call(self, y_true, y_pred):
         y_one_hot = _to_one_hot(class_labels(self, y_true, y_pred))
@@ -359,7 +374,7 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
         return -tf.reduce_sum(y_one_hot * y_pred, axis=-1) / norms
 
     def lipschitz(self, nb_outputs):
-        return 1.0 / self.K
+        return 1.0 / self._checked(self.K)  # K set after construction too
 
     def get_config(self):
         return {**super().get_config(), "K": self.K}

@@ -408,19 +408,20 @@ class DPParameters:
                     f"with clipping={self.clipping.value!r} (a sequence of thresholds needs "
                     f"clipping='per-layer'). Received: l2_norm_clip={clip!r}"
                 )
-            if not clip or not all(_is_positive_real(c) for c in clip):
+            if not clip or not all(_is_clip_threshold(c) for c in clip):
                 raise ValueError(
                     "Received an invalid value for `l2_norm_clip`, expected a non-empty sequence "
-                    f"of finite positive numbers. Received: l2_norm_clip={clip!r}"
+                    f"of numbers in [{MIN_CLIP:g}, {MAX_CLIP:.4g}] ({_CLIP_RANGE_REASON}). "
+                    f"Received: l2_norm_clip={clip!r}"
                 )
             object.__setattr__(self, "l2_norm_clip", tuple(float(c) for c in clip))
-        elif _is_positive_real(clip):
+        elif _is_clip_threshold(clip):
             object.__setattr__(self, "l2_norm_clip", float(clip))
         else:
             raise ValueError(
-                "Received an invalid value for `l2_norm_clip`, expected a finite positive number "
-                "(or, with clipping='per-layer', a sequence of them). "
-                f"Received: l2_norm_clip={clip!r}"
+                f"Received an invalid value for `l2_norm_clip`, expected a number in "
+                f"[{MIN_CLIP:g}, {MAX_CLIP:.4g}] (or, with clipping='per-layer', a sequence of "
+                f"them; {_CLIP_RANGE_REASON}). Received: l2_norm_clip={clip!r}"
             )
 
     def get_config(self) -> dict:
@@ -445,6 +446,22 @@ class DPParameters:
 
 def _is_real(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+#: The clipping thresholds classic DP-SGD accepts. The engines compute squared norms in
+#: float32, where squares below 2^-126 are flushed: a gradient of P coordinates loses up to
+#: about sqrt((6P + 1) 2^-126) = 2.7e-19 sqrt(P) of its norm, and one below C passes unclipped.
+#: From C = 1e-6 that excess is under 3e-7 C for a trillion coordinates; an audit
+#: (2026-12-06) passed gradients 10 to 1e6 times C with C from 1e-20 to 1e-30, and C beyond
+#: float32's range became 0 (NaN clip factors on the records whose gradient underflowed) or
+#: inf (NaN on every step).
+MIN_CLIP, MAX_CLIP = 1e-6, 3.4028234663852886e38  # float32's largest finite
+_CLIP_RANGE_REASON = ("below it, float32's underflow of tiny gradients' squares lets them "
+                      "pass unclipped; above it, float32 overflows")
+
+
+def _is_clip_threshold(value):
+    return _is_positive_real(value) and MIN_CLIP <= float(value) <= MAX_CLIP
 
 
 def _is_positive_real(value):

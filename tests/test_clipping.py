@@ -734,3 +734,14 @@ def test_the_coupling_probe_accepts_per_example_models_and_has_no_side_effect():
     assert model.get_layer("counter").calls.numpy() == 1.0
     assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.variables)
                if "spectral" in v.name)
+
+
+@pytest.mark.parametrize("clip", [1e-7, 1e-20, 1e-40, 1e39, [1.0, 1e-9]])
+def test_a_threshold_outside_what_float32_clips_soundly_is_refused(clip):
+    """Squared norms are float32 in both engines: a gradient of entries below 1e-19 has a
+    computed norm of 0 and passed unclipped at C = 1e-20 (10 C; 1e6 C at C = 1e-30: an
+    audit, 2026-12-06), a C below float32's range became 0 (NaN clip factors on such
+    records) and one above it inf (NaN on every step)."""
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        _params(clip, "per-layer" if isinstance(clip, list) else "flat")
+    assert _params(1e-6, "flat").l2_norm_clip == 1e-6

@@ -553,3 +553,25 @@ def test_a_configuration_changed_after_build_is_refused_by_the_bounds():
         gradient_bounds(model, DP_MulticlassKR())
     with pytest.raises(ValueError, match=message):
         model.compile(loss=DP_MulticlassKR(), optimizer="sgd")
+
+
+def test_the_input_clip_gives_finite_gradients_and_the_same_values_at_every_scale():
+    """``min(1, t / ||x||)`` is computed as ``t / max(||x||, t)``: the same float32 values (so
+    the same rounding proof), and inside the ball no gradient through the division, whose
+    derivative overflowed there: with X0 = 1e19, a record of norm 1e-16 behind a kernel gave
+    NaN gradients to that kernel (an audit, 2026-12-06), stopping the step that sampled it."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 128)) * 10.0 ** rng.uniform(-25, 25, size=(40, 1))
+    x = tf.constant(x, tf.float32)
+    for bound in (1e-3, 10.0, 1e19, 1e30):
+        layer = DP_BoundedActivation(bound)
+        layer.build(x.shape)
+        norms = tf.sqrt(tf.reduce_sum(tf.square(x), axis=1, keepdims=True))
+        target = tf.constant(layer.target, tf.float32)
+        before = x * tf.minimum(1.0, target / tf.maximum(norms, 1e-30))  # the old expression
+        np.testing.assert_array_equal(layer(x).numpy(), before.numpy())
+    kernel = tf.Variable(tf.eye(128))
+    with tf.GradientTape() as tape:
+        total = tf.reduce_sum(DP_BoundedActivation(1e19)(tf.fill((1, 128), 1e-17) @ kernel))
+    gradient = tape.gradient(total, kernel).numpy()
+    np.testing.assert_allclose(gradient, np.full((128, 128), 1e-17), rtol=1e-6)

@@ -246,3 +246,27 @@ def test_overflowing_logits_give_finite_losses_and_gradients_within_the_constant
     assert np.all(np.isfinite(gradient)), name
     norms = np.linalg.norm(gradient, axis=1)
     assert np.all(norms <= loss.lipschitz(k) * (1 + 1e-5)), (name, norms.max())
+
+
+def test_k_cosine_refuses_a_floor_below_which_underflow_breaks_its_constant():
+    """The norm of logits near 1e-19 loses their squares to float32's flush: at K = 1.2e-19
+    (an audit, 2026-12-06) the gradient reached 10 times 1/K. At the least K allowed the
+    same logits keep it within 1/K; a smaller K is refused, set later too."""
+    n = 1000
+    logits = tf.constant(np.r_[2e-19, np.full(n - 1, 1.05e-19)][None], tf.float32)
+    labels = tf.one_hot([0], n)
+
+    def gradient_over_constant(loss):
+        with tf.GradientTape() as tape:
+            tape.watch(logits)
+            value = loss.call(labels, logits)
+        return float(tf.norm(tape.gradient(value, logits))) * loss.K
+
+    assert gradient_over_constant(DP_KCosineSimilarity(DP_KCosineSimilarity.MIN_K)) <= 1 + 1e-6
+    past_the_check = DP_KCosineSimilarity(1.0)
+    past_the_check.K = 1.2e-19
+    assert gradient_over_constant(past_the_check) > 2  # what the floor prevents
+    with pytest.raises(ValueError, match="below 1e-06"):
+        DP_KCosineSimilarity(1e-7)
+    with pytest.raises(ValueError, match="below 1e-06"):
+        past_the_check.lipschitz(n)

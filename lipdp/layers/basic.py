@@ -93,7 +93,12 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
         axes = list(range(1, inputs.shape.rank))
         norms = tf.sqrt(tf.reduce_sum(tf.square(inputs), axis=axes, keepdims=True))
         target = tf.constant(self.target, inputs.dtype)
-        scale = tf.minimum(tf.constant(1.0, inputs.dtype), target / tf.maximum(norms, 1e-30))
+        # min(1, t / ||x||) as t / max(||x||, t): the same float32 value (fl is monotone, and
+        # t / t = 1), but inside the ball no gradient reaches the division, whose
+        # derivative -t / ||x||^2 overflowed there: with X0 = 1e19 a record of norm 1e-16
+        # gave NaN gradients to the kernel before a DP_BoundedActivation (an audit,
+        # 2026-12-06), a record-dependent stop of the step.
+        scale = target / tf.maximum(norms, target)
         return inputs * scale
 
     def propagate_inputs(self, input_bound):
@@ -114,9 +119,11 @@ class DP_BoundedInput(tf.keras.layers.Layer, DPLayer):
 
         Proof (`lipdp.rounding`, A1). The sum of squares is ``s^ = s (1 + t1) + h``
         with ``s = ||z||^2``, ``|t1| <= gamma_n``, ``|h| <= 4 n mu`` (Lemma 5's argument).
+        `call` computes the scale as ``c = fl(t / max(||z||^, t))``, which is
+        ``min(1, fl(t / ||z||^))``: division is monotone and ``fl(t / t) = 1``.
         (i) If ``s >= 4 n mu / u``, then ``|h| <= u s``, ``s^ = s (1 + t1')`` with
         ``|t1'| <= gamma_{n+1}``, the computed norm (correctly rounded square root,
-        above the 1e-30 floor) is ``||z|| sqrt(1 + t1') (1 + d2)`` and the ratio
+        when it exceeds t) is ``||z|| sqrt(1 + t1') (1 + d2)`` and the ratio
         ``q^ = t / ||z|| * (1 + d3) / (sqrt(1 + t1') (1 + d2))`` is within a relative
         ``eps = max((1 + u) / (sqrt(1 - gamma_{n+1}) (1 - u)) - 1,
         1 - (1 - u) / (sqrt(1 + gamma_{n+1}) (1 + u)))`` of ``q = t / ||z||`` (an
