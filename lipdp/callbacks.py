@@ -224,8 +224,9 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     def check_next_call(self):
         """Raise a RuntimeError when the train function's next call would take the ledger
         past ``max_steps``. `fit` of a DP model runs it right before each call, after every
-        callback's ``on_train_batch_begin`` (and `on_train_batch_begin`'s plan), and its
-        `train_on_batch` before the step. The stop flag this callback sets is Keras' to
+        callback's ``on_train_batch_begin`` (and `on_train_batch_begin`'s plan), for its own
+        accountants and those of the fits it runs inside, and its `train_on_batch` before the
+        step. The stop flag this callback sets is Keras' to
         honour: an audit (2026-12-06) ran 12 steps of 6 allowed (epsilon 49.3 for a budget
         of 31.3) with a callback clearing ``model.stop_training`` after it, 8 of 6 with
         ``model.steps_per_execution`` raised from 2 to 4 after its check, and 8 of 6 with

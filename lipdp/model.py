@@ -2344,6 +2344,9 @@ class _NoteLedger(tf.keras.callbacks.Callback):
         self.model._take_copied_values()
         for accountant in self._accountants:
             accountant.on_train_batch_begin(batch, logs)  # plans again if the ledger changed
+        # This fit's and those of the fits it runs in (a fit called from a callback of
+        # another, without an accountant, ran 8 steps past the outer one's budget: an audit).
+        for accountant in self.model._fit_accountants:
             accountant.check_next_call()
 
     def on_epoch_end(self, epoch, logs=None):

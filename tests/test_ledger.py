@@ -522,8 +522,8 @@ def test_the_budget_holds_with_several_steps_per_execution():
 
 class _Meddle(tf.keras.callbacks.Callback):
     """Listed after the accountant, after each call of the train function: clears its stop
-    flag, raises the steps per call from 2 to 4 (after the second call), or takes three steps
-    of its own with `train_on_batch`."""
+    flag, raises the steps per call from 2 to 4 (after the second call), takes three steps
+    of its own with `train_on_batch`, or runs a `fit` of two epochs."""
 
     def __init__(self, how, batch):
         super().__init__()
@@ -538,24 +538,28 @@ class _Meddle(tf.keras.callbacks.Callback):
         elif self.how == "train_on_batch":
             for _ in range(3):
                 self.model.train_on_batch(*self.batch)
+        elif self.how == "fit of its own":
+            self.model.fit(*self.batch, epochs=2, verbose=0)
 
 
 @pytest.mark.parametrize("how", ["stop flag cleared", "steps per call raised",
-                                 "train_on_batch"])
+                                 "train_on_batch", "fit of its own"])
 def test_no_callback_runs_training_past_the_budget(how):
     """An audit (2026-12-06), 6 steps allowed: a callback after the accountant clearing
     ``model.stop_training`` ran 12, one raising ``model.steps_per_execution`` from 2 to 4
-    after the accountant's check 8, one calling ``train_on_batch`` 8. The call that would
+    after the accountant's check 8, one calling ``train_on_batch`` 8, one running a `fit`
+    of its own without an accountant 12. The call that would
     pass the budget now raises before it runs (`DP_Accountant.check_next_call`); Keras'
     tuner of the steps per call, which changes them from its own thread, is refused."""
     x, y = _data(7)
     model = _model(sigma=1.0, strategy="global")
     model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.SGD(0.01),
-                  steps_per_execution=1 if how == "train_on_batch" else 2)
+                  steps_per_execution=1 if how in ("train_on_batch", "fit of its own") else 2)
     budget = 0.5 * (_reference([(1.0, 0.25, 6)]) + _reference([(1.0, 0.25, 7)]))
     with pytest.raises(RuntimeError, match="past the 6 that fit"):
         model.fit(x, y, epochs=10, verbose=0, callbacks=[
-            lipdp.DP_Accountant(epsilon_budget=budget), _Meddle(how, (x[:16], y[:16]))])
+            lipdp.DP_Accountant(epsilon_budget=budget),
+            _Meddle(how, (x, y) if how == "fit of its own" else (x[:16], y[:16]))])
     assert model.dp_steps_taken <= 6
     assert accounting.epsilon_spent(model) <= budget
     with pytest.raises(ValueError, match="steps_per_execution='auto'"):
