@@ -35,7 +35,7 @@ import tensorflow as tf
 from deel.lip.losses import TauBinaryCrossentropy, TauCategoricalCrossentropy, multiclass_hinge
 from tensorflow.keras.losses import Reduction
 
-from lipdp.layers.base import check_positive
+from lipdp.layers.base import check_at_least, check_positive
 
 
 class DP_Loss:
@@ -362,11 +362,8 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
 
     @classmethod
     def _checked(cls, K) -> float:
-        K = check_positive(K, "K")
-        if K < cls.MIN_K:
-            raise ValueError(f"Received K={K!r}, below {cls.MIN_K:g}: float32's underflow of "
-                             "tiny logits' squares would let the gradient exceed 1/K.")
-        return K
+        return check_at_least(K, "K", cls.MIN_K, "float32's underflow of tiny logits' squares "
+                              "would let the gradient exceed 1/K.")
 
     def call(self, y_true, y_pred):
         y_one_hot = _to_one_hot(class_labels(self, y_true, y_pred))

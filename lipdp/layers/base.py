@@ -531,17 +531,23 @@ _FLOAT32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).
 MIN_EPS_GRAD_SQRT = 1e-12
 
 
+def check_at_least(value, name, least, why) -> float:
+    """``float(value)`` for a number in float32's normal range (`check_positive`) and at least
+    `least`; a ValueError naming `name` and saying `why` the floor is there otherwise."""
+    value = check_positive(value, name)
+    if value < least:
+        raise ValueError(f"Received {name}={value!r}, below {least:g}: {why}")
+    return value
+
+
 def check_eps_grad_sqrt(value) -> float:
     """``float(value)`` for an L2-norm pooling's ``eps_grad_sqrt`` of at least
-    `MIN_EPS_GRAD_SQRT` (and in float32's range, `check_positive`); a ValueError otherwise."""
-    value = check_positive(value, "eps_grad_sqrt")
-    if value < MIN_EPS_GRAD_SQRT:
-        raise ValueError(
-            f"Received eps_grad_sqrt={value!r}, below {MIN_EPS_GRAD_SQRT:g}: the pooling's "
-            "gradient k x / (sqrt(u) + eps) exceeds its bound k when the window's squares "
-            "underflow in float32 (activations below 1e-19) and eps does not make up for them. "
-            "Keep deel-lip's default, 1e-6.")
-    return value
+    `MIN_EPS_GRAD_SQRT`; a ValueError otherwise."""
+    return check_at_least(
+        value, "eps_grad_sqrt", MIN_EPS_GRAD_SQRT,
+        "the pooling's gradient k x / (sqrt(u) + eps) exceeds its bound k when the window's "
+        "squares underflow in float32 (activations below 1e-19) and eps does not make up for "
+        "them. Keep deel-lip's default, 1e-6.")
 
 
 def check_positive(value, name) -> float:
