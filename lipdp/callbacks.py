@@ -132,6 +132,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         self._planned_with = None  # the ledger max_steps was computed from, until epoch 1
         self._seen = None  # the ledger when the plan was made or the last step ended
         self._decoded = None  # the last ledger read: (its stored form, its decoded form)
+        self._unlogged_plan = None  # the plan's line, until the first epoch begins
 
     # ------------------------------------------------------------------ helpers
     def _ledger(self, state=None):
@@ -160,13 +161,16 @@ class DP_Accountant(tf.keras.callbacks.Callback):
             )
         self._planned_with = None
         if self.epsilon_budget is not None:
-            self._plan()
+            # Logged at the first epoch: a resumed run printed "0 already taken" before its
+            # BackupAndRestore, listed after this callback, restored the steps taken.
+            self._plan(quiet=True)
 
     def on_epoch_begin(self, epoch, logs=None):
         # A callback listed after this one (tf.keras.callbacks.BackupAndRestore) may have
         # restored another ledger since on_train_begin: plan again from the restored one.
         if self._planned_with is not None and self._planned_with != self._ledger_state():
             self._plan()
+        self._log_plan()
         self._planned_with = None
 
     def _ledger_state(self):
@@ -183,8 +187,9 @@ class DP_Accountant(tf.keras.callbacks.Callback):
             self._decoded = key, (steps, PrivacyLedger.from_rows(rows, steps))
         return self._decoded[1]
 
-    def _plan(self):
-        """``max_steps`` from the model's ledger; raises if not one more call fits."""
+    def _plan(self, quiet: bool = False):
+        """``max_steps`` from the model's ledger; raises if not one more call fits. Logs the
+        plan, or keeps its line for `on_epoch_begin` when `quiet`."""
         self._planned_with = self._seen = state = self._ledger_state()
         mechanism = self.model.step_mechanism
         sigma, q = mechanism.step_noise_multiplier, mechanism.sampling_rate
@@ -207,10 +212,17 @@ class DP_Accountant(tf.keras.callbacks.Callback):
                 f"delta={delta:g}: {reason}. Step noise multiplier={sigma:g}, "
                 f"sampling rate={q:g}."
             )
-        self._log(
+        self._unlogged_plan = (
             f"lipdp: epsilon_budget={self.epsilon_budget:g} (delta={delta:g}) allows "
             f"{self.max_steps} steps; {steps} already taken (epsilon={epsilon:.4g})."
         )
+        if not quiet:
+            self._log_plan()
+
+    def _log_plan(self):
+        if self._unlogged_plan is not None:
+            self._log(self._unlogged_plan)
+            self._unlogged_plan = None
 
     def on_train_batch_begin(self, batch, logs=None):
         """Plan again, before the step, when the ledger changed since the last step ended (no

@@ -109,13 +109,13 @@ class _Interrupt(tf.keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-def _budget_run(backup_dir, interrupt_at=None, budget=3.0):
+def _budget_run(backup_dir, interrupt_at=None, budget=3.0, log_fn=None):
     """A fit of 40 epochs that the budget stops mid-epoch (38 steps: 6 per epoch at sigma 2,
     q = 256 / 1438, epsilon 3; 7 at epsilon 1.5); the DP_Accountant is listed
     *before* BackupAndRestore, so it first plans with the ledger of a fresh model."""
     ds, _, metadata = _data()
     model = _model(metadata)
-    callbacks = [lipdp.DP_Accountant(epsilon_budget=budget)]
+    callbacks = [lipdp.DP_Accountant(epsilon_budget=budget, log_fn=log_fn)]
     if interrupt_at is not None:
         callbacks.append(_Interrupt(interrupt_at))
     if backup_dir is not None:
@@ -130,8 +130,14 @@ def test_backup_and_restore_resumes_with_the_same_steps_and_epsilon(tmp_path):
     assert steps % 6 != 0, "the budget should stop the run mid-epoch"
     with pytest.raises(RuntimeError, match="interrupted"):
         _budget_run(str(tmp_path), interrupt_at=3)
-    resumed = _budget_run(str(tmp_path))  # a new process would build the same model
+    lines = []
+    resumed = _budget_run(str(tmp_path), log_fn=lines.append)  # as a new process would
     assert resumed.dp_steps_taken == steps
+    # The plan printed is the restored ledger's, not the fresh model's "0 already taken".
+    plans = [line for line in lines if "already taken" in line]
+    taken = _expected_epsilon(resumed, 18)
+    assert plans == [f"lipdp: epsilon_budget=3 (delta=1e-05) allows {steps} steps; 18 already "
+                     f"taken (epsilon={taken:.4g})."]
     epsilon = lipdp.accounting.epsilon_spent(resumed)
     assert epsilon == lipdp.accounting.epsilon_spent(uninterrupted)
     assert epsilon == pytest.approx(_expected_epsilon(resumed, steps), rel=1e-9)

@@ -102,6 +102,10 @@ def test_resumed_run_matches_the_uninterrupted_run(runs):
         numbers = json.load(f)["per_epoch"]["epoch"]
     assert numbers == list(range(state["checkpoint_steps"] // 23 + 1, 16))
     assert "resuming from it now" in resumed_output
+    # The budget's plan is printed once, from the restored ledger.
+    steps = state["checkpoint_steps"]
+    plans = [line for line in resumed_output.splitlines() if "already taken" in line]
+    assert len(plans) == 1 and f"allows 342 steps; {steps} already taken" in plans[0], plans
     assert f"{expected['steps']} steps" in resumed_output
     # The backup is deleted when the run ends; no temporary file is left in the folder.
     assert not os.path.exists(os.path.join(killed, "checkpoint"))
