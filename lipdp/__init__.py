@@ -10,13 +10,16 @@ mode="clipped", ...)``, `lipdp.clipping`) for comparison.
 import os as _os
 import sys as _sys
 
-# The `lipdp` command shows lipdp's own lines: unless the user set TF_CPP_MIN_LOG_LEVEL,
-# TensorFlow's C++ start-up log (CUDA, cuDNN, TensorRT and CPU-feature lines, among them
-# spurious "Unable to register" errors) is hidden, and `lipdp.cli` lowers its Python logger;
-# `lipdp ... --verbose` keeps them.
+# The `lipdp` command (or ``python -m lipdp.cli``) shows lipdp's own lines: unless the user
+# set TF_CPP_MIN_LOG_LEVEL, TensorFlow's C++ start-up log (CUDA, cuDNN, TensorRT and
+# CPU-feature lines, among them spurious "Unable to register" errors) is hidden, and
+# `lipdp.cli` lowers its Python logger; `lipdp ... --verbose` keeps them.
 # This must run before TensorFlow is imported; importing lipdp as a library changes nothing.
 _ARGV = getattr(_sys, "argv", None) or [""]
-_QUIET_TENSORFLOW = (_os.path.basename(_ARGV[0]) == "lipdp" and "--verbose" not in _ARGV
+_ORIG_ARGV = list(getattr(_sys, "orig_argv", None) or [])
+_RUN_AS_CLI = (_os.path.basename(_ARGV[0]) == "lipdp"
+               or any(a == "-m" and b == "lipdp.cli" for a, b in zip(_ORIG_ARGV, _ORIG_ARGV[1:])))
+_QUIET_TENSORFLOW = (_RUN_AS_CLI and "--verbose" not in _ARGV
                      and "TF_CPP_MIN_LOG_LEVEL" not in _os.environ)
 if _QUIET_TENSORFLOW:
     _os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"

@@ -693,9 +693,9 @@ def test_certified_multiscale_scatternet_trains_and_certifies_in_pixel_space(fak
 
 
 def test_data_command_and_a_quiet_console(tmp_path):
-    """`lipdp data NAME` checks a dataset; the `lipdp` command prints lipdp's lines only:
-    no TensorFlow start-up log (CUDA, cuDNN, TensorRT, CPU features) unless the user sets
-    TF_CPP_MIN_LOG_LEVEL, and no runpy warning."""
+    """`lipdp data NAME` checks a dataset; the `lipdp` command (and ``python -m lipdp.cli``)
+    prints lipdp's lines only: no TensorFlow start-up log (CUDA, cuDNN, TensorRT, CPU
+    features) unless the user sets TF_CPP_MIN_LOG_LEVEL, and no runpy warning."""
     import subprocess
     import sys
 
@@ -705,6 +705,11 @@ def test_data_command_and_a_quiet_console(tmp_path):
                           timeout=120, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("lipdp: digits found: scikit-learn") and done.stderr == ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    module = subprocess.run([sys.executable, "-m", "lipdp.cli", "data", "digits"],
+                            capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                            env={**env, "PYTHONPATH": root})
+    assert module.returncode == 0 and module.stderr == "", module.stderr
     loud = subprocess.run([script, "data", "digits"], capture_output=True, text=True,
                           env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=120,
                           cwd=str(tmp_path))
