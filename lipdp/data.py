@@ -140,7 +140,10 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     ``reshuffle_each_iteration=False``. A shuffle after batching only reorders fixed
     batches; a smaller buffer only swaps each record with its neighbours in the input
     order (``shuffle(1)`` keeps it), so its batch is largely known in advance; a shuffle
-    that replays its order holds the same batches every epoch. Randomness of another kind
+    that replays its order holds the same batches every epoch, and so does one followed by
+    a ``cache`` or ``snapshot``, which replay the first epoch's records in their first
+    order (an audit, 2026-12-06: ``shuffle(N).batch(B).cache()`` trained on one epoch's
+    batches three times, silently). Randomness of another kind
     (a random ``filter``, sampling from datasets) is not seen.
     """
     from tensorflow.core.framework import graph_pb2
@@ -178,6 +181,9 @@ def unshuffled_batching(dataset: tf.data.Dataset,
                 not shuffle.attr["reshuffle_each_iteration"].b:
             return ("shuffles with reshuffle_each_iteration=False: every epoch holds the "
                     "same batches")
+        if shuffle.name in replayed:
+            return ("caches its records after shuffling them (cache or snapshot): every "
+                    "epoch replays the first one's order, so holds the same batches")
         size = buffer_size(shuffle)
         if nb_records is not None and size is not None and size < nb_records:
             return (f"shuffles in a buffer of {size} records, fewer than the {nb_records} "
@@ -185,8 +191,11 @@ def unshuffled_batching(dataset: tf.data.Dataset,
                     "the input order, so its batch is largely known in advance")
         return None
 
-    batches = [n for n in _data_path(graph, node_of)
-               if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))]
+    path = _data_path(graph, node_of)
+    replayed = {shuffle.name for node in path
+                if node.op.startswith(("CacheDataset", "SnapshotDataset"))
+                for shuffle in shuffles_upstream(node, set())}
+    batches = [n for n in path if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))]
     if not batches:
         return None
     for batch in batches:

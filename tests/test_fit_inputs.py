@@ -655,6 +655,10 @@ def test_arrays_are_refused_without_shuffling(shuffle):
     (lambda d: d.shuffle(N - 1).batch(BATCH), f"a buffer of {N - 1} records"),
     (lambda d: d.shuffle(N, reshuffle_each_iteration=False).batch(BATCH),
      "reshuffle_each_iteration=False"),
+    # A cache after the shuffle replays the first epoch's order (an audit, 2026-12-06).
+    (lambda d: d.shuffle(N).batch(BATCH).cache(), "caches its records after shuffling"),
+    (lambda d: d.shuffle(N).cache().batch(BATCH), "caches its records after shuffling"),
+    (lambda d: d.cache().shuffle(N).batch(BATCH), None),
     (lambda d: d.shuffle(N, seed=0).map(lambda x, y: (x, y)).batch(BATCH).prefetch(1), None),
     (lambda d: d.shuffle(N).shuffle(4).batch(BATCH), None),  # one shuffle of every record
     (lambda d: d.shuffle(4).shuffle(2 * N).batch(BATCH), None),
@@ -679,6 +683,15 @@ def test_a_dataset_batching_unshuffled_records_warns(pipeline, warned):
                   and "a record's batch is not random" in str(w.message)]
     assert len(unshuffled) == (warned is not None)
     assert warned is None or warned in unshuffled[0]
+
+
+def test_a_snapshot_after_the_shuffle_is_read_as_fixed_batches(tmp_path):
+    """``snapshot`` replays its first epoch's records, in their first order, like ``cache``."""
+    records = tf.data.Dataset.range(N)
+    after = records.shuffle(N).snapshot(str(tmp_path / "after")).batch(BATCH)
+    before = records.snapshot(str(tmp_path / "before")).shuffle(N).batch(BATCH)
+    assert "caches its records after shuffling" in lipdp.data.unshuffled_batching(after, N)
+    assert lipdp.data.unshuffled_batching(before, N) is None
 
 
 # --------------------------------------------------------------------------- #
