@@ -55,8 +55,11 @@ LOGIT_CAP = 2.0 ** 100
 
 
 def _capped(y_pred, temperature=1.0) -> tf.Tensor:
-    """`y_pred` clipped to ``[-LOGIT_CAP / temperature, LOGIT_CAP / temperature]``."""
-    cap = LOGIT_CAP / temperature
+    """`y_pred` clipped to ``[-c, c]``, ``c = LOGIT_CAP / max(temperature, 1)``: `temperature`
+    times a logit stays below 2^100, and so does a loss of the size of a logit. With
+    ``LOGIT_CAP / temperature`` alone, a temperature below 2^-27 let the loss (``CE / tau``,
+    about a logit difference) overflow to inf, and below 2^-28 the cap itself was inf."""
+    cap = LOGIT_CAP / tf.maximum(tf.cast(temperature, tf.float32), 1.0)
     return tf.clip_by_value(y_pred, -cap, cap)
 
 
@@ -173,8 +176,9 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     simplex (scaled by at most 1) and have non-negative inner product, so its squared norm is
     at most ``||p||^2 + ||y||^2 <= 2``: ``L = sqrt(2)``, for every ``tau`` and every margin.
 
-    The shifted logits are clipped to ``[-2^100 / tau, 2^100 / tau]`` first (`LOGIT_CAP`):
-    beyond, ``tau`` times a float32 logit overflowed to inf and the softmax to NaN.
+    The shifted logits are clipped to ``[-2^100 / tau, 2^100 / tau]`` first (2^100 for tau
+    below 1, `LOGIT_CAP`): beyond, ``tau`` times a float32 logit overflowed to inf and the
+    softmax to NaN, or the loss itself (a logit difference) overflowed.
     """
 
     takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
@@ -206,7 +210,7 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
 
     deel-lip maps labels to {0, 1} (``y > 0``); the per-logit gradient is
     ``(sigmoid(tau y_pred) - y) / K``, in ``[-1/K, 1/K]``, so ``L = 1 / sqrt(K)``. Logits are
-    clipped to ``[-2^100 / tau, 2^100 / tau]`` (`LOGIT_CAP`).
+    clipped to ``[-2^100 / tau, 2^100 / tau]`` (2^100 for tau below 1, `LOGIT_CAP`).
     """
 
     def __init__(self, tau=1.0, reduction=Reduction.AUTO, name="DP_TauBCE"):

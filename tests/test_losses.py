@@ -203,7 +203,8 @@ def test_mean_absolute_error_of_finite_targets_is_finite_in_a_batch_sum():
     assert np.all(norms <= loss.lipschitz(2) * (1 + 1e-6))
 
 
-@pytest.mark.parametrize("tau, margin", [(1.0, 0.0), (10.0, 0.0), (100.0, 0.5)])
+@pytest.mark.parametrize("tau, margin", [(1.0, 0.0), (10.0, 0.0), (100.0, 0.5), (1e-9, 0.0),
+                                        (1e-30, 1.0)])
 def test_tau_cross_entropy_of_overflowing_logits_is_finite_and_within_its_constant(tau, margin):
     """Finite logits whose product with tau overflows float32 (about 3.4e38 / tau and up): the
     softmax gave NaN, and the private step stopped at the example that produced them. The
