@@ -2362,9 +2362,12 @@ class _NoteLedger(tf.keras.callbacks.Callback):
 
 class _StartSampler(tf.keras.callbacks.Callback):
     """A `lipdp.data.BatchSampler` draws next the batch of the model's next private step
-    (``dp_steps_taken``, read after any checkpoint was restored); warns when those draws
-    already served another model (the sampler's ``steps_drawn_by``): a second model fitted
-    on the same pipeline replayed the first one's batches exactly (an audit)."""
+    (``dp_steps_taken``, read after any checkpoint was restored), at the start of training
+    and again before every epoch's pass (listed last, after every callback's
+    ``on_epoch_begin``): an epoch resumed mid-way uses only its pass's first batches.
+    Warns when those draws already served another model (the sampler's
+    ``steps_drawn_by``): a second model fitted on the same pipeline replayed the first
+    one's batches exactly (an audit)."""
 
     def __init__(self, sampler):
         super().__init__()
@@ -2386,6 +2389,10 @@ class _StartSampler(tf.keras.callbacks.Callback):
                 "them (their samplings are the same, not independent). Build a new pipeline "
                 "(lipdp.data.load_dataset again, a fresh secret seed) for each model."),
                 stacklevel=2)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.sampler is not None:
+            self.sampler.start_at(self.model.dp_steps_taken)
 
     def on_train_end(self, logs=None):
         if self.sampler is not None:

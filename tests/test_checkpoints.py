@@ -156,6 +156,61 @@ def test_a_spent_budget_stays_spent_after_restore(tmp_path):
     assert restored.dp_steps_taken == model.dp_steps_taken
 
 
+class _BatchSizes(tf.keras.callbacks.Callback):
+    """``{step: examples}`` of every private step this fit ran (the model's count of
+    examples restarts at each epoch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes, self._seen = {}, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._seen = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        seen = int(self.model._examples_seen.numpy())
+        self.sizes[self.model.dp_steps_taken - 1], self._seen = seen - self._seen, seen
+
+
+class _KillAt(tf.keras.callbacks.Callback):
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.dp_steps_taken == self.steps:
+            raise KeyboardInterrupt
+
+
+def test_a_poisson_run_resumed_mid_epoch_twice_trains_step_t_on_draw_t(tmp_path):
+    """A seeded Poisson pipeline, a backup every 2 steps, killed at step 5 (its backup at 4,
+    inside the first epoch) and, resumed, killed at step 9 (backup at 8); resumed again to
+    the end. The resumed first epoch used 2 of its pass's 6 draws: with a draw counter
+    advanced as the prefetch read ahead, the steps after it trained on later draws, and
+    the second resume drew the used ones again (an audit, 2026-12-06: replayed draws,
+    epsilon under-reported). Each step of the final model's history must have trained on
+    the draw of its own index (told apart by their sizes)."""
+    ds, _, _ = _data()
+    draws = [int(y.shape[0]) for _ in range(4) for _, y in ds]  # draws 0..23, in order
+    assert len(draws) == 24 and len(set(draws)) > 12
+    backup, runs = str(tmp_path / "backup"), []
+    for kill in (5, 9, None):
+        ds, _, metadata = _data()
+        sizes = _BatchSizes()
+        callbacks = [sizes, BackupAndRestore(backup, save_freq=2)]
+        try:
+            _model(metadata).fit(ds, epochs=4, verbose=0,
+                                 callbacks=callbacks + ([_KillAt(kill)] if kill else []))
+        except KeyboardInterrupt:
+            pass
+        runs.append(sizes.sizes)
+    history = {**{t: n for t, n in runs[0].items() if t < 4},
+               **{t: n for t, n in runs[1].items() if 4 <= t < 8},
+               **{t: n for t, n in runs[2].items() if t >= 8}}
+    assert sorted(history) == list(range(24))
+    assert [history[t] for t in range(24)] == draws
+
+
 def test_budget_plans_from_the_ledger_a_later_callback_restores(tmp_path):
     """Keras' own BackupAndRestore (no mechanism check) listed after the accountant restores
     18 steps at sigma 2 into a model compiled at sigma 3: the budget must count them."""
