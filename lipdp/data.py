@@ -195,7 +195,11 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     replayed = {shuffle.name for node in path
                 if node.op.startswith(("CacheDataset", "SnapshotDataset"))
                 for shuffle in shuffles_upstream(node, set())}
-    batches = [n for n in path if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))]
+    # Batches an `unbatch` undoes downstream are not the training batches.
+    unbatched = {n.name for node in path if node.op.startswith("UnbatchDataset")
+                 for n in [node, *_upstream(node, node_of)]}
+    batches = [n for n in path if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))
+               and n.name not in unbatched]
     if not batches:
         return None
     for batch in batches:
@@ -205,6 +209,17 @@ def unshuffled_batching(dataset: tf.data.Dataset,
         if None not in flaws:
             return flaws[0]
     return None
+
+
+def _upstream(node, node_of) -> list:
+    """Every node of a serialized pipeline upstream of `node`."""
+    stack, seen = [node], {}
+    while stack:
+        for parent in map(node_of, stack.pop().input):
+            if parent is not None and parent.name not in seen:
+                seen[parent.name] = parent
+                stack.append(parent)
+    return list(seen.values())
 
 
 def _data_path(graph, node_of) -> list:

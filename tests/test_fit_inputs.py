@@ -659,6 +659,11 @@ def test_arrays_are_refused_without_shuffling(shuffle):
     (lambda d: d.shuffle(N).batch(BATCH).cache(), "caches its records after shuffling"),
     (lambda d: d.shuffle(N).cache().batch(BATCH), "caches its records after shuffling"),
     (lambda d: d.cache().shuffle(N).batch(BATCH), None),
+    # batches an unbatch undoes are not the training batches (a review, 2026-12-06)
+    (lambda d: d.shuffle(N).batch(BATCH).cache().unbatch().shuffle(N).batch(BATCH), None),
+    (lambda d: d.batch(BATCH).unbatch().shuffle(N).batch(BATCH), None),
+    (lambda d: d.shuffle(N).batch(BATCH).unbatch().batch(BATCH), None),
+    (lambda d: d.batch(BATCH).shuffle(4).unbatch().batch(BATCH), "a buffer of 4 records"),
     (lambda d: d.shuffle(N, seed=0).map(lambda x, y: (x, y)).batch(BATCH).prefetch(1), None),
     (lambda d: d.shuffle(N).shuffle(4).batch(BATCH), None),  # one shuffle of every record
     (lambda d: d.shuffle(4).shuffle(2 * N).batch(BATCH), None),
