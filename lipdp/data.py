@@ -1060,6 +1060,7 @@ class BatchSampler:
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
         self.next_step = None
         self.started_at = 0  # the step of the first draw since construction or `start_at`
+        self._reserved = 0  # the end of the steps reserved by passes before `start_at`
         # id(model) -> the private steps that model trained on from this pipeline (`fit`).
         self.steps_drawn_by = {}
         if sampling is Sampling.POISSON:
@@ -1074,10 +1075,20 @@ class BatchSampler:
                 _SEEDED_POISSON_SAMPLERS.add(self)
 
     def start_at(self, step: int) -> None:
-        """The next batch drawn is the one of private step `step`."""
+        """The next pass draws from private step `step` on."""
         if self.next_step is not None:
+            self._reserved = max(self._reserved, int(self.next_step.numpy()))
             self.next_step.assign(int(step))
             self.started_at = int(step)
+
+    def skip_reserved(self) -> None:
+        """The next pass draws after every step a pass of this pipeline reserved, before or
+        since `start_at` set the counter back: `fit` leaves the pipeline so when it ends. A
+        pass kept over several epochs (``steps_per_epoch`` below its length: Keras starts
+        no new one) goes on past the step `fit` sets at each epoch, and a custom loop after
+        the fit trained on its last draws again (an audit, 2026-12-06)."""
+        if self.next_step is not None:
+            self.start_at(max(self._reserved, int(self.next_step.numpy())))
 
     def __repr__(self):
         seed = self.seed if self.explicit_seed else "secret"

@@ -411,6 +411,7 @@ class _DPModelMixin:
                                           aggregation=tf.VariableAggregation.SUM)
         self._set_high_water((0, EMPTY_STORAGE))
         self._set_fit_accountants(())
+        self._set_fit_sampler_seeds(())
         # Digests of the weights (ledger included) this model handed out: get_weights,
         # save_weights, save. A state set back from one of them is its own (`_foreign`).
         self._exported_states = set()
@@ -859,6 +860,12 @@ class _DPModelMixin:
         honours too: called from a callback, it ran 8 steps of 6 allowed (an audit,
         2026-12-06). Not tracked by Keras (callbacks hold the model)."""
         object.__setattr__(self, "_fit_accountants", tuple(accountants))
+
+    def _set_fit_sampler_seeds(self, seeds):
+        """The seeds of the Poisson pipelines the `fit` calls running draw from: a fit run
+        from a callback of another, on a pipeline of the same seed, draws steps the outer
+        one's pass already reserved (an audit, 2026-12-06: 4 of 18 draws trained twice)."""
+        object.__setattr__(self, "_fit_sampler_seeds", tuple(seeds))
 
     def _set_high_water(self, state):
         """The mark set past Keras' attribute tracking, which wrapped the tuple in 0.15 ms
@@ -1894,8 +1901,19 @@ class _DPModelMixin:
         _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only,
                                          on_training, x, y)
         steps_before, finished = self._recorded_steps, False
-        outer_accountants = self._fit_accountants
+        sampler = getattr(x, "lipdp_sampler", None)
+        seeds = (sampler.seed,) if getattr(sampler, "next_step", None) is not None else ()
+        outer_accountants, outer_seeds = self._fit_accountants, self._fit_sampler_seeds
+        if set(seeds) & set(outer_seeds):
+            raise ValueError(
+                "fit was called, on a lipdp.data.load_dataset Poisson pipeline, from inside "
+                "another fit of this model on a pipeline of the same seed: the outer fit's "
+                "pass already reserved the draws of the steps this fit would take, and both "
+                "would train on them (replayed samples are not the independent subsampling "
+                "the accountant assumes). Train from the outer fit itself, or on a pipeline "
+                "of another (secret) seed.")
         self._set_fit_accountants(outer_accountants + tuple(accountants))
+        self._set_fit_sampler_seeds(outer_seeds + seeds)
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
@@ -1906,6 +1924,9 @@ class _DPModelMixin:
             return history
         finally:
             self._set_fit_accountants(outer_accountants)
+            self._set_fit_sampler_seeds(outer_seeds)
+            if seeds:  # the next pass (a custom loop's too) draws no step this fit reserved
+                sampler.skip_reserved()
             # The History holds the epochs' values; the state left is the last epoch's
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).

@@ -211,6 +211,40 @@ def test_a_poisson_run_resumed_mid_epoch_twice_trains_step_t_on_draw_t(tmp_path)
     assert [history[t] for t in range(24)] == draws
 
 
+def test_a_custom_loop_after_a_fit_of_fewer_steps_than_the_pipeline_draws_fresh_batches():
+    """``steps_per_epoch`` below the pipeline's 6: Keras keeps one pass over both epochs, past
+    the step fit sets before each; fit must leave the pipeline after that pass's draws.
+    It was left at draw 2 (an audit, 2026-12-06), and the loop trained on draws 2 and 3
+    again."""
+    ds, _, metadata = _data()
+    reference = [y.numpy() for _ in range(2) for _, y in ds]  # draws 0..11
+    ds, _, metadata = _data()
+    model, sizes = _model(metadata), _BatchSizes()
+    model.fit(ds, epochs=2, steps_per_epoch=2, verbose=0, callbacks=[sizes])
+    assert [sizes.sizes[t] for t in range(4)] == [len(r) for r in reference[:4]]
+    with pytest.warns(lipdp.data.ShuffleSamplingWarning, match="train_on_batch"):
+        looped = [y.numpy() for x, y in ds if model.train_on_batch(x, y) is not None]
+    assert len(looped) == 6 and model.dp_steps_taken == 10
+    for got, draw in zip(looped, reference[6:]):  # the pass after the fit's, reserved 0..5
+        np.testing.assert_array_equal(got, draw)
+
+
+def test_a_fit_inside_a_fit_on_a_pipeline_of_the_same_seed_is_refused():
+    """The outer fit's pass reserved the draws of the steps the inner fit would take: both
+    trained on them (an audit, 2026-12-06: 4 of 18 draws twice)."""
+    ds, _, metadata = _data()
+    model = _model(metadata)
+
+    class Nested(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self.model.fit(_data()[0], epochs=1, verbose=0)
+
+    with pytest.raises(ValueError, match="from inside another fit of this model"):
+        model.fit(ds, epochs=1, verbose=0, callbacks=[Nested()])
+    assert model.dp_steps_taken == 2
+
+
 def test_budget_plans_from_the_ledger_a_later_callback_restores(tmp_path):
     """Keras' own BackupAndRestore (no mechanism check) listed after the accountant restores
     18 steps at sigma 2 into a model compiled at sigma 3: the budget must count them."""
