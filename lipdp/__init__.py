@@ -17,7 +17,7 @@ import sys as _sys
 # This must run before TensorFlow is imported; importing lipdp as a library changes nothing.
 _ARGV = getattr(_sys, "argv", None) or [""]
 _ORIG_ARGV = list(getattr(_sys, "orig_argv", None) or [])
-_RUN_AS_CLI = (_os.path.basename(_ARGV[0]) == "lipdp"
+_RUN_AS_CLI = (_os.path.basename(_ARGV[0]) == "lipdp" or "-mlipdp.cli" in _ORIG_ARGV
                or any(a == "-m" and b == "lipdp.cli" for a, b in zip(_ORIG_ARGV, _ORIG_ARGV[1:])))
 _QUIET_TENSORFLOW = (_RUN_AS_CLI and "--verbose" not in _ARGV
                      and "TF_CPP_MIN_LOG_LEVEL" not in _os.environ)
