@@ -1006,6 +1006,42 @@ def _make_transform(bound: InputBound, nb_classes: int, augmentation=None,
 _SEEDED_POISSON_SAMPLERS = weakref.WeakSet()
 
 
+class _DrawCounter:
+    """Where the Poisson draws of one seed stand in this process: ``next_step``, the first
+    step the next pass draws (an int64 `tf.Variable` the pipeline advances), ``pass_start``,
+    the first step of the last pass begun (-1 before any), ``reserved``,
+    the end of what passes had reserved when `BatchSampler.start_at` last set it back, and
+    ``floors``, for a model (its id), the step below which its `fit` never sets it back
+    (`note_trained_draws`). The live pipelines of one explicit seed share one: a loop over a
+    second pipeline of the seed drew the first's batches again (an audit, 2026-12-06)."""
+
+    def __init__(self):
+        with tf.init_scope():
+            self.next_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                         name="poisson_next_step")
+            self.pass_start = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                          name="poisson_pass_start")
+        self.reserved = 0
+        self.floors = {}
+        _LIVE_COUNTERS.add(self)
+
+
+_LIVE_COUNTERS = weakref.WeakSet()
+_COUNTERS_BY_SEED = weakref.WeakValueDictionary()  # explicit seed -> its `_DrawCounter`
+
+
+def note_trained_draws(model) -> None:
+    """Every draw the live Poisson pipelines of this process have reserved so far may have
+    fed a step of `model`: its `train_on_batch` calls this, since it cannot tell where its
+    batch came from, and no `fit` of `model` then sets a counter back below them
+    (`BatchSampler.start_at`). A loop over the pipeline, then a `fit` starting its draws at
+    the model's step, trained up to 6 of 12 steps on draws the loop had used (an audit,
+    2026-12-06)."""
+    for counter in list(_LIVE_COUNTERS):
+        step = int(counter.next_step.numpy())
+        counter.floors[id(model)] = max(counter.floors.get(id(model), 0), step)
+
+
 def seeded_poisson_samplers() -> list:
     """The live Poisson samplers of this process with an explicit seed. One that started at
     an earlier private step (``started_at``) than a model's ``dp_steps_taken`` draws, for
@@ -1028,7 +1064,11 @@ class BatchSampler:
     - no draw is ever used twice: a second `fit`, a new pipeline with the same seed,
       or a run resumed from a checkpoint continues the sequence instead of
       replaying the batches of the first epochs (replayed batches are not the
-      independent subsampling the accountant's amplification assumes);
+      independent subsampling the accountant's amplification assumes). The live
+      pipelines of one explicit seed share their counter (`_DrawCounter`), a `fit` leaves
+      the counter after every draw its passes reserved, and a `fit` of a model that ran
+      `train_on_batch` starts after the draws that may have fed it
+      (`note_trained_draws`);
     - a resumed run trains on the same batches as an uninterrupted one;
     - every worker of a `tf.distribute` strategy draws the same global batch, of
       which each replica takes its share (``seed`` must then be given: a seed
@@ -1059,8 +1099,7 @@ class BatchSampler:
         self.explicit_seed = seed is not None
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
         self.next_step = None
-        self.started_at = 0  # the step of the first draw since construction or `start_at`
-        self._reserved = 0  # the end of the steps reserved by passes before `start_at`
+        self.started_at = 0  # the step the first pass since construction or `start_at` draws
         # id(model) -> the private steps that model trained on from this pipeline (`fit`).
         self.steps_drawn_by = {}
         if sampling is Sampling.POISSON:
@@ -1068,18 +1107,29 @@ class BatchSampler:
                 raise RuntimeError(
                     "Load the data outside `strategy.scope()`: the Poisson sampler's step "
                     "counter is the pipeline's own, not a variable mirrored across replicas.")
-            with tf.init_scope():
-                self.next_step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                             name="poisson_next_step")
             if self.explicit_seed:
+                self._counter = _COUNTERS_BY_SEED.setdefault(self.seed, _DrawCounter())
                 _SEEDED_POISSON_SAMPLERS.add(self)
+            else:
+                self._counter = _DrawCounter()
+            self.next_step = self._counter.next_step
+            self.started_at = int(self.next_step.numpy())  # a shared counter may be ahead
 
-    def start_at(self, step: int) -> None:
-        """The next pass draws from private step `step` on."""
+    def start_at(self, step: int, model=None) -> None:
+        """The next pass draws from private step `step` on; for `fit` of `model`, from the
+        step its `train_on_batch` calls may have drawn to (`note_trained_draws`) if higher."""
         if self.next_step is not None:
-            self._reserved = max(self._reserved, int(self.next_step.numpy()))
-            self.next_step.assign(int(step))
-            self.started_at = int(step)
+            counter = self._counter
+            counter.reserved = max(counter.reserved, int(self.next_step.numpy()))
+            step = max(int(step), counter.floors.get(id(model), 0) if model is not None else 0)
+            self.next_step.assign(step)
+            self.started_at = step
+
+    def last_pass_start(self) -> int:
+        """The step the last pass over a pipeline of this seed (or this pipeline) began its
+        draws at; `started_at` when none began since."""
+        start = int(self._counter.pass_start.numpy()) if self.next_step is not None else -1
+        return start if start >= 0 else self.started_at
 
     def skip_reserved(self) -> None:
         """The next pass draws after every step a pass of this pipeline reserved, before or
@@ -1088,7 +1138,7 @@ class BatchSampler:
         no new one) goes on past the step `fit` sets at each epoch, and a custom loop after
         the fit trained on its last draws again (an audit, 2026-12-06)."""
         if self.next_step is not None:
-            self.start_at(max(self._reserved, int(self.next_step.numpy())))
+            self.start_at(max(self._counter.reserved, int(self.next_step.numpy())))
 
     def __repr__(self):
         seed = self.seed if self.explicit_seed else "secret"
@@ -1122,7 +1172,8 @@ def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transfo
 
     def one_pass(_):
         start = sampler.next_step.assign_add(steps) - steps
-        return tf.data.Dataset.range(steps).map(lambda k: draw(start + k))
+        with tf.control_dependencies([sampler._counter.pass_start.assign(start)]):
+            return tf.data.Dataset.range(steps).map(lambda k: draw(start + k))
 
     indices = tf.data.Dataset.range(1).flat_map(one_pass).apply(
         tf.data.experimental.assert_cardinality(steps))

@@ -51,8 +51,8 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import _probe_batches, check_no_batch_coupling, leaf_layers
-from lipdp.data import (ShuffleSamplingWarning, holds_repeat, repeated_pass,
-                        seeded_poisson_samplers, unshuffled_batching)
+from lipdp.data import (ShuffleSamplingWarning, holds_repeat, note_trained_draws,
+                        repeated_pass, seeded_poisson_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -730,6 +730,7 @@ class _DPModelMixin:
                 accountant.check_next_call()
             self._warn_if_a_seeded_pipeline_is_behind()
             self._warn_once_that_batches_are_unchecked()
+        note_trained_draws(self)  # its batch may be any pipeline's draw: fit draws on after
         baseline = self._update_counts()
         steps_before = self._recorded_steps
         result = super().train_on_batch(*args, **kwargs)
@@ -789,19 +790,20 @@ class _DPModelMixin:
         """`fit` starts a `lipdp.data.load_dataset` Poisson pipeline at the model's step;
         `train_on_batch` cannot see the pipeline its batches come from. Each pipeline of this
         process with an explicit seed is looked at once per model, the first time this model
-        trains after it appeared (`fit` marks the one it starts): warn when it started at an
-        earlier step than the model's count (``started_at``; its draw counter is no guide,
-        prefetching moves it ahead). A resumed custom loop on a new pipeline of the first
-        run's seed replays that run's draws, which the accountant counts as fresh samples."""
+        trains after it appeared (`fit` marks the one it starts): warn when its last pass
+        began at an earlier step than the model's count (`BatchSampler.last_pass_start`). A
+        resumed custom loop on a new pipeline of the first run's seed replays that run's
+        draws, which the accountant counts as fresh samples."""
         seen = self._samplers_seen
         for sampler in seeded_poisson_samplers():
             if id(sampler) in seen:
                 continue
             seen.add(id(sampler))
-            if sampler.started_at < self._recorded_steps:
+            start = sampler.last_pass_start()
+            if start < self._recorded_steps:
                 warnings.warn(
                     f"A lipdp.data.load_dataset Poisson pipeline of seed {sampler.seed} draws "
-                    f"from step {sampler.started_at}, while this model has taken "
+                    f"from step {start}, while this model has taken "
                     f"{self._recorded_steps} steps: if its batches feed train_on_batch, they "
                     "are the draws of earlier steps again (replayed samples are not the "
                     "independent subsampling the accountant assumes). Call "
@@ -2397,8 +2399,8 @@ class _StartSampler(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.sampler is None:
             return
-        start = self.model.dp_steps_taken
-        self.sampler.start_at(start)
+        self.sampler.start_at(self.model.dp_steps_taken, self.model)
+        start = self.sampler.started_at
         self.model._samplers_seen.add(id(self.sampler))
         replayed = max((steps for key, steps in self.sampler.steps_drawn_by.items()
                         if key != id(self.model)), default=0)
@@ -2413,7 +2415,7 @@ class _StartSampler(tf.keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.sampler is not None:
-            self.sampler.start_at(self.model.dp_steps_taken)
+            self.sampler.start_at(self.model.dp_steps_taken, self.model)
 
     def on_train_end(self, logs=None):
         if self.sampler is not None:

@@ -156,6 +156,15 @@ def test_a_spent_budget_stays_spent_after_restore(tmp_path):
     assert restored.dp_steps_taken == model.dp_steps_taken
 
 
+def _draw_sizes(ds, metadata, count):
+    """The sizes of the batches of Poisson draws 0 to `count` - 1 of `ds`'s seed, computed
+    apart from the pipeline (`lipdp.data.BatchSampler`: example i in draw t iff u_i < q)."""
+    seed, n, q = ds.lipdp_sampler.seed, metadata.nb_samples_train, metadata.sampling_rate
+    return [int(np.sum(tf.random.stateless_uniform(
+        [n], seed=tf.constant([seed, t], tf.int64), dtype=tf.float64).numpy() < q))
+        for t in range(count)]
+
+
 class _BatchSizes(tf.keras.callbacks.Callback):
     """``{step: examples}`` of every private step this fit ran (the model's count of
     examples restarts at each epoch)."""
@@ -190,9 +199,9 @@ def test_a_poisson_run_resumed_mid_epoch_twice_trains_step_t_on_draw_t(tmp_path)
     the second resume drew the used ones again (an audit, 2026-12-06: replayed draws,
     epsilon under-reported). Each step of the final model's history must have trained on
     the draw of its own index (told apart by their sizes)."""
-    ds, _, _ = _data()
-    draws = [int(y.shape[0]) for _ in range(4) for _, y in ds]  # draws 0..23, in order
-    assert len(draws) == 24 and len(set(draws)) > 12
+    ds, _, metadata = _data()
+    draws = _draw_sizes(ds, metadata, 24)
+    assert len(set(draws)) > 12
     backup, runs = str(tmp_path / "backup"), []
     for kill in (5, 9, None):
         ds, _, metadata = _data()
@@ -216,17 +225,43 @@ def test_a_custom_loop_after_a_fit_of_fewer_steps_than_the_pipeline_draws_fresh_
     the step fit sets before each; fit must leave the pipeline after that pass's draws.
     It was left at draw 2 (an audit, 2026-12-06), and the loop trained on draws 2 and 3
     again."""
-    ds, _, metadata = _data()
-    reference = [y.numpy() for _ in range(2) for _, y in ds]  # draws 0..11
-    ds, _, metadata = _data()
+    ds, _, metadata = _data(seed=2)
+    draws = _draw_sizes(ds, metadata, 12)
     model, sizes = _model(metadata), _BatchSizes()
     model.fit(ds, epochs=2, steps_per_epoch=2, verbose=0, callbacks=[sizes])
-    assert [sizes.sizes[t] for t in range(4)] == [len(r) for r in reference[:4]]
+    assert [sizes.sizes[t] for t in range(4)] == draws[:4]
     with pytest.warns(lipdp.data.ShuffleSamplingWarning, match="train_on_batch"):
-        looped = [y.numpy() for x, y in ds if model.train_on_batch(x, y) is not None]
-    assert len(looped) == 6 and model.dp_steps_taken == 10
-    for got, draw in zip(looped, reference[6:]):  # the pass after the fit's, reserved 0..5
-        np.testing.assert_array_equal(got, draw)
+        looped = [int(y.shape[0]) for x, y in ds if model.train_on_batch(x, y) is not None]
+    assert looped == draws[6:] and model.dp_steps_taken == 10  # after the fit's pass, 0..5
+
+
+def test_a_fit_after_a_loop_over_the_pipeline_draws_no_batch_the_loop_used():
+    """A peek at one batch (its pass reserves draws 0..5), a train_on_batch loop (draws 6..11
+    for steps 0..5), then fit from the model's step 6: fit set the draws back to 6 and
+    trained its 6 steps on the loop's draws again (an audit, 2026-12-06). It must draw on
+    after every draw a train_on_batch may have used (`lipdp.data.note_trained_draws`)."""
+    ds, _, metadata = _data(seed=3)
+    draws = _draw_sizes(ds, metadata, 18)
+    next(iter(ds))
+    model, sizes = _model(metadata), _BatchSizes()
+    with pytest.warns(lipdp.data.ShuffleSamplingWarning, match="train_on_batch"):
+        looped = [int(y.shape[0]) for x, y in ds if model.train_on_batch(x, y) is not None]
+    assert looped == draws[6:12]
+    model.fit(ds, epochs=1, verbose=0, callbacks=[sizes])
+    assert [sizes.sizes[t] for t in range(6, 12)] == draws[12:18]
+
+
+def test_loops_over_two_pipelines_of_one_seed_draw_on():
+    """Two pipelines of one explicit seed in one process share their draws' counter: a loop
+    over the second, after one over the first, drew the first's batches again (an audit,
+    2026-12-06)."""
+    first, _, metadata = _data(seed=4)
+    second, _, _ = _data(seed=4)
+    draws, model = _draw_sizes(first, metadata, 12), _model(metadata)
+    with pytest.warns(lipdp.data.ShuffleSamplingWarning, match="train_on_batch"):
+        looped = [int(y.shape[0]) for ds in (first, second) for x, y in ds
+                  if model.train_on_batch(x, y) is not None]
+    assert looped == draws
 
 
 def test_a_fit_inside_a_fit_on_a_pipeline_of_the_same_seed_is_refused():
