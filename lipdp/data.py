@@ -1008,8 +1008,7 @@ _SEEDED_POISSON_SAMPLERS = weakref.WeakSet()
 
 class _DrawCounter:
     """Where the Poisson draws of one seed stand in this process: ``next_step``, the first
-    step the next pass draws (an int64 `tf.Variable` the pipeline advances), ``pass_start``,
-    the first step of the last pass begun (-1 before any), ``reserved``,
+    step the next pass draws (an int64 `tf.Variable` the pipeline advances), ``reserved``,
     the end of what passes had reserved when `BatchSampler.start_at` last set it back, and
     ``floors``, for a model (its id), the step below which its `fit` never sets it back
     (`note_trained_draws`). The live pipelines of one explicit seed share one: a loop over a
@@ -1019,8 +1018,6 @@ class _DrawCounter:
         with tf.init_scope():
             self.next_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="poisson_next_step")
-            self.pass_start = tf.Variable(-1, dtype=tf.int64, trainable=False,
-                                          name="poisson_pass_start")
         self.reserved = 0
         self.floors = {}
         _LIVE_COUNTERS.add(self)
@@ -1113,6 +1110,9 @@ class BatchSampler:
             else:
                 self._counter = _DrawCounter()
             self.next_step = self._counter.next_step
+            with tf.init_scope():  # the first step of this pipeline's last pass (-1: none)
+                self._pass_start = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                               name="poisson_pass_start")
             self.started_at = int(self.next_step.numpy())  # a shared counter may be ahead
 
     def start_at(self, step: int, model=None) -> None:
@@ -1126,9 +1126,10 @@ class BatchSampler:
             self.started_at = step
 
     def last_pass_start(self) -> int:
-        """The step the last pass over a pipeline of this seed (or this pipeline) began its
-        draws at; `started_at` when none began since."""
-        start = int(self._counter.pass_start.numpy()) if self.next_step is not None else -1
+        """The step this pipeline's last pass began its draws at; `started_at` when none
+        began (a pipeline built while another of its seed lives starts where that one is:
+        reading their shared counter's last pass gave a false replay warning, a review)."""
+        start = int(self._pass_start.numpy()) if self.next_step is not None else -1
         return start if start >= 0 else self.started_at
 
     def skip_reserved(self) -> None:
@@ -1172,7 +1173,7 @@ def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transfo
 
     def one_pass(_):
         start = sampler.next_step.assign_add(steps) - steps
-        with tf.control_dependencies([sampler._counter.pass_start.assign(start)]):
+        with tf.control_dependencies([sampler._pass_start.assign(start)]):
             return tf.data.Dataset.range(steps).map(lambda k: draw(start + k))
 
     indices = tf.data.Dataset.range(1).flat_map(one_pass).apply(
