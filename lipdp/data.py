@@ -1008,35 +1008,41 @@ _SEEDED_POISSON_SAMPLERS = weakref.WeakSet()
 
 class _DrawCounter:
     """Where the Poisson draws of one seed stand in this process: ``next_step``, the first
-    step the next pass draws (an int64 `tf.Variable` the pipeline advances), ``reserved``,
-    the end of what passes had reserved when `BatchSampler.start_at` last set it back, and
-    ``floors``, for a model (its id), the step below which its `fit` never sets it back
-    (`note_trained_draws`). The live pipelines of one explicit seed share one: a loop over a
-    second pipeline of the seed drew the first's batches again (an audit, 2026-12-06)."""
+    step the next pass draws (an int64 `tf.Variable` the pipeline advances), and
+    ``reserved``, the end of what passes had reserved when `BatchSampler.start_at` last set
+    it back. The live pipelines of one explicit seed share one: a loop over a second
+    pipeline of the seed drew the first's batches again (an audit, 2026-12-06)."""
 
-    def __init__(self):
+    def __init__(self, seed: int):
+        self.seed = seed
         with tf.init_scope():
             self.next_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="poisson_next_step")
         self.reserved = 0
-        self.floors = {}
         _LIVE_COUNTERS.add(self)
 
 
 _LIVE_COUNTERS = weakref.WeakSet()
 _COUNTERS_BY_SEED = weakref.WeakValueDictionary()  # explicit seed -> its `_DrawCounter`
+# (seed, run name) -> the step below which a `fit` continuing that run never sets the
+# draws of that seed back (`note_trained_draws`). Kept for the process, so that neither a
+# pipeline rebuilt with the seed nor a model object given the run's weights loses it.
+_LOOP_FLOORS = {}
 
 
-def note_trained_draws(model) -> None:
+def note_trained_draws(run: int) -> None:
     """Every draw the live Poisson pipelines of this process have reserved so far may have
-    fed a step of `model`: its `train_on_batch` calls this, since it cannot tell where its
-    batch came from, and no `fit` of `model` then sets a counter back below them
-    (`BatchSampler.start_at`). A loop over the pipeline, then a `fit` starting its draws at
-    the model's step, trained up to 6 of 12 steps on draws the loop had used (an audit,
-    2026-12-06)."""
+    fed a step of the run named `run` (`lipdp.ledger.run_row`): a DP model's
+    `train_on_batch` calls this, since it cannot tell where its batch came from, and no
+    `fit` of a model whose ledger holds that run then sets a counter of those seeds back
+    below them (`BatchSampler.start_at`). A loop over the pipeline, then a `fit` starting
+    its draws at the model's step, trained up to 6 of 12 steps on draws the loop had used
+    (an audit, 2026-12-06); so did a model given the loop's weights, and a pipeline rebuilt
+    with the seed, while the floor lived with the pipeline and the model object (a
+    review)."""
     for counter in list(_LIVE_COUNTERS):
-        step = int(counter.next_step.numpy())
-        counter.floors[id(model)] = max(counter.floors.get(id(model), 0), step)
+        key = (counter.seed, int(run))
+        _LOOP_FLOORS[key] = max(_LOOP_FLOORS.get(key, 0), int(counter.next_step.numpy()))
 
 
 def seeded_poisson_samplers() -> list:
@@ -1063,8 +1069,8 @@ class BatchSampler:
       replaying the batches of the first epochs (replayed batches are not the
       independent subsampling the accountant's amplification assumes). The live
       pipelines of one explicit seed share their counter (`_DrawCounter`), a `fit` leaves
-      the counter after every draw its passes reserved, and a `fit` of a model that ran
-      `train_on_batch` starts after the draws that may have fed it
+      the counter after every draw its passes reserved, and a `fit` continuing a run that
+      ran `train_on_batch` starts after the draws that may have fed it
       (`note_trained_draws`);
     - a resumed run trains on the same batches as an uninterrupted one;
     - every worker of a `tf.distribute` strategy draws the same global batch, of
@@ -1104,24 +1110,28 @@ class BatchSampler:
                 raise RuntimeError(
                     "Load the data outside `strategy.scope()`: the Poisson sampler's step "
                     "counter is the pipeline's own, not a variable mirrored across replicas.")
+            counter = _COUNTERS_BY_SEED.get(self.seed) if self.explicit_seed else None
+            if counter is None:
+                counter = _DrawCounter(self.seed)
             if self.explicit_seed:
-                self._counter = _COUNTERS_BY_SEED.setdefault(self.seed, _DrawCounter())
+                _COUNTERS_BY_SEED[self.seed] = counter
                 _SEEDED_POISSON_SAMPLERS.add(self)
-            else:
-                self._counter = _DrawCounter()
+            self._counter = counter
             self.next_step = self._counter.next_step
             with tf.init_scope():  # the first step of this pipeline's last pass (-1: none)
                 self._pass_start = tf.Variable(-1, dtype=tf.int64, trainable=False,
                                                name="poisson_pass_start")
             self.started_at = int(self.next_step.numpy())  # a shared counter may be ahead
 
-    def start_at(self, step: int, model=None) -> None:
-        """The next pass draws from private step `step` on; for `fit` of `model`, from the
-        step its `train_on_batch` calls may have drawn to (`note_trained_draws`) if higher."""
+    def start_at(self, step: int, runs=()) -> None:
+        """The next pass draws from private step `step` on; for a `fit` continuing the runs
+        named `runs`, from the step their `train_on_batch` calls may have drawn to
+        (`note_trained_draws`) if higher."""
         if self.next_step is not None:
             counter = self._counter
             counter.reserved = max(counter.reserved, int(self.next_step.numpy()))
-            step = max(int(step), counter.floors.get(id(model), 0) if model is not None else 0)
+            step = max([int(step)] + [_LOOP_FLOORS.get((self.seed, int(run)), 0)
+                                      for run in runs])
             self.next_step.assign(step)
             self.started_at = step
 

@@ -730,10 +730,11 @@ class _DPModelMixin:
                 accountant.check_next_call()
             self._warn_if_a_seeded_pipeline_is_behind()
             self._warn_once_that_batches_are_unchecked()
-        note_trained_draws(self)  # its batch may be any pipeline's draw: fit draws on after
         baseline = self._update_counts()
         steps_before = self._recorded_steps
         result = super().train_on_batch(*args, **kwargs)
+        if self._run_name is not None:  # its batch may be any pipeline's: fit draws on after
+            note_trained_draws(self._run_name)
         self._count_own_steps(steps_before)
         self._note_ledger()
         self._remember_trained_values(transient=True, look_up=False)
@@ -1116,6 +1117,13 @@ class _DPModelMixin:
                 rows = np.concatenate([rows, [[steps, *row]]])
             if not np.array_equal(rows, stored):
                 self._dp_ledger.assign(rows)
+
+    def _runs_in_ledger(self) -> set:
+        """The names of the runs this model's ledger continues (`lipdp.ledger.run_row`), and
+        its own."""
+        rows = stored_rows(self._dp_ledger.numpy())
+        names = {int(name) for name in rows[rows[:, 0] == RUN_MARK, 1]}
+        return names | ({self._run_name} if self._run_name is not None else set())
 
     def _new_run_id(self) -> int:
         """A number naming the steps this object takes (`lipdp.ledger.run_row`): 52 random
@@ -2399,7 +2407,7 @@ class _StartSampler(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.sampler is None:
             return
-        self.sampler.start_at(self.model.dp_steps_taken, self.model)
+        self.sampler.start_at(self.model.dp_steps_taken, self.model._runs_in_ledger())
         start = self.sampler.started_at
         self.model._samplers_seen.add(id(self.sampler))
         replayed = max((steps for key, steps in self.sampler.steps_drawn_by.items()
@@ -2415,7 +2423,7 @@ class _StartSampler(tf.keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.sampler is not None:
-            self.sampler.start_at(self.model.dp_steps_taken, self.model)
+            self.sampler.start_at(self.model.dp_steps_taken, self.model._runs_in_ledger())
 
     def on_train_end(self, logs=None):
         if self.sampler is not None:

@@ -252,6 +252,36 @@ def test_a_fit_after_a_loop_over_the_pipeline_draws_no_batch_the_loop_used():
     assert [sizes.sizes[t] for t in range(6, 12)] == draws[12:18]
 
 
+@pytest.mark.parametrize("then", ["pipeline rebuilt", "weights in a new model"])
+def test_the_floor_a_loop_leaves_outlives_its_pipeline_and_model_object(then):
+    """As above (a peek, then a loop on draws 6..11 for steps 0..5), then the pipeline
+    dropped and built again with its seed (a notebook cell run again), or the loop's weights
+    given to a new model object: the floor lived with the pipeline's counter and the model
+    object, and fit trained 6 of 6 steps on the loop's draws again (a review, 2026-12-06).
+    It is kept per seed and run (`lipdp.data.note_trained_draws`)."""
+    import gc
+
+    ds, _, metadata = _data(seed=5)
+    draws = _draw_sizes(ds, metadata, 18)
+    next(iter(ds))
+    model = _model(metadata)
+    with pytest.warns(lipdp.data.ShuffleSamplingWarning, match="train_on_batch"):
+        looped = [int(y.shape[0]) for x, y in ds if model.train_on_batch(x, y) is not None]
+    assert looped == draws[6:12]
+    if then == "pipeline rebuilt":
+        del ds
+        gc.collect()
+        ds = _data(seed=5)[0]
+        assert int(ds.lipdp_sampler.next_step.numpy()) == 0  # a new counter
+    else:
+        weights, model = model.get_weights(), _model(metadata)
+        model.set_weights(weights)
+        assert model.dp_steps_taken == 6
+    sizes = _BatchSizes()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[sizes])
+    assert [sizes.sizes[t] for t in range(6, 12)] == draws[12:18]
+
+
 def test_loops_over_two_pipelines_of_one_seed_draw_on():
     """Two pipelines of one explicit seed in one process share their draws' counter: a loop
     over the second, after one over the first, drew the first's batches again (an audit,
