@@ -159,15 +159,8 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     def node_of(name):
         return nodes.get(name.split(":")[0].lstrip("^"))
 
-    def shuffles_upstream(node, seen):
-        for name in node.input:
-            parent = node_of(name)
-            if parent is None or parent.name in seen:
-                continue
-            seen.add(parent.name)
-            if "Shuffle" in parent.op:
-                yield parent
-            yield from shuffles_upstream(parent, seen)
+    def shuffles_upstream(node):
+        return [n for n in _upstream(node, node_of) if "Shuffle" in n.op]
 
     def buffer_size(shuffle):  # its second input, a constant in a serialized pipeline
         const = node_of(shuffle.input[1]) if len(shuffle.input) > 1 else None
@@ -194,7 +187,7 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     path = _data_path(graph, node_of)
     replayed = {shuffle.name for node in path
                 if node.op.startswith(("CacheDataset", "SnapshotDataset"))
-                for shuffle in shuffles_upstream(node, set())}
+                for shuffle in shuffles_upstream(node)}
     # Batches an `unbatch` undoes downstream are not the training batches.
     unbatched = {n.name for node in path if node.op.startswith("UnbatchDataset")
                  for n in [node, *_upstream(node, node_of)]}
@@ -203,7 +196,7 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     if not batches:
         return None
     for batch in batches:
-        flaws = [flaw(shuffle) for shuffle in shuffles_upstream(batch, set())]
+        flaws = [flaw(shuffle) for shuffle in shuffles_upstream(batch)]
         if not flaws:
             return "batches its records without shuffling them first"
         if None not in flaws:
@@ -211,15 +204,16 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     return None
 
 
-def _upstream(node, node_of) -> list:
-    """Every node of a serialized pipeline upstream of `node`."""
-    stack, seen = [node], {}
-    while stack:
-        for parent in map(node_of, stack.pop().input):
-            if parent is not None and parent.name not in seen:
-                seen[parent.name] = parent
-                stack.append(parent)
-    return list(seen.values())
+def _upstream(node, node_of, seen=None):
+    """Every node of a serialized pipeline upstream of `node`, once each, depth first along
+    its inputs in order (the nearest first on a chain)."""
+    seen = set() if seen is None else seen
+    for parent in map(node_of, node.input):
+        if parent is None or parent.name in seen:
+            continue
+        seen.add(parent.name)
+        yield parent
+        yield from _upstream(parent, node_of, seen)
 
 
 def _data_path(graph, node_of) -> list:
