@@ -1185,6 +1185,17 @@ def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transfo
     return _index_pipeline(x, y, indices, transform)
 
 
+def _without_autotuning(ds: tf.data.Dataset) -> tf.data.Dataset:
+    """`ds` with `tf.data`'s autotuning model switched off: its parallel maps run one call
+    per core, and its elements are the same. With autotuning on, dropping an iterator
+    (Keras drops each epoch's before the next) waited for the autotuner's thread to wake
+    from a sleep that doubles up to 60 s: up to 1.3 s between two epochs of a `fit` (2.8 s
+    of a 14 s fit of 8 epochs), 60 s in one test of the suite (docs/speed.md)."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return ds.with_options(options)
+
+
 def _index_pipeline(x, y, indices: tf.data.Dataset, transform):
     def gather(idx):
         return tf.gather(x, idx), tf.gather(y, idx)
@@ -1383,13 +1394,14 @@ def load_dataset(
                    .shuffle(n, seed=sampler.seed, reshuffle_each_iteration=True)
                    .batch(batch_size, drop_remainder=drop_remainder))
         ds_train = _index_pipeline(x_tr, y_tr, indices, transform)
-    ds_train = ds_train.prefetch(tf.data.AUTOTUNE)
+    ds_train = _without_autotuning(ds_train.prefetch(tf.data.AUTOTUNE))
     ds_train.lipdp_sampler = sampler
 
     x_te, y_te = tf.constant(x_test), tf.constant(raw.y_test)
     test_indices = tf.data.Dataset.range(metadata.nb_samples_test).batch(batch_size)
-    ds_test = _index_pipeline(x_te, y_te, test_indices, _make_transform(bound, raw.nb_classes)
-                              ).prefetch(tf.data.AUTOTUNE)
+    ds_test = _without_autotuning(_index_pipeline(
+        x_te, y_te, test_indices, _make_transform(bound, raw.nb_classes)
+    ).prefetch(tf.data.AUTOTUNE))
     return ds_train, ds_test, metadata
 
 
