@@ -1203,7 +1203,8 @@ class _DPModelMixin:
             private_logs_only: if True, the train step returns no loss or metric
                 computed on the training data (they are not covered by epsilon):
                 ``History`` and the progress bar then only hold what callbacks add
-                (epsilon) and validation results.
+                (epsilon) and validation results (and, with ``steps_per_execution``
+                above 1, ``dp_steps_taken``: Keras' loop needs an output).
             bjorck_every: the projection after a step orthogonalises the spectrally
                 constrained kernels (Björck iterations) every `bjorck_every` steps
                 (the steps whose count ``dp_steps_taken`` is a multiple of it) and only
@@ -1767,6 +1768,12 @@ class _DPModelMixin:
         clip = ({} if self.dp_parameters.loss_gradient_clipping is None
                 else {"logit_clip": self._logit_clip.read_value()})
         if self._private_logs_only:
+            with tf.init_scope():  # compile fixes it; a new value retraces
+                several = int(self._steps_per_execution.numpy()) > 1
+            if several and not clip:
+                # Keras' loop of several steps per execution needs an output to carry
+                # (an empty dict failed to trace, an audit): the step count, public.
+                return {"dp_steps_taken": self._dp_steps.read_value()}
             return clip
         self.compiled_loss(y, y_pred, regularization_losses=self.losses)
         self.compiled_metrics.update_state(y, y_pred)
