@@ -15,6 +15,7 @@ import math
 import os
 import pickle
 import struct
+import warnings
 
 import numpy as np
 import pytest
@@ -463,6 +464,23 @@ def test_poisson_empty_batches(ids_dir):
     x, y = empties[0]
     assert x.shape == (0, 28, 28, 1) and y.shape == (0, 10)
     assert x.dtype == tf.float32 and y.dtype == tf.float32
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
+def test_pipelines_run_without_the_autotuner(ids_dir, sampling):
+    """tf.data's autotuning model is off in both pipelines, and in a user's map of them:
+    with it on, dropping an iterator (each epoch of a fit) waited for the autotuner's
+    sleep, up to 1.3 s between two epochs and 60 s in the suite (docs/speed.md)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # shuffle sampling's and the known seed's warnings
+        ds_train, ds_test, _ = data.load_dataset(
+            "mnist", 10, bound_clip_value=100.0, data_dir=str(ids_dir), download=False,
+            seed=0, sampling=sampling)
+    mapped = ds_train.map(lambda x, y: (2.0 * x, y))
+    for ds in (ds_train, ds_test, mapped):
+        assert ds.options().autotune.enabled is False
+    assert ds_train.lipdp_sampler.sampling.value == sampling
+    assert [len(y) for _, y in ds_test] == [10]
 
 
 def test_poisson_batches_in_keras_fit(ids_dir):
