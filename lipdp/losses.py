@@ -60,7 +60,15 @@ def _capped(y_pred, temperature=1.0) -> tf.Tensor:
     ``LOGIT_CAP / temperature`` alone, a temperature below 2^-27 let the loss (``CE / tau``,
     about a logit difference) overflow to inf, and below 2^-28 the cap itself was inf."""
     cap = LOGIT_CAP / tf.maximum(tf.cast(temperature, tf.float32), 1.0)
+    cap = tf.cast(cap, y_pred.dtype)  # float64 logits given directly failed (a dtype error)
     return tf.clip_by_value(y_pred, -cap, cap)
+
+
+def _in_float32(call, y_true, y_pred) -> tf.Tensor:
+    """``call(y_true, y_pred)`` in float32, returned in `y_pred`'s dtype: deel-lip's tau
+    losses multiply by a float32 variable, and float64 logits given directly failed."""
+    value = call(tf.cast(y_true, tf.float32), tf.cast(y_pred, tf.float32))
+    return tf.cast(value, y_pred.dtype)
 
 
 def _checked_logits(loss, y_pred) -> tf.Tensor:
@@ -195,7 +203,7 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
         y = _to_simplex_subset(class_labels(self, y_true, y_pred))
         if self.margin:
             y_pred = y_pred + self.margin * (1.0 - y)
-        return super().call(y, _capped(y_pred, self.tau))
+        return _in_float32(super().call, y, _capped(y_pred, self.tau))
 
     def lipschitz(self, nb_outputs):
         return math.sqrt(2.0)
@@ -218,7 +226,8 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
         super().__init__(tau=tau, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        return super().call(target_labels(self, y_true, y_pred), _capped(y_pred, self.tau))
+        return _in_float32(super().call, target_labels(self, y_true, y_pred),
+                           _capped(y_pred, self.tau))
 
     def lipschitz(self, nb_outputs):
         return 1.0 / math.sqrt(nb_outputs)
@@ -296,7 +305,7 @@ class DP_MulticlassKR(tf.keras.losses.Loss, DP_Loss):
         y_pred = _checked_logits(self, y_pred)
         if y_pred.shape[-1] == 1:
             sign = tf.where(target_labels(self, y_true, y_pred) > 0, 1.0, -1.0)
-            return -tf.reduce_sum(sign * _capped(y_pred), axis=-1)
+            return -tf.reduce_sum(tf.cast(sign, y_pred.dtype) * _capped(y_pred), axis=-1)
         return _multiclass_kr(_to_one_hot(class_labels(self, y_true, y_pred)), _capped(y_pred))
 
     def lipschitz(self, nb_outputs):
