@@ -1002,48 +1002,35 @@ _SEEDED_POISSON_SAMPLERS = weakref.WeakSet()
 
 class _DrawCounter:
     """Where the Poisson draws of one seed stand in this process: ``next_step``, the first
-    step the next pass draws (an int64 `tf.Variable` the pipeline advances), and
-    ``reserved``, the end of what passes had reserved when `BatchSampler.start_at` last set
-    it back. The live pipelines of one explicit seed share one: a loop over a second
-    pipeline of the seed drew the first's batches again (an audit, 2026-12-06)."""
+    step the next pass draws (an int64 `tf.Variable` the pipeline advances, and which never
+    goes back: `BatchSampler.start_at`). The live pipelines of one explicit seed share one:
+    a loop over a second pipeline of the seed drew the first's batches again (an audit,
+    2026-12-06)."""
 
     def __init__(self, seed: int):
         self.seed = seed
         with tf.init_scope():
             self.next_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="poisson_next_step")
-        self.reserved = 0
         _LIVE_COUNTERS.add(self)
 
 
 _LIVE_COUNTERS = weakref.WeakSet()
 _COUNTERS_BY_SEED = weakref.WeakValueDictionary()  # explicit seed -> its `_DrawCounter`
-# (seed, run name) -> the step below which a `fit` continuing that run never sets the
-# draws of that seed back (`note_trained_draws`). Kept for the process, so that neither a
-# pipeline rebuilt with the seed nor a model object given the run's weights loses it.
-_LOOP_FLOORS = {}
 
 
-def note_trained_draws(run: int) -> None:
-    """Every draw the live Poisson pipelines of this process have reserved so far may have
-    fed a step of the run named `run` (`lipdp.ledger.run_row`): a DP model's
-    `train_on_batch` calls this, since it cannot tell where its batch came from, and no
-    `fit` of a model whose ledger holds that run then sets a counter of those seeds back
-    below them (`BatchSampler.start_at`). A loop over the pipeline, then a `fit` starting
-    its draws at the model's step, trained up to 6 of 12 steps on draws the loop had used
-    (an audit, 2026-12-06); so did a model given the loop's weights, and a pipeline rebuilt
-    with the seed, while the floor lived with the pipeline and the model object (a
-    review)."""
-    for counter in list(_LIVE_COUNTERS):
-        key = (counter.seed, int(run))
-        _LOOP_FLOORS[key] = max(_LOOP_FLOORS.get(key, 0), int(counter.next_step.numpy()))
+def reserved_draws() -> int:
+    """The end of every Poisson draw the live pipelines of this process have reserved (the
+    highest ``next_step``; 0 without one). A DP model's `train_on_batch`, which cannot tell
+    which pipeline its batch came from, raises its ``poisson_draws_until`` to it."""
+    return max((int(counter.next_step.numpy()) for counter in list(_LIVE_COUNTERS)),
+               default=0)
 
 
 def seeded_poisson_samplers() -> list:
-    """The live Poisson samplers of this process with an explicit seed. One that started at
-    an earlier private step (``started_at``) than a model's ``dp_steps_taken`` draws, for
-    that model, batches its earlier steps may have used (`fit` starts a pipeline at the
-    model's step; a custom loop must)."""
+    """The live Poisson samplers of this process with an explicit seed. One whose last pass
+    began below a model's ``poisson_draws_until`` draws, for that model, batches its earlier
+    steps may have used (`fit` starts a pipeline there; a custom loop must)."""
     return list(_SEEDED_POISSON_SAMPLERS)
 
 
@@ -1054,19 +1041,20 @@ class BatchSampler:
     ``u = stateless_uniform(N, seed=(seed, t))``: each example joins each step's batch
     independently with probability q, and the draw of step t is a function of
     ``(seed, t)`` alone. ``next_step`` is the step the pipeline's next pass starts its
-    draws at (a pass reserves one epoch of steps when it begins); a DP model's `fit` sets
-    it to the model's ``dp_steps_taken`` before each epoch (after
-    `tf.keras.callbacks.BackupAndRestore` restored the model), so that
+    draws at (a pass reserves one epoch of steps when it begins). It never goes back, and a
+    DP model's `fit` moves it up to the model's ``poisson_draws_until`` (every draw its
+    history may have used, saved with its weights) before each epoch, after
+    `tf.keras.callbacks.BackupAndRestore` restored the model, so that
 
-    - no draw is ever used twice: a second `fit`, a new pipeline with the same seed,
-      or a run resumed from a checkpoint continues the sequence instead of
-      replaying the batches of the first epochs (replayed batches are not the
+    - no draw is ever used twice in a model's history: a second `fit`, a second model, a
+      new pipeline with the same seed, a custom loop before or after a `fit` (an iterator
+      kept across it included), or a run resumed from a checkpoint in this process or
+      another draws on instead of replaying earlier batches (replayed batches are not the
       independent subsampling the accountant's amplification assumes). The live
-      pipelines of one explicit seed share their counter (`_DrawCounter`), a `fit` leaves
-      the counter after every draw its passes reserved, and a `fit` continuing a run that
-      ran `train_on_batch` starts after the draws that may have fed it
-      (`note_trained_draws`);
-    - a resumed run trains on the same batches as an uninterrupted one;
+      pipelines of one explicit seed share their counter (`_DrawCounter`);
+    - a run resumed at an epoch's end trains on the same batches as an uninterrupted one
+      (a run resumed mid-epoch draws on from the end of the epoch it left: the draws of
+      that epoch's remaining steps are skipped, never reused);
     - every worker of a `tf.distribute` strategy draws the same global batch, of
       which each replica takes its share (``seed`` must then be given: a seed
       drawn in each process would differ between workers).
@@ -1097,8 +1085,7 @@ class BatchSampler:
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
         self.next_step = None
         self.started_at = 0  # the step the first pass since construction or `start_at` draws
-        # id(model) -> the private steps that model trained on from this pipeline (`fit`).
-        self.steps_drawn_by = {}
+        self.pass_steps = 0  # the draws one pass reserves (`_poisson_pipeline`)
         if sampling is Sampling.POISSON:
             if tf.distribute.has_strategy():
                 raise RuntimeError(
@@ -1117,15 +1104,14 @@ class BatchSampler:
                                                name="poisson_pass_start")
             self.started_at = int(self.next_step.numpy())  # a shared counter may be ahead
 
-    def start_at(self, step: int, runs=()) -> None:
-        """The next pass draws from private step `step` on; for a `fit` continuing the runs
-        named `runs`, from the step their `train_on_batch` calls may have drawn to
-        (`note_trained_draws`) if higher."""
+    def start_at(self, step: int) -> None:
+        """The next pass draws from private step `step` on, or from where the draws of this
+        seed stand in this process if further: the counter never goes back. Set back to a
+        model's step, it replayed the draws of an iterator opened before a `fit` and trained
+        on after it, of a loop over the pipeline, and of a pass a `fit` kept over several
+        epochs (audits, 2026-12-06)."""
         if self.next_step is not None:
-            counter = self._counter
-            counter.reserved = max(counter.reserved, int(self.next_step.numpy()))
-            step = max([int(step)] + [_LOOP_FLOORS.get((self.seed, int(run)), 0)
-                                      for run in runs])
+            step = max(int(step), int(self.next_step.numpy()))
             self.next_step.assign(step)
             self.started_at = step
 
@@ -1135,15 +1121,6 @@ class BatchSampler:
         reading their shared counter's last pass gave a false replay warning, a review)."""
         start = int(self._pass_start.numpy()) if self.next_step is not None else -1
         return start if start >= 0 else self.started_at
-
-    def skip_reserved(self) -> None:
-        """The next pass draws after every step a pass of this pipeline reserved, before or
-        since `start_at` set the counter back: `fit` leaves the pipeline so when it ends. A
-        pass kept over several epochs (``steps_per_epoch`` below its length: Keras starts
-        no new one) goes on past the step `fit` sets at each epoch, and a custom loop after
-        the fit trained on its last draws again (an audit, 2026-12-06)."""
-        if self.next_step is not None:
-            self.start_at(max(self._counter.reserved, int(self.next_step.numpy())))
 
     def __repr__(self):
         seed = self.seed if self.explicit_seed else "secret"
@@ -1156,16 +1133,17 @@ def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transfo
     the pass reserves them all (``next_step += steps``), whatever number of them is used.
 
     The draw of a pass's k-th batch is a function of ``(seed, start + k)`` alone, never of
-    how far a prefetching thread has read ahead. A DP model's `fit` sets ``next_step`` to
-    its ``dp_steps_taken`` before each epoch's pass (`lipdp.model`'s ``_StartSampler``), so
-    that its step t always trains on draw t. With a counter advanced draw by draw, an epoch
-    resumed mid-way by ``BackupAndRestore`` (``save_freq`` an integer) used only its first
-    batches while the prefetch had drawn the rest: the steps after it trained on draws
-    shifted ahead, and a second resume, starting the draws at the model's step again, trained
-    on draws already used (an audit, 2026-12-06: 5 of 92 steps, epsilon 1.036 reported for
-    1.142)."""
+    how far a prefetching thread has read ahead, and a DP model's `fit` raises its
+    ``poisson_draws_until`` past the draws a pass reserves before the pass begins
+    (`lipdp.model`'s ``_StartSampler``), so that checkpoints saved during the epoch hold
+    them. With a counter advanced draw by draw, an epoch resumed mid-way by
+    ``BackupAndRestore`` (``save_freq`` an integer) used only its first batches while the
+    prefetch had drawn the rest, and a second resume, starting the draws at the model's step
+    again, trained on draws already used (an audit, 2026-12-06: 5 of 92 steps, epsilon
+    1.036 reported for 1.142)."""
     n = int(x.shape[0])
     seed = tf.constant(sampler.seed, tf.int64)
+    sampler.pass_steps = int(steps)
 
     def draw(step):
         # One uniform per example: example i joins this batch iff u_i < q,

@@ -51,7 +51,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import _probe_batches, check_no_batch_coupling, leaf_layers
-from lipdp.data import (ShuffleSamplingWarning, holds_repeat, note_trained_draws,
+from lipdp.data import (ShuffleSamplingWarning, holds_repeat, reserved_draws,
                         repeated_pass, seeded_poisson_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
@@ -431,6 +431,15 @@ class _DPModelMixin:
         # C_t of lipdp.AdaptiveClipping, saved with the model (0: not set yet).
         self._logit_clip = tf.Variable(0.0, trainable=False, name="loss_gradient_clip",
                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        # The Poisson draws this model's history may have used end below it
+        # (`poisson_draws_until`), saved with the weights; `_draws_high`, what this object
+        # raised it to, is kept when a load sets the variable lower. Created last: the
+        # model's last weight, which files and lists saved before it lack
+        # (`load_own_variables`, `set_weights`).
+        self._draws_until = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="poisson_draws_until",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._draws_high = 0
         # The configuration of each built DP layer, from now on (`check_built_configuration`):
         # a layer that records none at its build is recorded here.
         for layer in self._flatten_layers(include_self=False, recursive=True):
@@ -481,6 +490,26 @@ class _DPModelMixin:
         variables (`_take_variables`: a model whose layers another model trained read its
         own count until its ledger was read: an audit, 2026-12-06)."""
         return self._ledger_reading()[0]
+
+    @property
+    def poisson_draws_until(self) -> int:
+        """Every Poisson draw (`lipdp.data.BatchSampler`) this model's private steps may have
+        trained on has a step index below this: `fit` starts a `lipdp.data.load_dataset`
+        Poisson pipeline there (or further), and raises it past each pass's draws before the
+        pass begins; `train_on_batch` raises it past every draw the live pipelines of this
+        process reserved. Saved with the weights, so a run continued in another process (a
+        checkpoint, a saved model) draws on. Never below ``dp_steps_taken`` (a model saved
+        before it was kept drew step t's batch from draw t). A custom loop over a new
+        pipeline continues a model with
+        ``ds_train.lipdp_sampler.start_at(model.poisson_draws_until)``."""
+        return max(int(self._draws_until.numpy()), self._draws_high, self.dp_steps_taken)
+
+    def _raise_draws_until(self, end: int) -> None:
+        """`poisson_draws_until` raised to `end` (and the variable to the object's mark)."""
+        high = max(int(end), self._draws_high, int(self._draws_until.numpy()))
+        object.__setattr__(self, "_draws_high", high)
+        if int(self._draws_until.numpy()) != high:
+            self._draws_until.assign(high)
 
     @property
     def _recorded_steps(self) -> int:
@@ -558,11 +587,38 @@ class _DPModelMixin:
         the model takes its variables over first (`_take_variables`): set on a model sharing
         layers with another, the weights reach the other's ledger when it is read."""
         kept, holds_state, before = self._state_before_load()
-        super().set_weights(weights)
+        super().set_weights(self._with_draws_until(weights))
         self._keep_ledger(kept, "set_weights", foreign_over=holds_state and self._foreign(),
                           state_kept=self._optimizer_holds_any_state(),
                           wholesale=self._replaced_every_weight(before))
         self._name_next_steps()
+
+    def _lacks_draws_until(self, count: int) -> bool:
+        """Whether `count` saved values are this model's weights but the last,
+        ``poisson_draws_until``: a list or file saved before lipdp kept it (2026-12-06)."""
+        weights = self.weights
+        return count == len(weights) - 1 and weights[-1] is self._draws_until
+
+    def _with_draws_until(self, weights):
+        """`weights`, with a list saved before ``poisson_draws_until`` given 0 for it: such a
+        model drew step t's batch from draw t (`poisson_draws_until` then reads its step
+        count, and this object's own mark stays)."""
+        weights = list(weights)
+        if self._lacks_draws_until(len(weights)):
+            weights.append(np.zeros((), np.int64))
+        return weights
+
+    def load_own_variables(self, store):
+        """Keras' loading of the model's own variables (`.keras` and `.weights.h5` files);
+        a file saved before ``poisson_draws_until`` existed, without it, loads the others
+        and sets it to 0 (`_with_draws_until`)."""
+        own = self._trainable_weights + self._non_trainable_weights
+        if len(store.keys()) == len(own) - 1 and own[-1] is self._draws_until:
+            for index, variable in enumerate(own[:-1]):
+                variable.assign(store[f"{index}"])
+            self._draws_until.assign(0)
+            return
+        super().load_own_variables(store)
 
     def load_weights(self, *args, **kwargs):
         """Keras `load_weights`; the privacy ledger never loses steps (`_keep_ledger`).
@@ -642,7 +698,7 @@ class _DPModelMixin:
         trained, then froze, kept (4 for 12). Weights that no run trained and that both
         hold alike (a public frozen base) make the load a partial one too: both ledgers are
         then composed (safe)."""
-        counters = (self._dp_steps, self._dp_ledger, self._examples_seen)
+        counters = (self._dp_steps, self._dp_ledger, self._examples_seen, self._draws_until)
         for variable, old in zip(self.weights, before):
             new = variable.numpy()
             if any(variable is c for c in counters) or (
@@ -733,8 +789,8 @@ class _DPModelMixin:
         baseline = self._update_counts()
         steps_before = self._recorded_steps
         result = super().train_on_batch(*args, **kwargs)
-        if self._run_name is not None:  # its batch may be any pipeline's: fit draws on after
-            note_trained_draws(self._run_name)
+        if self._step_mechanism is not None:  # its batch may be any pipeline's draw
+            self._raise_draws_until(reserved_draws())
         self._count_own_steps(steps_before)
         self._note_ledger()
         self._remember_trained_values(transient=True, look_up=False)
@@ -792,23 +848,24 @@ class _DPModelMixin:
         `train_on_batch` cannot see the pipeline its batches come from. Each pipeline of this
         process with an explicit seed is looked at once per model, the first time this model
         trains after it appeared (`fit` marks the one it starts): warn when its last pass
-        began at an earlier step than the model's count (`BatchSampler.last_pass_start`). A
-        resumed custom loop on a new pipeline of the first run's seed replays that run's
-        draws, which the accountant counts as fresh samples."""
+        began below the draws the model's history may have used
+        (`BatchSampler.last_pass_start`, `poisson_draws_until`). A resumed custom loop on a
+        new pipeline of the first run's seed replays that run's draws, which the accountant
+        counts as fresh samples."""
         seen = self._samplers_seen
         for sampler in seeded_poisson_samplers():
             if id(sampler) in seen:
                 continue
             seen.add(id(sampler))
-            start = sampler.last_pass_start()
-            if start < self._recorded_steps:
+            start, used = sampler.last_pass_start(), self.poisson_draws_until
+            if start < used:
                 warnings.warn(
                     f"A lipdp.data.load_dataset Poisson pipeline of seed {sampler.seed} draws "
-                    f"from step {start}, while this model has taken "
-                    f"{self._recorded_steps} steps: if its batches feed train_on_batch, they "
-                    "are the draws of earlier steps again (replayed samples are not the "
-                    "independent subsampling the accountant assumes). Call "
-                    "`ds_train.lipdp_sampler.start_at(model.dp_steps_taken)` before "
+                    f"from step {start}, while this model's steps may have used its draws up "
+                    f"to step {used - 1}: if its batches feed train_on_batch, they are the "
+                    "draws of earlier steps again (replayed samples are not the independent "
+                    "subsampling the accountant assumes). Call "
+                    "`ds_train.lipdp_sampler.start_at(model.poisson_draws_until)` before "
                     "iterating it (fit does).", stacklevel=3)
 
     def _build_optimizer(self):
@@ -1117,13 +1174,6 @@ class _DPModelMixin:
                 rows = np.concatenate([rows, [[steps, *row]]])
             if not np.array_equal(rows, stored):
                 self._dp_ledger.assign(rows)
-
-    def _runs_in_ledger(self) -> set:
-        """The names of the runs this model's ledger continues (`lipdp.ledger.run_row`), and
-        its own."""
-        rows = stored_rows(self._dp_ledger.numpy())
-        names = {int(name) for name in rows[rows[:, 0] == RUN_MARK, 1]}
-        return names | ({self._run_name} if self._run_name is not None else set())
 
     def _new_run_id(self) -> int:
         """A number naming the steps this object takes (`lipdp.ledger.run_row`): 52 random
@@ -1852,6 +1902,7 @@ class _DPModelMixin:
         if class_weight is not None or sample_weight is not None:
             raise ValueError("class_weight / sample_weight are not supported by DP models: they "
                              "rescale per-example gradients beyond their bounds.")
+        start_sampler = _StartSampler(getattr(x, "lipdp_sampler", None))
         self._check_workers_agree(x)
         labels = _label_spec(x, y)
         self._check_label_shape(labels)
@@ -1896,8 +1947,7 @@ class _DPModelMixin:
         given = list(callbacks or [])
         accountants = [c for c in given if isinstance(c, DP_Accountant)]
         callbacks = [_RememberTrainedValues()] + given + [
-            _EpochSizeCheck(), _NoteLedger(accountants),
-            _StartSampler(getattr(x, "lipdp_sampler", None))]
+            _EpochSizeCheck(), _NoteLedger(accountants), start_sampler]
         self._build_optimizer()
         self._build_metrics(x, y)
         shared = _examples_shared(x, y, validation_data)
@@ -1931,6 +1981,7 @@ class _DPModelMixin:
                 "of another (secret) seed.")
         self._set_fit_accountants(outer_accountants + tuple(accountants))
         self._set_fit_sampler_seeds(outer_seeds + seeds)
+        start_sampler.checks_ended()
         try:
             history = super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
@@ -1942,8 +1993,6 @@ class _DPModelMixin:
         finally:
             self._set_fit_accountants(outer_accountants)
             self._set_fit_sampler_seeds(outer_seeds)
-            if seeds:  # the next pass (a custom loop's too) draws no step this fit reserved
-                sampler.skip_reserved()
             # The History holds the epochs' values; the state left is the last epoch's
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).
@@ -2399,44 +2448,46 @@ class _NoteLedger(tf.keras.callbacks.Callback):
 
 
 class _StartSampler(tf.keras.callbacks.Callback):
-    """A `lipdp.data.BatchSampler` draws next the batch of the model's next private step
-    (``dp_steps_taken``, read after any checkpoint was restored), at the start of training
-    and again before every epoch's pass (listed last, after every callback's
-    ``on_epoch_begin``): an epoch resumed mid-way uses only its pass's first batches.
-    Warns when those draws already served another model (the sampler's
-    ``steps_drawn_by``): a second model fitted on the same pipeline replayed the first
-    one's batches exactly (an audit)."""
+    """A `lipdp.data.BatchSampler`'s next pass draws from the model's
+    ``poisson_draws_until`` on (read after any checkpoint was restored), before
+    every epoch's pass (listed last, after every callback's ``on_epoch_begin``, and so
+    after any restore), and the model's mark is raised past the draws that pass reserves
+    before any step of it, so that a checkpoint saved during the epoch holds them: a run
+    resumed mid-epoch, in this process or another, draws on. A second model fitted on
+    the pipeline draws on too: set back to that model's step, the sampler replayed the
+    first one's batches exactly (an audit).
+
+    Built when `fit` begins, before `fit` checks the data: the passes those checks read
+    (``validate_data``) train nothing, and their draws are given back when training begins
+    if nothing drew since (`checks_ended`)."""
 
     def __init__(self, sampler):
         super().__init__()
-        self.sampler = sampler
+        self.sampler = sampler if getattr(sampler, "next_step", None) is not None else None
+        self._before_checks = self._draws_reserved()
+        self._after_checks = None
+
+    def _draws_reserved(self):
+        return None if self.sampler is None else int(self.sampler.next_step.numpy())
+
+    def checks_ended(self):
+        """`fit`'s checks of the data are over: what they reserved is known."""
+        self._after_checks = self._draws_reserved()
+
+    def _start(self):
+        self.sampler.start_at(self.model.poisson_draws_until)
+        self.model._raise_draws_until(self.sampler.started_at + self.sampler.pass_steps)
 
     def on_train_begin(self, logs=None):
         if self.sampler is None:
             return
-        self.sampler.start_at(self.model.dp_steps_taken, self.model._runs_in_ledger())
-        start = self.sampler.started_at
+        if self._after_checks is not None and self._draws_reserved() == self._after_checks:
+            self.sampler.next_step.assign(self._before_checks)
         self.model._samplers_seen.add(id(self.sampler))
-        replayed = max((steps for key, steps in self.sampler.steps_drawn_by.items()
-                        if key != id(self.model)), default=0)
-        if self.sampler.next_step is not None and replayed > start:
-            warnings.warn(ShuffleSamplingWarning(
-                f"This pipeline's Poisson draws of steps {start} to {replayed - 1} already "
-                "served another model's training: this model trains on the same batches. Each "
-                "model's epsilon holds alone, but releasing both is not covered by composing "
-                "them (their samplings are the same, not independent). Build a new pipeline "
-                "(lipdp.data.load_dataset again, a fresh secret seed) for each model."),
-                stacklevel=2)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.sampler is not None:
-            self.sampler.start_at(self.model.dp_steps_taken, self.model._runs_in_ledger())
-
-    def on_train_end(self, logs=None):
-        if self.sampler is not None:
-            key = id(self.model)
-            self.sampler.steps_drawn_by[key] = max(self.sampler.steps_drawn_by.get(key, 0),
-                                                   self.model.dp_steps_taken)
+            self._start()
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")

@@ -168,18 +168,23 @@ def _draw_sizes(ds, metadata, count):
 
 class _BatchSizes(tf.keras.callbacks.Callback):
     """``{step: examples}`` of every private step this fit ran (the model's count of
-    examples restarts at each epoch)."""
+    examples restarts at each epoch), and with a `sampler`, ``{step: draw}``: the draw its
+    pipeline's pass gave that step (the pass's first draw, plus the batches of the epoch
+    before it: a resumed epoch's iterator is a new pass)."""
 
-    def __init__(self):
+    def __init__(self, sampler=None):
         super().__init__()
-        self.sizes, self._seen = {}, 0
+        self.sizes, self.draws, self._seen, self._sampler = {}, {}, 0, sampler
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._seen = 0
+        self._seen, self._batches = 0, 0
 
     def on_train_batch_end(self, batch, logs=None):
-        seen = int(self.model._examples_seen.numpy())
-        self.sizes[self.model.dp_steps_taken - 1], self._seen = seen - self._seen, seen
+        seen, step = int(self.model._examples_seen.numpy()), self.model.dp_steps_taken - 1
+        self.sizes[step], self._seen = seen - self._seen, seen
+        if self._sampler is not None:
+            self.draws[step] = self._sampler.last_pass_start() + self._batches
+        self._batches += 1
 
 
 class _KillAt(tf.keras.callbacks.Callback):
@@ -192,33 +197,49 @@ class _KillAt(tf.keras.callbacks.Callback):
             raise KeyboardInterrupt
 
 
-def test_a_poisson_run_resumed_mid_epoch_twice_trains_step_t_on_draw_t(tmp_path):
+def _assert_each_draw_once(sizes, draws, metadata, seed=1):
+    """Every step trained on its own draw (no draw twice), and on that draw's batch (its
+    size computed apart from the pipeline)."""
+    steps = sorted(draws)
+    assert len({draws[t] for t in steps}) == len(steps), draws
+    expected = _draw_sizes(_data(seed)[0], metadata, max(draws.values()) + 1)
+    assert [sizes[t] for t in steps] == [expected[draws[t]] for t in steps]
+
+
+@pytest.mark.parametrize("processes", ["one process", "new objects"])
+def test_a_poisson_run_resumed_mid_epoch_twice_never_trains_on_a_draw_twice(tmp_path,
+                                                                              processes):
     """A seeded Poisson pipeline, a backup every 2 steps, killed at step 5 (its backup at 4,
     inside the first epoch) and, resumed, killed at step 9 (backup at 8); resumed again to
     the end. The resumed first epoch used 2 of its pass's 6 draws: with a draw counter
     advanced as the prefetch read ahead, the steps after it trained on later draws, and
     the second resume drew the used ones again (an audit, 2026-12-06: replayed draws,
-    epsilon under-reported). Each step of the final model's history must have trained on
-    the draw of its own index (told apart by their sizes)."""
+    epsilon under-reported). The steps of the final model's history must each have
+    trained on a draw of its own, in one process (the pipeline's counter lives on) and as
+    in a new process (every pipeline of the seed dropped first: only what the backup
+    saved, ``poisson_draws_until``, says which draws were used)."""
+    import gc
+
     ds, _, metadata = _data()
-    draws = _draw_sizes(ds, metadata, 24)
-    assert len(set(draws)) > 12
-    backup, runs = str(tmp_path / "backup"), []
-    for kill in (5, 9, None):
+    assert len(set(_draw_sizes(ds, metadata, 24))) > 12
+    backup, sizes, draws = str(tmp_path / "backup"), {}, {}
+    for kill, keep in ((5, range(0, 4)), (9, range(4, 8)), (None, range(8, 24))):
+        if processes == "new objects":
+            del ds
+            gc.collect()
         ds, _, metadata = _data()
-        sizes = _BatchSizes()
-        callbacks = [sizes, BackupAndRestore(backup, save_freq=2)]
+        record = _BatchSizes(ds.lipdp_sampler)
+        callbacks = [record, BackupAndRestore(backup, save_freq=2)]
         try:
             _model(metadata).fit(ds, epochs=4, verbose=0,
                                  callbacks=callbacks + ([_KillAt(kill)] if kill else []))
         except KeyboardInterrupt:
             pass
-        runs.append(sizes.sizes)
-    history = {**{t: n for t, n in runs[0].items() if t < 4},
-               **{t: n for t, n in runs[1].items() if 4 <= t < 8},
-               **{t: n for t, n in runs[2].items() if t >= 8}}
-    assert sorted(history) == list(range(24))
-    assert [history[t] for t in range(24)] == draws
+        sizes.update({t: record.sizes[t] for t in keep})
+        draws.update({t: record.draws[t] for t in keep})
+    assert sorted(draws) == list(range(24))
+    assert [draws[t] for t in range(4)] == [0, 1, 2, 3]  # the run's own first draws
+    _assert_each_draw_once(sizes, draws, metadata)
 
 
 def test_a_custom_loop_after_a_fit_of_fewer_steps_than_the_pipeline_draws_fresh_batches():
@@ -240,7 +261,7 @@ def test_a_fit_after_a_loop_over_the_pipeline_draws_no_batch_the_loop_used():
     """A peek at one batch (its pass reserves draws 0..5), a train_on_batch loop (draws 6..11
     for steps 0..5), then fit from the model's step 6: fit set the draws back to 6 and
     trained its 6 steps on the loop's draws again (an audit, 2026-12-06). It must draw on
-    after every draw a train_on_batch may have used (`lipdp.data.note_trained_draws`)."""
+    after every draw a train_on_batch may have used (`poisson_draws_until`)."""
     ds, _, metadata = _data(seed=3)
     draws = _draw_sizes(ds, metadata, 18)
     next(iter(ds))
@@ -258,7 +279,7 @@ def test_the_floor_a_loop_leaves_outlives_its_pipeline_and_model_object(then):
     dropped and built again with its seed (a notebook cell run again), or the loop's weights
     given to a new model object: the floor lived with the pipeline's counter and the model
     object, and fit trained 6 of 6 steps on the loop's draws again (a review, 2026-12-06).
-    It is kept per seed and run (`lipdp.data.note_trained_draws`)."""
+    The model's weights keep it (`poisson_draws_until`)."""
     import gc
 
     ds, _, metadata = _data(seed=5)
@@ -280,6 +301,108 @@ def test_the_floor_a_loop_leaves_outlives_its_pipeline_and_model_object(then):
     sizes = _BatchSizes()
     model.fit(ds, epochs=1, verbose=0, callbacks=[sizes])
     assert [sizes.sizes[t] for t in range(6, 12)] == draws[12:18]
+
+
+def test_an_iterator_kept_across_a_fit_trains_on_no_draw_the_fit_used():
+    """An iterator opened (one batch peeked: its pass reserves draws 0..5) before a fit and
+    trained on after it: the fit set the draws back to the model's step 0 and trained on
+    draws 0..5, and the loop over the old iterator trained on 5 of them again (an audit,
+    2026-12-06). The fit must draw after the old pass's reservation."""
+    ds, _, metadata = _data(seed=6)
+    iterator = iter(ds)
+    peeked = next(iterator)
+    model, record = _model(metadata), _BatchSizes(ds.lipdp_sampler)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[record])
+    assert sorted(record.draws.values()) == list(range(6, 12))
+    draws = _draw_sizes(ds, metadata, 12)
+    with pytest.warns(lipdp.data.ShuffleSamplingWarning, match="train_on_batch"):
+        looped = [int(y.shape[0]) for x, y in [peeked, *iterator]
+                  if model.train_on_batch(x, y) is not None]
+    assert looped == draws[:6]  # the old pass's own draws
+    assert [record.sizes[t] for t in range(6)] == draws[6:12]
+    assert model.poisson_draws_until == 12
+
+
+def test_a_loop_continued_in_another_process_draws_on(tmp_path):
+    """A loop over the pipeline (draws 0..5 for steps 0..5, after a peek at the first),
+    the model saved, every pipeline of the seed dropped (as in a new process), the model
+    loaded and fitted on a new pipeline of the seed: the floor the loop left lived in this
+    process only, and fit from step 6 would have drawn 6..11 again if the peek's pass had
+    been the loop's second (here it trained on draws the loop's pass reserved). The saved
+    ``poisson_draws_until`` carries it; so does a model given the saved weights."""
+    import gc
+
+    ds, _, metadata = _data(seed=7)
+    draws = _draw_sizes(ds, metadata, 24)
+    next(iter(ds))  # draws 0..5 reserved, unused
+    model = _model(metadata)
+    with pytest.warns(lipdp.data.ShuffleSamplingWarning, match="train_on_batch"):
+        looped = [int(y.shape[0]) for x, y in ds.take(4) if model.train_on_batch(x, y) is not None]
+    assert looped == draws[6:10] and model.poisson_draws_until == 12
+    path = str(tmp_path / "looped.keras")
+    model.save(path)
+    weights = model.get_weights()
+    del ds, model
+    gc.collect()
+    for loaded in ("load_model", "set_weights"):
+        ds = _data(seed=7)[0]
+        assert int(ds.lipdp_sampler.next_step.numpy()) == 0  # a new counter
+        if loaded == "load_model":
+            model = tf.keras.models.load_model(path)
+        else:
+            model = _model(metadata)
+            model.set_weights(weights)
+        assert model.dp_steps_taken == 4 and model.poisson_draws_until == 12
+        record = _BatchSizes(ds.lipdp_sampler)
+        model.fit(ds, epochs=1, verbose=0, callbacks=[record])
+        assert sorted(record.draws.values()) == list(range(12, 18))
+        assert [record.sizes[t] for t in range(4, 10)] == draws[12:18]
+        del ds, model, record
+        gc.collect()
+
+
+def test_a_second_model_fitted_on_the_pipeline_draws_fresh_batches():
+    """fit started the sampler at the model's own step: a second model fitted on the
+    pipeline a first one trained on replayed its batches exactly (an audit: 15 of 15
+    batches), and only a warning said so. The second model draws on."""
+    ds, _, metadata = _data(seed=8)
+    first, second = _BatchSizes(ds.lipdp_sampler), _BatchSizes(ds.lipdp_sampler)
+    _model(metadata).fit(ds, epochs=1, verbose=0, callbacks=[first])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lipdp.data.ShuffleSamplingWarning)
+        _model(metadata).fit(ds, epochs=1, verbose=0, callbacks=[second])
+    assert sorted(first.draws.values()) == list(range(6))
+    assert sorted(second.draws.values()) == list(range(6, 12))
+    draws = _draw_sizes(ds, metadata, 12)
+    assert [second.sizes[t] for t in range(6)] == draws[6:]
+
+
+def test_weights_saved_before_the_draw_mark_load_it_as_zero(tmp_path):
+    """Lists and `.weights.h5` / `.keras` files saved before ``poisson_draws_until`` existed
+    lack that last weight: they load, with it at 0, and the model then draws from its step
+    count (such a model drew step t's batch from draw t). Simulated by dropping the weight
+    from a list and a file; a list or file of another length is still refused."""
+    import h5py
+
+    ds, _, metadata = _data(seed=9)
+    model = _model(metadata)
+    model.fit(ds, epochs=1, verbose=0)
+    assert model.poisson_draws_until == 6 and model.weights[-1] is model._draws_until
+    path = str(tmp_path / "old.weights.h5")
+    model.save_weights(path)
+    with h5py.File(path, "r+") as f:
+        assert sorted(f["vars"]) == ["0", "1", "2", "3", "4"]
+        del f["vars"]["4"]
+    for load in ("list", "file"):
+        fresh = _model(metadata)
+        if load == "list":
+            fresh.set_weights(model.get_weights()[:-1])
+        else:
+            fresh.load_weights(path)
+        assert fresh.dp_steps_taken == 6 and int(fresh._draws_until.numpy()) == 0
+        assert fresh.poisson_draws_until == 6
+    with pytest.raises(ValueError, match="weight list of length"):
+        _model(metadata).set_weights(model.get_weights()[:-2])
 
 
 def test_loops_over_two_pipelines_of_one_seed_draw_on():
