@@ -1012,19 +1012,41 @@ class _DrawCounter:
         with tf.init_scope():
             self.next_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="poisson_next_step")
-        _LIVE_COUNTERS.add(self)
+        _EVERY_NEXT_STEP.append(self.next_step)
 
 
-_LIVE_COUNTERS = weakref.WeakSet()
+# The counters of every Poisson pipeline this process built, kept after the pipelines: a
+# loop over batches listed from a pipeline since dropped trained on draws no live counter
+# held (a review, 2026-12-06). One scalar variable per pipeline.
+_EVERY_NEXT_STEP = []
 _COUNTERS_BY_SEED = weakref.WeakValueDictionary()  # explicit seed -> its `_DrawCounter`
 
 
 def reserved_draws() -> int:
-    """The end of every Poisson draw the live pipelines of this process have reserved (the
-    highest ``next_step``; 0 without one). A DP model's `train_on_batch`, which cannot tell
-    which pipeline its batch came from, raises its ``poisson_draws_until`` to it."""
-    return max((int(counter.next_step.numpy()) for counter in list(_LIVE_COUNTERS)),
-               default=0)
+    """The end of every Poisson draw the pipelines of this process reserved, live or
+    dropped (the highest ``next_step``; 0 without one). A DP model's `train_on_batch`, which
+    cannot tell which pipeline its batch came from, raises its ``poisson_draws_until`` to
+    it."""
+    return max((int(step.numpy()) for step in _EVERY_NEXT_STEP), default=0)
+
+
+def pipeline_sampler(dataset) -> Optional["BatchSampler"]:
+    """The `BatchSampler` of the `load_dataset` pipeline `dataset` is or was built from by
+    tf.data transformations (a ``map``, ``prefetch``, ``with_options``: each dataset object
+    holds its inputs); None without one. `fit` manages that sampler's draws (a mapped
+    pipeline was left where it stood, and a run continued in another process replayed its
+    draws: a review, 2026-12-06); whether the batches are still Poisson is judged apart."""
+    stack, seen = [dataset], set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen or not isinstance(current, tf.data.Dataset):
+            continue
+        seen.add(id(current))
+        sampler = getattr(current, "lipdp_sampler", None)
+        if sampler is not None:
+            return sampler
+        stack.extend(current._inputs())
+    return None
 
 
 def seeded_poisson_samplers() -> list:

@@ -51,7 +51,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import _probe_batches, check_no_batch_coupling, leaf_layers
-from lipdp.data import (ShuffleSamplingWarning, holds_repeat, reserved_draws,
+from lipdp.data import (ShuffleSamplingWarning, holds_repeat, pipeline_sampler, reserved_draws,
                         repeated_pass, seeded_poisson_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
@@ -577,6 +577,7 @@ class _DPModelMixin:
         """The weights, the ledger composed first (`_take_variables`), remembered as a
         state this model handed out (`_foreign`)."""
         self._take_variables()
+        self._raise_draws_until(0)  # never handed out below what this object drew
         weights = super().get_weights()
         self._exported_states.add(_weights_digest(weights))
         self._remember_trained_values(look_up=False)  # `_take_variables` looked them up
@@ -1451,6 +1452,7 @@ class _DPModelMixin:
         does not call `save`, and a model given another run's layers one by one, saved so
         right after, wrote 0 steps for 8 (an audit, 2026-12-06)."""
         self._take_variables()
+        self._raise_draws_until(0)
         return super().save_own_variables(store)
 
     def save_weights(self, *args, **kwargs):
@@ -1902,7 +1904,8 @@ class _DPModelMixin:
         if class_weight is not None or sample_weight is not None:
             raise ValueError("class_weight / sample_weight are not supported by DP models: they "
                              "rescale per-example gradients beyond their bounds.")
-        start_sampler = _StartSampler(getattr(x, "lipdp_sampler", None))
+        start_sampler = _StartSampler(
+            pipeline_sampler(x) if isinstance(x, tf.data.Dataset) else None)
         self._check_workers_agree(x)
         labels = _label_spec(x, y)
         self._check_label_shape(labels)
@@ -1968,8 +1971,8 @@ class _DPModelMixin:
         _refuse_training_metric_feedback(self, callbacks, not self._private_logs_only,
                                          on_training, x, y)
         steps_before, finished = self._recorded_steps, False
-        sampler = getattr(x, "lipdp_sampler", None)
-        seeds = (sampler.seed,) if getattr(sampler, "next_step", None) is not None else ()
+        sampler = start_sampler.sampler
+        seeds = (sampler.seed,) if sampler is not None else ()
         outer_accountants, outer_seeds = self._fit_accountants, self._fit_sampler_seeds
         if set(seeds) & set(outer_seeds):
             raise ValueError(
@@ -1993,6 +1996,7 @@ class _DPModelMixin:
         finally:
             self._set_fit_accountants(outer_accountants)
             self._set_fit_sampler_seeds(outer_seeds)
+            self._raise_draws_until(0)  # the variable back up (EarlyStopping sets weights)
             # The History holds the epochs' values; the state left is the last epoch's
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).

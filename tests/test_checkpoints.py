@@ -377,6 +377,60 @@ def test_a_second_model_fitted_on_the_pipeline_draws_fresh_batches():
     assert [second.sizes[t] for t in range(6)] == draws[6:]
 
 
+class _Worsening(tf.keras.callbacks.Callback):
+    """A monitored value that only grows: EarlyStopping restores the first epoch."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["worsening"] = float(epoch)
+
+
+@pytest.mark.parametrize("first", ["a loop over batches listed from a dropped pipeline",
+                                   "a fit whose EarlyStopping restores an earlier epoch",
+                                   "a fit on a mapped pipeline"])
+def test_a_run_saved_and_continued_in_another_process_draws_no_batch_twice(tmp_path, first):
+    """A review (2026-12-06) replayed 6 draws after each of these, the model saved and fitted
+    again once every pipeline of the seed was dropped (as in a new process): the loop's
+    batches came from no live pipeline, EarlyStopping set the saved draw mark back with
+    the weights, and a mapped pipeline lost the sampler that fit manages."""
+    import gc
+
+    ds, _, metadata = _data(seed=10)
+    mapped = first.endswith("mapped pipeline")
+    if not mapped:
+        next(iter(ds))  # a peek: draws 0..5 reserved, unused
+    model, used = _model(metadata), {}
+    if first.startswith("a loop"):
+        batches = list(ds)  # draws 6..11
+        del ds
+        gc.collect()
+        with pytest.warns(lipdp.data.ShuffleSamplingWarning, match="train_on_batch"):
+            for x, y in batches:
+                model.train_on_batch(x, y)
+        used.update({t: 6 + t for t in range(6)})
+    else:
+        record = _BatchSizes(ds.lipdp_sampler)
+        if first.startswith("a fit whose"):
+            stop = tf.keras.callbacks.EarlyStopping(monitor="worsening", mode="min",
+                                                    patience=1, restore_best_weights=True)
+            model.fit(ds, epochs=4, verbose=0, callbacks=[record, _Worsening(), stop])
+        else:
+            model.fit(ds.map(lambda x, y: (x, y)), epochs=1, verbose=0, callbacks=[record])
+        used.update(record.draws)
+        del ds, record
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    del model
+    gc.collect()
+    ds = _data(seed=10)[0]
+    model, record = tf.keras.models.load_model(path), _BatchSizes(ds.lipdp_sampler)
+    model.fit(ds.map(lambda x, y: (x, y)) if mapped else ds, epochs=1, verbose=0,
+              callbacks=[record])
+    sizes = {t: record.sizes[t] for t in record.draws}
+    expected = _draw_sizes(ds, metadata, max(record.draws.values()) + 1)
+    assert [sizes[t] for t in sorted(sizes)] == [expected[record.draws[t]] for t in sorted(sizes)]
+    assert not set(used.values()) & set(record.draws.values()), (used, record.draws)
+
+
 def test_weights_saved_before_the_draw_mark_load_it_as_zero(tmp_path):
     """Lists and `.weights.h5` / `.keras` files saved before ``poisson_draws_until`` existed
     lack that last weight: they load, with it at 0, and the model then draws from its step
