@@ -502,7 +502,11 @@ class _DPModelMixin:
         before it was kept drew step t's batch from draw t). A custom loop over a new
         pipeline continues a model with
         ``ds_train.lipdp_sampler.start_at(model.poisson_draws_until)``."""
-        return max(int(self._draws_until.numpy()), self._draws_high, self.dp_steps_taken)
+        return max(self._draws_mark(), self.dp_steps_taken)
+
+    def _draws_mark(self) -> int:
+        """`poisson_draws_until` without composing the ledger first (its recorded steps)."""
+        return max(int(self._draws_until.numpy()), self._draws_high, self._recorded_steps)
 
     def _raise_draws_until(self, end: int) -> None:
         """`poisson_draws_until` raised to `end` (and the variable to the object's mark)."""
@@ -1062,6 +1066,9 @@ class _DPModelMixin:
             steps = self._recorded_steps
             self._compose_with(trained_by.token, trained_by.state, dict(trained_by.lineage),
                                copied=True)
+            # The copied run's draws are this history's too (a review, 2026-12-06: a model
+            # given a run's layers one by one, saved, drew 4 of its draws again).
+            self._raise_draws_until(trained_by.draws_until)
             if self._recorded_steps != steps:
                 changed = True
                 warnings.warn(
@@ -1075,7 +1082,7 @@ class _DPModelMixin:
     def _trained_by(self) -> TrainedBy:
         """This model's ledger as `lipdp.weight_copies` remembers it with its values."""
         return TrainedBy(self._ledger_token, self._ledger_state(),
-                         tuple(self._lineage_now().items()))
+                         tuple(self._lineage_now().items()), self._draws_mark())
 
     def _remember_trained_values(self, transient: bool = False, look_up: bool = True):
         """Remember the values of the trainable variables with this model's ledger
@@ -1106,6 +1113,7 @@ class _DPModelMixin:
         independent runs (a model built on the layers of two runs counted the longer one)."""
         owner._keep_high_water()
         self._compose_with(owner._ledger_token, owner._ledger_state(), owner._lineage_now())
+        self._raise_draws_until(owner._draws_mark())  # its draws are ours too
 
     def _compose_with(self, token, theirs, their_lineage, copied=False):
         """This model's ledger composed with ``theirs = (steps, rows)``, the ledger of the

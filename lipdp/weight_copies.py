@@ -41,11 +41,13 @@ import numpy as np
 class TrainedBy:
     """The ledger of the model object whose private steps produced a value, as it stood
     then: its token (`DP_Model._ledger_token`), ``state = (steps, rows)`` and ``lineage``,
-    ``((token, steps), ...)`` of the other ledgers it included."""
+    ``((token, steps), ...)`` of the other ledgers it included, and ``draws_until``, the
+    end of the Poisson draws its history may have used (`DP_Model.poisson_draws_until`)."""
 
     token: int
     state: Tuple[int, np.ndarray]
     lineage: Tuple[Tuple[int, int], ...]
+    draws_until: int = 0
 
 
 _Key = Tuple[str, Tuple[int, ...], int]

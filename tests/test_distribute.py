@@ -59,6 +59,14 @@ def _finish(process, timeout):
     return _last_json_line(out)
 
 
+@pytest.fixture(autouse=True)
+def _draws_of_this_test_only(monkeypatch):
+    """Each test starts as a new process would: `lipdp.data.reserved_draws` counts every
+    Poisson pipeline the process built, and other tests' pipelines would raise a
+    train_on_batch's draw mark past the draws these tests name."""
+    monkeypatch.setattr(lipdp.data, "_EVERY_NEXT_STEP", [])
+
+
 @pytest.fixture(scope="module")
 def mirrored():
     return _finish(_run(["mirrored"]), timeout=400)
