@@ -505,8 +505,9 @@ class _DPModelMixin:
         return max(self._draws_mark(), self.dp_steps_taken)
 
     def _draws_mark(self) -> int:
-        """`poisson_draws_until` without composing the ledger first (its recorded steps)."""
-        return max(int(self._draws_until.numpy()), self._draws_high, self._recorded_steps)
+        """The mark itself, without the step count `poisson_draws_until` also reads (which a
+        copy's ledger brings along): what copies of this model's values carry."""
+        return max(int(self._draws_until.numpy()), self._draws_high)
 
     def _raise_draws_until(self, end: int) -> None:
         """`poisson_draws_until` raised to `end` (and the variable to the object's mark)."""
