@@ -496,8 +496,8 @@ class _DPModelMixin:
         """Every Poisson draw (`lipdp.data.BatchSampler`) this model's private steps may have
         trained on has a step index below this: `fit` starts a `lipdp.data.load_dataset`
         Poisson pipeline there (or further), and raises it past each pass's draws before the
-        pass begins; `train_on_batch` raises it past every draw the live pipelines of this
-        process reserved. Saved with the weights, so a run continued in another process (a
+        pass begins; `train_on_batch` raises it past every draw the pipelines this process
+        built reserved (`lipdp.data.reserved_draws`). Saved with the weights, so a run continued in another process (a
         checkpoint, a saved model) draws on. Never below ``dp_steps_taken`` (a model saved
         before it was kept drew step t's batch from draw t). A custom loop over a new
         pipeline continues a model with
@@ -599,10 +599,10 @@ class _DPModelMixin:
                           wholesale=self._replaced_every_weight(before))
         self._name_next_steps()
 
-    def _lacks_draws_until(self, count: int) -> bool:
-        """Whether `count` saved values are this model's weights but the last,
-        ``poisson_draws_until``: a list or file saved before lipdp kept it (2026-12-06)."""
-        weights = self.weights
+    def _lacks_draws_until(self, count: int, weights) -> bool:
+        """Whether `count` saved values are `weights` (the model's, or its own variables)
+        but the last, ``poisson_draws_until``: a list or file saved before lipdp kept it
+        (2026-12-06)."""
         return count == len(weights) - 1 and weights[-1] is self._draws_until
 
     def _with_draws_until(self, weights):
@@ -610,7 +610,7 @@ class _DPModelMixin:
         model drew step t's batch from draw t (`poisson_draws_until` then reads its step
         count, and this object's own mark stays)."""
         weights = list(weights)
-        if self._lacks_draws_until(len(weights)):
+        if self._lacks_draws_until(len(weights), self.weights):
             weights.append(np.zeros((), np.int64))
         return weights
 
@@ -619,7 +619,7 @@ class _DPModelMixin:
         a file saved before ``poisson_draws_until`` existed, without it, loads the others
         and sets it to 0 (`_with_draws_until`)."""
         own = self._trainable_weights + self._non_trainable_weights
-        if len(store.keys()) == len(own) - 1 and own[-1] is self._draws_until:
+        if self._lacks_draws_until(len(store.keys()), own):
             for index, variable in enumerate(own[:-1]):
                 variable.assign(store[f"{index}"])
             self._draws_until.assign(0)
