@@ -497,10 +497,10 @@ class _DPModelMixin:
         trained on has a step index below this: `fit` starts a `lipdp.data.load_dataset`
         Poisson pipeline there (or further), and raises it past each pass's draws before the
         pass begins; `train_on_batch` raises it past every draw the pipelines this process
-        built reserved (`lipdp.data.reserved_draws`). Saved with the weights, so a run continued in another process (a
-        checkpoint, a saved model) draws on. Never below ``dp_steps_taken`` (a model saved
-        before it was kept drew step t's batch from draw t). A custom loop over a new
-        pipeline continues a model with
+        built reserved (`lipdp.data.reserved_draws`). Saved with the weights, so a run
+        continued in another process (a checkpoint, a saved model) draws on. Never below
+        ``dp_steps_taken`` (a model saved before it was kept drew step t's batch from draw
+        t). A custom loop over a new pipeline continues a model with
         ``ds_train.lipdp_sampler.start_at(model.poisson_draws_until)``."""
         return max(self._draws_mark(), self.dp_steps_taken)
 
