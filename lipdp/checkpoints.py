@@ -33,6 +33,7 @@ import time
 import tensorflow as tf
 
 from lipdp.ledger import LedgerMismatchError
+from lipdp.legacy_files import hdf5_with_draw_mark, load_saved_model
 from lipdp.reports import atomic_write
 
 __all__ = ["BackupAndRestore", "FinishedTraining", "LedgerMismatchError", "check_resume",
@@ -136,14 +137,17 @@ def load_model(path, custom_objects=None, compile=True, **kwargs):
     Legacy HDF5 files (``model.save("m.h5")``) name lipdp's classes without the package
     prefix they are registered under (``"DP_Sequential"``, not ``"lipdp>DP_Sequential"``):
     lipdp's and deel-lip's registered classes are passed by their bare names too, after
-    `custom_objects`' own.
+    `custom_objects`' own. Files a DP model saved before it kept ``poisson_draws_until``
+    (legacy HDF5 and SavedModel; `lipdp.legacy_files`) load with that mark at 0.
 
     Returns:
         The model; for a DP model, ``lipdp.accounting.epsilon_spent(model)`` is the
         epsilon it was trained with.
     """
-    model = tf.keras.models.load_model(path, custom_objects=_with_bare_names(custom_objects),
-                                       compile=compile, **kwargs)
+    with hdf5_with_draw_mark(path) as readable:
+        model = load_saved_model(tf.keras.models.load_model, readable,
+                                 custom_objects=_with_bare_names(custom_objects),
+                                 compile=compile, **kwargs)
     if hasattr(model, "privacy_ledger"):
         delta = float(model.dp_parameters.delta)
         ledger = model.privacy_ledger

@@ -63,6 +63,7 @@ from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_built_conf
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, StepMechanism,
                           concatenated, continues, includes, run_row, stored_rows)
+from lipdp.legacy_files import hdf5_with_draw_mark
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
@@ -640,7 +641,7 @@ class _DPModelMixin:
         self._dp_steps.assign(-1)  # sentinels: what the file sets is what changes
         self._dp_ledger.assign(np.full((1, ROW_SIZE), np.nan))
         try:
-            status = super().load_weights(*args, **kwargs)
+            status = self._load_weights_file(*args, **kwargs)
         except BaseException:
             self._set_ledger(kept)
             raise
@@ -675,6 +676,12 @@ class _DPModelMixin:
             and self._replaced_every_weight(before))
         self._name_next_steps()
         return status
+
+    def _load_weights_file(self, filepath, *args, **kwargs):
+        """Keras `load_weights`; a legacy HDF5 file saved before ``poisson_draws_until``
+        existed loads with it at 0 (`lipdp.legacy_files.hdf5_with_draw_mark`)."""
+        with hdf5_with_draw_mark(filepath) as readable:
+            return super().load_weights(readable, *args, **kwargs)
 
     def _state_before_load(self):
         """Before `set_weights` or `load_weights`: the optimizer built (its slots exist, so a
