@@ -1965,8 +1965,8 @@ class _DPModelMixin:
         # Last, so that they run after a BackupAndRestore restored the model.
         given = list(callbacks or [])
         accountants = [c for c in given if isinstance(c, DP_Accountant)]
-        callbacks = [_RememberTrainedValues()] + given + [
-            _EpochSizeCheck(), _NoteLedger(accountants), start_sampler]
+        callbacks = [_MarkTrainedDraws(start_sampler.sampler), _RememberTrainedValues()] + \
+            given + [_EpochSizeCheck(), _NoteLedger(accountants), start_sampler]
         self._build_optimizer()
         self._build_metrics(x, y)
         shared = _examples_shared(x, y, validation_data)
@@ -2396,20 +2396,40 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
                 "(`augmentation`) rather than adding examples to its batches.")
 
 
+class _MarkTrainedDraws(tf.keras.callbacks.Callback):
+    """After every step (each call of the train function), the model's
+    ``poisson_draws_until`` raised to where `sampler`'s draws stand: every pass that gave a
+    batch to the steps so far began, and reserved its draws, before the batch came. First
+    of `fit`'s callbacks, so that the values remembered (`_RememberTrainedValues`) and any
+    checkpoint saved after the step carry it. `_StartSampler` raises the mark only by the
+    pass each epoch begins: a pipeline repeated within an epoch (``ds.repeat()`` with a
+    larger ``steps_per_epoch``, ``ds.take(k).repeat()``) trained on draws of later passes
+    above the saved mark, and a run continued in another process trained on 3 of them again
+    (an audit, 2026-12-07)."""
+
+    def __init__(self, sampler):
+        super().__init__()
+        self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
+        self.sampler = sampler if getattr(sampler, "next_step", None) is not None else None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.sampler is not None:  # also back up after a callback's restore lowered it
+            self.model._raise_draws_until(int(self.sampler.next_step.numpy()))
+
+
 class _RememberTrainedValues(tf.keras.callbacks.Callback):
-    """First of `fit`'s callbacks, so that no other callback copies values in or out before
-    (`_remember_trained_values`) or rolls the ledger back before its high-water mark is
-    noted after each step and epoch (`_note_ledger`: noted only at epochs' ends, a callback
-    restoring weights and ledger of the last epoch's start in its ``on_epoch_end``, the
-    momentum left as it was, dropped 4 of 12 steps without a word: an audit, 2026-12-06;
-    `_NoteLedger` puts such a ledger back): the values of each step remembered as the
-    model's own
-    right after it, those of an epoch's end kept for the process (a callback copying them
-    into another model at the epoch's end and saving it there wrote a ledger of 0 steps:
-    an audit, 2026-12-06). Not only beside callbacks that run the user's code: a training
-    or validation pipeline (``tf.py_function``) or a compiled metric runs it too (an audit
-    of a version that skipped both hooks without such callbacks: 4 steps reported for 12,
-    and budgets overrun)."""
+    """First of `fit`'s callbacks after `_MarkTrainedDraws`, so that no other callback copies
+    values in or out before (`_remember_trained_values`) or rolls the ledger back before its
+    high-water mark is noted after each step and epoch (`_note_ledger`: noted only at
+    epochs' ends, a callback restoring weights and ledger of the last epoch's start in its
+    ``on_epoch_end``, the momentum left as it was, dropped 4 of 12 steps without a word: an
+    audit, 2026-12-06; `_NoteLedger` puts such a ledger back): the values of each step
+    remembered as the model's own right after it, those of an epoch's end kept for the
+    process (a callback copying them into another model at the epoch's end and saving it
+    there wrote a ledger of 0 steps: an audit, 2026-12-06). Not only beside callbacks that
+    run the user's code: a training or validation pipeline (``tf.py_function``) or a
+    compiled metric runs it too (an audit of a version that skipped both hooks without such
+    callbacks: 4 steps reported for 12, and budgets overrun)."""
 
     def __init__(self):
         super().__init__()

@@ -452,6 +452,52 @@ def test_a_run_saved_and_continued_in_another_process_draws_no_batch_twice(tmp_p
     assert not set(used.values()) & set(record.draws.values()), (used, record.draws)
 
 
+class _StopAt(tf.keras.callbacks.Callback):
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.dp_steps_taken == self.steps:
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("repeated", ["take(3).repeat()", "repeat() after a stopped fit"])
+def test_a_pipeline_repeated_within_an_epoch_raises_the_saved_mark_past_every_pass(tmp_path,
+                                                                                   repeated):
+    """A repeated pipeline begins passes inside an epoch: each reserves 6 draws. The saved
+    mark was raised by the epoch's first pass only, and a run continued in another process
+    (every pipeline of the seed dropped) trained on 3 of the later passes' draws again (an
+    audit, 2026-12-07). The draws the first run trained follow from the passes (pass p of
+    the fit starts 6p after the fit's first) and are checked by their batch sizes."""
+    import gc
+
+    seed = 11 if repeated.startswith("take") else 12  # a counter of its own
+    ds, _, metadata = _data(seed)
+    assert ds.lipdp_sampler.started_at == 0
+    model, record = _model(metadata), _BatchSizes()
+    if repeated.startswith("take"):
+        model.fit(ds.take(3).repeat(), steps_per_epoch=9, epochs=1, verbose=0,
+                  callbacks=[record])
+        used = [0, 1, 2, 6, 7, 8, 12, 13, 14]
+    else:
+        model.fit(ds, epochs=1, verbose=0, callbacks=[record, _StopAt(2)])  # 2..5 skipped
+        model.fit(ds.repeat(), steps_per_epoch=10, epochs=1, verbose=0, callbacks=[record])
+        used = [0, 1] + list(range(6, 16))
+    expected = _draw_sizes(ds, metadata, 30)
+    assert [record.sizes[t] for t in sorted(record.sizes)] == [expected[d] for d in used]
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    del model, ds
+    gc.collect()
+    ds = _data(seed)[0]
+    model, record = tf.keras.models.load_model(path), _BatchSizes(ds.lipdp_sampler)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[record])
+    sizes = [record.sizes[t] for t in sorted(record.sizes)]
+    assert sizes == [expected[record.draws[t]] for t in sorted(record.sizes)]
+    assert not set(used) & set(record.draws.values()), record.draws
+
+
 def test_weights_saved_before_the_draw_mark_load_it_as_zero(tmp_path):
     """Lists and `.weights.h5` / `.keras` files saved before ``poisson_draws_until`` existed
     lack that last weight: they load, with it at 0, and the model then draws from its step
