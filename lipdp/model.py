@@ -512,9 +512,10 @@ class _DPModelMixin:
 
     def _raise_draws_until(self, end: int) -> None:
         """`poisson_draws_until` raised to `end` (and the variable to the object's mark)."""
-        high = max(int(end), self._draws_high, int(self._draws_until.numpy()))
+        saved = int(self._draws_until.numpy())
+        high = max(int(end), self._draws_high, saved)
         object.__setattr__(self, "_draws_high", high)
-        if int(self._draws_until.numpy()) != high:
+        if saved != high:
             self._draws_until.assign(high)
 
     @property
@@ -2012,7 +2013,9 @@ class _DPModelMixin:
         finally:
             self._set_fit_accountants(outer_accountants)
             self._set_fit_sampler_seeds(outer_seeds)
-            self._raise_draws_until(0)  # the variable back up (EarlyStopping sets weights)
+            # The variable back up (EarlyStopping sets weights), and past the draws of a step
+            # that ended no batch (an exception, or data run out inside a multi-step call).
+            self._raise_draws_until(start_sampler._draws_reserved() or 0)
             # The History holds the epochs' values; the state left is the last epoch's
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).
@@ -2405,16 +2408,27 @@ class _MarkTrainedDraws(tf.keras.callbacks.Callback):
     pass each epoch begins: a pipeline repeated within an epoch (``ds.repeat()`` with a
     larger ``steps_per_epoch``, ``ds.take(k).repeat()``) trained on draws of later passes
     above the saved mark, and a run continued in another process trained on 3 of them again
-    (an audit, 2026-12-07)."""
+    (an audit, 2026-12-07). Also at each epoch's and training's end: steps of a multi-step
+    call that ran out of data end no batch (a review replayed 3 draws; `fit` raises the mark
+    once more when it returns or raises)."""
 
     def __init__(self, sampler):
         super().__init__()
         self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
         self.sampler = sampler if getattr(sampler, "next_step", None) is not None else None
 
-    def on_train_batch_end(self, batch, logs=None):
+    def _raise(self):
         if self.sampler is not None:  # also back up after a callback's restore lowered it
             self.model._raise_draws_until(int(self.sampler.next_step.numpy()))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._raise()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._raise()
+
+    def on_train_end(self, logs=None):
+        self._raise()
 
 
 class _RememberTrainedValues(tf.keras.callbacks.Callback):

@@ -462,37 +462,67 @@ class _StopAt(tf.keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-@pytest.mark.parametrize("repeated", ["take(3).repeat()", "repeat() after a stopped fit"])
+_REPEATED = ["take(3).repeat()", "repeat() after a stopped fit",
+             "take(3).repeat(3) run out inside a 5-step call", "a step interrupted in a new pass"]
+
+
+@pytest.mark.parametrize("repeated", _REPEATED)
 def test_a_pipeline_repeated_within_an_epoch_raises_the_saved_mark_past_every_pass(tmp_path,
                                                                                    repeated):
     """A repeated pipeline begins passes inside an epoch: each reserves 6 draws. The saved
     mark was raised by the epoch's first pass only, and a run continued in another process
     (every pipeline of the seed dropped) trained on 3 of the later passes' draws again (an
-    audit, 2026-12-07). The draws the first run trained follow from the passes (pass p of
-    the fit starts 6p after the fit's first) and are checked by their batch sizes."""
+    audit, 2026-12-07); raised after each batch, it still missed the steps of a multi-step
+    call that ran out of data (saved by Keras' ModelCheckpoint at the epoch's end), and a
+    step interrupted before its batch ended (a review: 3 and 1 draws replayed). The draws
+    the first run trained follow from the passes (pass p of a fit starts 6p after the fit's
+    first) and are checked by the examples they hold."""
     import gc
 
-    seed = 11 if repeated.startswith("take") else 12  # a counter of its own
+    seed = 11 + _REPEATED.index(repeated)  # a counter of its own
     ds, _, metadata = _data(seed)
     assert ds.lipdp_sampler.started_at == 0
-    model, record = _model(metadata), _BatchSizes()
-    if repeated.startswith("take"):
-        model.fit(ds.take(3).repeat(), steps_per_epoch=9, epochs=1, verbose=0,
-                  callbacks=[record])
+    model = _model(metadata)
+    if repeated.startswith("take(3).repeat(3)"):
+        model.compile(optimizer="adam", loss=lipdp.losses.DP_TauCategoricalCrossentropy(8.0),
+                      steps_per_execution=5)
+        saved_by_keras = tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "model.keras"))
+        model.fit(ds.take(3).repeat(3), steps_per_epoch=10, epochs=1, verbose=0,  # runs out
+                  callbacks=[saved_by_keras])  # at the epoch's end, before fit returns
+        used = [0, 1, 2, 6, 7, 8, 12, 13, 14]
+    elif repeated.startswith("take"):
+        model.fit(ds.take(3).repeat(), steps_per_epoch=9, epochs=1, verbose=0)
         used = [0, 1, 2, 6, 7, 8, 12, 13, 14]
     else:
-        model.fit(ds, epochs=1, verbose=0, callbacks=[record, _StopAt(2)])  # 2..5 skipped
-        model.fit(ds.repeat(), steps_per_epoch=10, epochs=1, verbose=0, callbacks=[record])
+        model.fit(ds, epochs=1, verbose=0, callbacks=[_StopAt(2)])  # 2..5 skipped
         used = [0, 1] + list(range(6, 16))
+        if repeated.startswith("a step"):  # a KeyboardInterrupt surfacing as a step returns
+            steps = model.make_train_function()
+
+            def interrupted(iterator):
+                logs = steps(iterator)
+                if model.dp_steps_taken == 9:  # the first step of the fit's second pass
+                    raise KeyboardInterrupt
+                return logs
+
+            model.train_function, used = interrupted, used[:9]
+        try:
+            model.fit(ds.repeat(), steps_per_epoch=10, epochs=1, verbose=0)
+        except KeyboardInterrupt:
+            model.train_function = steps
+    assert model.dp_steps_taken == len(used)
     expected = _draw_sizes(ds, metadata, 30)
-    assert [record.sizes[t] for t in sorted(record.sizes)] == [expected[d] for d in used]
+    last_epoch = [d for d in used if d >= 6] if 0 in used and 2 not in used else used
+    assert int(model._examples_seen.numpy()) == sum(expected[d] for d in last_epoch)
     path = str(tmp_path / "model.keras")
-    model.save(path)
+    if not repeated.startswith("take(3).repeat(3)"):
+        model.save(path)
     del model, ds
     gc.collect()
     ds = _data(seed)[0]
     model, record = tf.keras.models.load_model(path), _BatchSizes(ds.lipdp_sampler)
-    model.fit(ds, epochs=1, verbose=0, callbacks=[record])
+    model.compile(optimizer="adam", loss=lipdp.losses.DP_TauCategoricalCrossentropy(8.0))
+    model.fit(ds, epochs=1, verbose=0, callbacks=[record])  # one step a call: one draw each
     sizes = [record.sizes[t] for t in sorted(record.sizes)]
     assert sizes == [expected[record.draws[t]] for t in sorted(record.sizes)]
     assert not set(used) & set(record.draws.values()), record.draws
