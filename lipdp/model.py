@@ -794,6 +794,11 @@ class _DPModelMixin:
                             args[1] if len(args) > 1 else kwargs.get("y"))
         self._check_batch_size(args[0] if args else kwargs.get("x"))
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
+            # Here, where the layers' trainable flags are the user's: Keras' train_on_batch
+            # puts back those of the last compile while it runs, so a layer frozen since
+            # trained on, and one unfrozen did not train, without a word (an audit,
+            # 2026-12-07; `fit` refused both).
+            self._check_compiled()
             warn_if_seeded()
             self._resume_ledger()
             for accountant in self._fit_accountants:
