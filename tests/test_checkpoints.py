@@ -196,13 +196,18 @@ class _BatchSizes(tf.keras.callbacks.Callback):
 
 
 class _KillAt(tf.keras.callbacks.Callback):
-    def __init__(self, steps):
+    """At the model's step `steps`, a KeyboardInterrupt (a killed run), or with `stop` the
+    end of the fit (``model.stop_training``)."""
+
+    def __init__(self, steps, stop=False):
         super().__init__()
-        self.steps = steps
+        self.steps, self.stop = steps, stop
 
     def on_train_batch_end(self, batch, logs=None):
         if self.model.dp_steps_taken == self.steps:
-            raise KeyboardInterrupt
+            if not self.stop:
+                raise KeyboardInterrupt
+            self.model.stop_training = True
 
 
 def _assert_each_draw_once(sizes, draws, metadata, seed=1):
@@ -452,16 +457,6 @@ def test_a_run_saved_and_continued_in_another_process_draws_no_batch_twice(tmp_p
     assert not set(used.values()) & set(record.draws.values()), (used, record.draws)
 
 
-class _StopAt(tf.keras.callbacks.Callback):
-    def __init__(self, steps):
-        super().__init__()
-        self.steps = steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.dp_steps_taken == self.steps:
-            self.model.stop_training = True
-
-
 _REPEATED = ["take(3).repeat()", "repeat() after a stopped fit",
              "take(3).repeat(3) run out inside a 5-step call", "a step interrupted in a new pass"]
 
@@ -494,7 +489,7 @@ def test_a_pipeline_repeated_within_an_epoch_raises_the_saved_mark_past_every_pa
         model.fit(ds.take(3).repeat(), steps_per_epoch=9, epochs=1, verbose=0)
         used = [0, 1, 2, 6, 7, 8, 12, 13, 14]
     else:
-        model.fit(ds, epochs=1, verbose=0, callbacks=[_StopAt(2)])  # 2..5 skipped
+        model.fit(ds, epochs=1, verbose=0, callbacks=[_KillAt(2, stop=True)])  # 2..5 skipped
         used = [0, 1] + list(range(6, 16))
         if repeated.startswith("a step"):  # a KeyboardInterrupt surfacing as a step returns
             steps = model.make_train_function()
