@@ -1157,8 +1157,9 @@ def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transfo
     The draw of a pass's k-th batch is a function of ``(seed, start + k)`` alone, never of
     how far a prefetching thread has read ahead, and a DP model's `fit` raises its
     ``poisson_draws_until`` past the draws a pass reserves before the pass begins
-    (`lipdp.model`'s ``_StartSampler``), so that checkpoints saved during the epoch hold
-    them. With a counter advanced draw by draw, an epoch resumed mid-way by
+    (`lipdp.model`'s ``_StartSampler``; a pass a ``repeat`` begins inside the epoch, after
+    the step that used it: ``_MarkTrainedDraws``), so that checkpoints saved during the
+    epoch hold them. With a counter advanced draw by draw, an epoch resumed mid-way by
     ``BackupAndRestore`` (``save_freq`` an integer) used only its first batches while the
     prefetch had drawn the rest, and a second resume, starting the draws at the model's step
     again, trained on draws already used (an audit, 2026-12-06: 5 of 92 steps, epsilon
