@@ -97,6 +97,34 @@ def test_an_unusable_record_contributes_nothing(engine, bad_value):
         assert finite[np.arange(D) != BAD].all()
 
 
+def _log_layers():
+    """A model that makes a finite input non-finite: log|0| = -inf."""
+    return [L.Input((3,)), L.Lambda(lambda t: tf.math.log(tf.abs(t))),
+            L.Dense(4, activation="tanh"), L.Dense(4)]
+
+
+@pytest.mark.parametrize("engine", ["ghost", "mixed-ghost", "vectorized"])
+@pytest.mark.parametrize("unusable", ["one record", "every record"])
+def test_a_finite_record_the_model_makes_non_finite_contributes_nothing(engine, unusable):
+    """A record of zeros through log|x|: its loss is not finite, so it contributes zero. The
+    ghost engines passed the batch again with its inputs zeroed, which the model makes -inf
+    again, and 0 times inf made the sum NaN: the step stopped on a finite record, which
+    tells when it was sampled (a review, 2026-12-07). With every record unusable the sums
+    are 0."""
+    model = _model(engine, _log_layers, (3,))
+    x, y = _batch(0.0, shape=(3,))
+    if unusable == "every record":
+        x = tf.zeros_like(x)
+        expected = [np.zeros(v.shape) for v in model.trainable_variables]
+    else:
+        expected = _flat_reference(model, x, y)
+    rtol = 1e-5 if engine == "vectorized" else 1e-3
+    for private_gradients in (model.private_gradients, tf.function(model.private_gradients)):
+        clean = private_gradients(x, y)[0]
+        for c, e, v in zip(clean, expected, model.trainable_variables):
+            np.testing.assert_allclose(c.numpy(), e, rtol=rtol, atol=1e-7, err_msg=v.name)
+
+
 def _mlp_layers():
     return [L.Input((30,)), L.Dense(20, activation="relu"), L.Dense(3)]
 

@@ -74,6 +74,23 @@ def finite_rows(structure, dtype=tf.float32) -> Optional[tf.Tensor]:
     return flags
 
 
+def rows_of_a_usable_example(structure, usable: tf.Tensor):
+    """Every tensor of `structure` (inputs or labels, batch first) with the rows of the
+    unusable examples replaced by those of the first usable example (row 0 when none is).
+    Passed again with a factor of 0, such a row adds exactly 0 to the sums: its activations
+    are a usable example's, finite. Zeroed rows are not enough: a model may make a zero
+    input non-finite (``log|x|``), and 0 times inf in the batch's backward pass made the
+    step's sum NaN, the step then stopping on a finite record (a review, 2026-12-07)."""
+    rows = tf.range(tf.shape(usable)[0])
+    first = tf.argmax(tf.cast(usable, tf.int32), output_type=tf.int32)
+    source = tf.where(usable, rows, first)
+
+    def replaced(t):
+        return t if t is None else tf.gather(tf.convert_to_tensor(t), source)
+
+    return tf.nest.map_structure(replaced, structure)
+
+
 def zero_rows(structure, usable: tf.Tensor):
     """Every tensor of `structure` (inputs or labels, batch first) with the rows of the
     unusable examples set to zero."""

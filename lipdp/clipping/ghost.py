@@ -77,8 +77,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from lipdp import kernels
-from lipdp.clipping.engine import (ClippedBatch, squared_norms_of, usable_examples, weighted_sum,
-                                   without_unusable, zero_rows)
+from lipdp.clipping.engine import (ClippedBatch, rows_of_a_usable_example, squared_norms_of,
+                                   usable_examples, weighted_sum, without_unusable)
 from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
 from lipdp.clipping.rules import ClippingRule
 from lipdp.clipping.validation import leaf_layers, wrapped_calls
@@ -499,9 +499,10 @@ class GhostEngine:
 
         An example whose loss or norms are not finite (`usable_examples`) contributes
         zero: the batch is then passed again with that example's inputs and labels
-        zeroed and its factors set to 0 (a zero factor alone would leave its NaN or inf
-        activations in the cotangents of the other examples). The losses, norms and outputs
-        returned are the first pass's.
+        replaced by a usable example's and its factors set to 0 (a zero factor alone would
+        leave its NaN or inf activations in the cotangents of the other examples;
+        `rows_of_a_usable_example`), or, with no usable example, the sums are 0. The
+        losses, norms and outputs returned are the first pass's.
         """
         def one_pass(x, y, usable):
             return self._clipped_sums(model, loss_fn, x, y, rule, usable)
@@ -512,9 +513,13 @@ class GhostEngine:
             one_pass = tf.function(one_pass)
         first = one_pass(x, y, _every_row(y))
         usable = usable_examples(first.losses, first.squared_norms)
+        def usable_ones_again():
+            return one_pass(rows_of_a_usable_example(x, usable),
+                            rows_of_a_usable_example(y, usable), usable).gradient_sums
+
         sums = tf.cond(tf.reduce_all(usable), lambda: first.gradient_sums,
-                       lambda: one_pass(zero_rows(x, usable), zero_rows(y, usable),
-                                        usable).gradient_sums)
+                       lambda: tf.cond(tf.reduce_any(usable), usable_ones_again,
+                                       lambda: [tf.zeros_like(g) for g in first.gradient_sums]))
         return first._replace(gradient_sums=list(sums))
 
     def _clipped_sums(self, model, loss_fn, x, y, rule, usable) -> ClippedBatch:
