@@ -455,6 +455,22 @@ def test_wrong_number_of_per_layer_thresholds_is_refused_at_compile():
         model.compile(loss=CCE)
 
 
+@pytest.mark.parametrize("engine", ["ghost", "mixed-ghost", "vectorized"])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_grouped_convolution_is_refused_at_compile(engine, wrapped):
+    """TensorFlow's vectorised per-example gradient of a grouped convolution fails
+    ("filter_size does not have enough elements"): such a model compiled, and every step
+    failed (a review, 2026-12-07). Also inside a wrapper."""
+    conv = L.Conv2D(4, 3, groups=2)
+    layers = ([L.Input((2, 6, 6, 4)), L.TimeDistributed(conv)] if wrapped
+              else [L.Input((6, 6, 4)), conv]) + [L.Flatten(), L.Dense(3)]
+    shape = (2, 6, 6, 4) if wrapped else (6, 6, 4)
+    model = DP_Sequential(layers, dp_parameters=_params(1.0, engine=engine),
+                          dataset_metadata=_metadata(shape, 3))
+    with pytest.raises(ValueError, match="grouped convolution"):
+        model.compile(loss=CCE)
+
+
 def test_batch_coupled_layers_and_bad_losses_are_refused():
     layers = [L.Input((6,)), L.Dense(4), L.BatchNormalization(), L.Dense(3)]
     model = DP_Sequential(layers, dp_parameters=_params(1.0), dataset_metadata=_metadata((6,), 3))

@@ -21,7 +21,8 @@ import tensorflow as tf
 from lipdp.clipping.engine import ClippedBatch
 from lipdp.clipping.ghost import GhostEngine
 from lipdp.clipping.rules import ClippingRule, make_rule
-from lipdp.clipping.validation import check_no_batch_coupling, per_example_loss
+from lipdp.clipping.validation import (check_no_batch_coupling, check_per_example_gradients_run,
+                                       per_example_loss)
 from lipdp.clipping.vectorized import VectorizedEngine
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NormEngine
 
@@ -45,7 +46,7 @@ class ClippedDPSGD:
 
     Raises:
         BatchCouplingError, TypeError, ValueError: see `check_no_batch_coupling`,
-            `per_example_loss`, `make_rule`.
+            `check_per_example_gradients_run`, `per_example_loss`, `make_rule`.
         GhostRandomnessError: a ghost engine with a random fallback layer
             (`lipdp.clipping.ghost.check_no_replayed_randomness`).
     """
@@ -55,6 +56,7 @@ class ClippedDPSGD:
         if dp_parameters.mode is not DPMode.CLIPPED:
             raise ValueError("ClippedDPSGD needs DPParameters(mode='clipped', ...).")
         check_no_batch_coupling(model)
+        check_per_example_gradients_run(model)
         if not model.trainable_variables:
             raise ValueError("The model has no trainable variables to train privately (is it "
                              "built? give its first layer an input shape or an Input).")

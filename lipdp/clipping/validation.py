@@ -107,6 +107,26 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
     _probe(model)
 
 
+def check_per_example_gradients_run(model: tf.keras.Model) -> None:
+    """Refuse layers whose per-example gradients TensorFlow cannot take: a convolution with
+    ``groups`` > 1, whose gradient under `tf.vectorized_map` (every engine's exact
+    per-example gradients; the ghost rules leave grouped convolutions to them) fails in
+    TensorFlow 2.15 ("filter_size does not have enough elements"). Such a model compiled,
+    and every step then failed (a review, 2026-12-07).
+
+    Raises:
+        ValueError: naming the layer.
+    """
+    for layer in _all_layers(model):
+        if isinstance(layer, tf.keras.layers.Layer) and getattr(layer, "groups", 1) != 1 \
+                and hasattr(layer, "kernel_size"):
+            raise ValueError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) is a grouped convolution "
+                f"(groups={layer.groups}): classic DP-SGD takes its per-example gradients with "
+                "tf.vectorized_map, which fails on it in TensorFlow 2.15 at every step. Use "
+                "groups=1, or one convolution per group concatenated.")
+
+
 def _probe_batches(model: tf.keras.Model):
     """Two independent random batches ``(a, b)`` shaped like the model's inputs (or, without
     them, its build input shape, float32): float inputs standard normal, integer inputs
