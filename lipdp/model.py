@@ -198,18 +198,59 @@ def _dataset_arrays(dataset: tf.data.Dataset):
         return None
 
 
+def _derived_from(data: tf.data.Dataset, source: tf.data.Dataset) -> Optional[bool]:
+    """Whether the elements of `data` come from `source` by tf.data transformations (each
+    dataset object holds its inputs): True when `source` is its only origin (a ``take``,
+    ``map``, ``shuffle``, ``batch`` of it), None when it is one of several (a
+    ``concatenate``, a ``zip`` with another dataset), False when it is none."""
+    stack, seen, found, other = [data], set(), False, False
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current is source:
+            found = True
+            continue
+        inputs = [d for d in current._inputs() if isinstance(d, tf.data.Dataset)]
+        other = other or not inputs
+        stack.extend(inputs)
+    return (None if other else True) if found else False
+
+
 def _validates_on_training_data(x, y, data, shared=None) -> bool:
     """Whether `data` (validation data, a monitor's examples) holds only training records: the
-    very dataset `fit` trains on, a training pipeline of `lipdp.data.load_dataset` (it carries
-    a Poisson sampler; its test pipeline does not), or arrays (or a finite dataset) every
-    example of which is a training example (`_examples_shared`, or its result `shared`)."""
+    very dataset `fit` trains on or one made from it alone by tf.data transformations
+    (`_derived_from`: ``ds.take(2)`` and ``ds.map(...)`` passed until 2026-12-07, an audit), a
+    training pipeline of `lipdp.data.load_dataset` (it carries a Poisson sampler; its test
+    pipeline does not), or arrays (or a finite dataset) every example of which is a training
+    example (`_examples_shared`, or its result `shared`)."""
     if data is None:
         return False
     if isinstance(data, tf.data.Dataset) and (
-            data is x or getattr(data, "lipdp_sampler", None) is not None):
+            getattr(data, "lipdp_sampler", None) is not None or (
+                isinstance(x, tf.data.Dataset) and _derived_from(data, x) is True)):
         return True
     shared = shared if shared is not None else _examples_shared(x, y, data)
     return shared is not None and shared[1] > 0 and shared[0] == shared[1]
+
+
+def _warn_if_shared(x, y, data, what: str, logs: str, shared=None, stacklevel=3) -> None:
+    """A warning when `data` holds some training records but not only those: arrays sharing
+    examples with the training arrays (`_examples_shared`, or its result `shared`), a
+    dataset made from the training dataset and others, or one the training dataset is made
+    from (`_derived_from`)."""
+    if isinstance(data, tf.data.Dataset) and isinstance(x, tf.data.Dataset) and (
+            _derived_from(data, x) is None or _derived_from(x, data) is not False):
+        count = "examples of the training dataset"
+    else:
+        shared = shared if shared is not None else _examples_shared(x, y, data)
+        if shared is None or not 0 < shared[0] < shared[1]:
+            return
+        count = f"{shared[0]} of its {shared[1]} examples with the training arrays"
+    warnings.warn(f"{what} shares {count}: its {logs} depend on those training records "
+                  "outside the noisy gradient (not private), and so would anything decided "
+                  "from them.", stacklevel=stacklevel)
 
 
 def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bool,
@@ -229,7 +270,14 @@ def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bo
     if not logs_training_metrics:  # private_logs_only: History holds what epsilon covers
         for callback in callbacks:
             prefixes = getattr(callback, "data_log_prefixes", ())
-            if prefixes and _validates_on_training_data(x, y, callback.data):
+            if not prefixes:
+                continue
+            shared = _examples_shared(x, y, callback.data)
+            # Some training records among others: warned, as validation data (an audit,
+            # 2026-12-07: a superset of the training arrays passed in silence).
+            _warn_if_shared(x, y, callback.data, f"The data given to {type(callback).__name__}",
+                            f"logs {', '.join(prefixes)}", shared, stacklevel=4)
+            if _validates_on_training_data(x, y, callback.data, shared):
                 raise ValueError(
                     f"{type(callback).__name__} computes its logs {', '.join(prefixes)} from "
                     "the training records it was given, outside the noisy gradient, while "
@@ -1977,12 +2025,7 @@ class _DPModelMixin:
         self._build_metrics(x, y)
         shared = _examples_shared(x, y, validation_data)
         on_training = _validates_on_training_data(x, y, validation_data, shared)
-        if shared is not None and 0 < shared[0] < shared[1]:
-            warnings.warn(
-                f"validation_data shares {shared[0]} of its {shared[1]} examples with the "
-                "training arrays: its val_ metrics depend on those training records outside "
-                "the noisy gradient (not private), and so would anything decided from them.",
-                stacklevel=2)
+        _warn_if_shared(x, y, validation_data, "validation_data", "val_ metrics", shared)
         if on_training and self._private_logs_only:
             raise ValueError(
                 "validation_data holds the training records (the training dataset or arrays, "

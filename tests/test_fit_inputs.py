@@ -768,7 +768,9 @@ def test_callbacks_deciding_from_private_or_validation_values_run(tmp_path):
 @pytest.mark.parametrize("validation", ["the training arrays", "a copy of a slice",
                                         "the training dataset", "a load_dataset pipeline",
                                         "a dataset of the arrays", "float64 inputs",
-                                        "float64 labels", "a filtered dataset of the arrays"])
+                                        "float64 labels", "a filtered dataset of the arrays",
+                                        "two batches of the training dataset",
+                                        "the training dataset mapped"])
 def test_validation_metrics_on_the_training_records_count_as_training_metrics(validation):
     """`validation_data` holding training records (the arrays or dataset fit trains on, a
     slice of them) gives val_ metrics computed on the training records outside the noisy
@@ -785,9 +787,12 @@ def test_validation_metrics_on_the_training_records_count_as_training_metrics(va
         "a filtered dataset of the arrays": tf.data.Dataset.from_tensor_slices((x, y)).filter(
             lambda *_: True).batch(BATCH),
     }.get(validation)
-    if validation == "the training dataset":
+    if validation.startswith(("the training dataset", "two batches")):
         train = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH),)
-        validation_data = train[0]
+        # Made from the training dataset by tf.data: passed until 2026-12-07 (an audit).
+        validation_data = {"two batches of the training dataset": train[0].take(2),
+                           "the training dataset mapped": train[0].map(lambda a, b: (a, b)),
+                           }.get(validation, train[0])
     if validation == "a load_dataset pipeline":  # its training pipeline: a Poisson sampler
         validation_data = lipdp.data.load_dataset("digits", 50, bound_clip_value=8.0,
                                                   nb_samples_train=100)[0]
@@ -987,6 +992,30 @@ def test_monitors_of_training_records_are_refused_under_private_logs_only():
     model.fit(x, y, epochs=1, verbose=0,
               callbacks=[lipdp.BoundMonitor(held_out, sample_size=8)])
     assert model.dp_steps_taken == N // BATCH
+
+
+def test_monitors_of_data_made_from_the_training_set_are_refused_or_warned():
+    """Under private_logs_only=True a monitor given two batches of the training dataset, or
+    the dataset mapped, computed its logs from training records unrefused; one given the
+    training arrays and one more example, in silence (an audit, 2026-12-07). The first are
+    refused; data holding training records among others warns, as validation data does."""
+    x, y = _arrays(np.random.default_rng(19))
+    extra = _arrays(np.random.default_rng(119), n=1)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH)
+    model = _metric_model(private_logs_only=True)
+    for monitor in (lipdp.BoundMonitor(dataset.take(2), sample_size=8),
+                    lipdp.SignalToNoise(dataset.map(lambda a, b: (a, b)), sample_size=8)):
+        with pytest.raises(ValueError, match="from the training records it was given"):
+            model.fit(dataset, epochs=1, verbose=0, callbacks=[monitor])
+    assert model.dp_steps_taken == 0
+    superset = (np.concatenate([x, extra[0]]), np.concatenate([y, extra[1]]))
+    with pytest.warns(UserWarning, match=f"BoundMonitor shares {N} of its {N + 1} examples"):
+        model.fit(x, y, epochs=1, verbose=0,
+                  callbacks=[lipdp.BoundMonitor(superset, sample_size=8)])
+    other = tf.data.Dataset.from_tensor_slices(extra).batch(BATCH)
+    with pytest.warns(UserWarning, match="validation_data shares examples of the training"):
+        model.fit(dataset, epochs=1, verbose=0, validation_data=dataset.concatenate(other))
+    assert model.dp_steps_taken == 2 * N // BATCH
 
 
 @pytest.mark.parametrize("pipeline", ["concatenated with itself", "copies by flat_map",
