@@ -1030,23 +1030,46 @@ def reserved_draws() -> int:
     return max((int(step.numpy()) for step in _EVERY_NEXT_STEP), default=0)
 
 
-def pipeline_sampler(dataset) -> Optional["BatchSampler"]:
-    """The `BatchSampler` of the `load_dataset` pipeline `dataset` is or was built from by
-    tf.data transformations (a ``map``, ``prefetch``, ``with_options``: each dataset object
-    holds its inputs); None without one. `fit` manages that sampler's draws (a mapped
-    pipeline was left where it stood, and a run continued in another process replayed its
-    draws: a review, 2026-12-06); whether the batches are still Poisson is judged apart."""
+def _inputs_of(dataset: tf.data.Dataset) -> list:
+    """The tf.data datasets `dataset` was built from (each dataset object holds its inputs)."""
+    return [d for d in dataset._inputs() if isinstance(d, tf.data.Dataset)]
+
+
+def _datasets_below(dataset, stop=lambda d: False):
+    """`dataset` and every tf.data dataset it was built from, each once (through every input
+    of a ``zip`` or ``concatenate``, not only `_chain`'s first); the inputs of a dataset
+    for which `stop` holds are not walked."""
     stack, seen = [dataset], set()
     while stack:
         current = stack.pop()
         if id(current) in seen or not isinstance(current, tf.data.Dataset):
             continue
         seen.add(id(current))
-        sampler = getattr(current, "lipdp_sampler", None)
-        if sampler is not None:
-            return sampler
-        stack.extend(current._inputs())
-    return None
+        yield current
+        if not stop(current):
+            stack.extend(_inputs_of(current))
+
+
+def pipeline_sampler(dataset) -> Optional["BatchSampler"]:
+    """The `BatchSampler` of the `load_dataset` pipeline `dataset` is or was built from by
+    tf.data transformations (a ``map``, ``prefetch``, ``with_options``); None without one.
+    `fit` manages that sampler's draws (a mapped pipeline was left where it stood, and a run
+    continued in another process replayed its draws: a review, 2026-12-06); whether the
+    batches are still Poisson is judged apart."""
+    return next((d.lipdp_sampler for d in _datasets_below(dataset)
+                 if getattr(d, "lipdp_sampler", None) is not None), None)
+
+
+def derived_from(data: tf.data.Dataset, source: tf.data.Dataset) -> Optional[bool]:
+    """Whether the elements of `data` come from `source` by tf.data transformations: True
+    when `source` is its only origin (a ``take``, ``map``, ``shuffle``, ``batch`` of it),
+    None when it is one of several (a ``concatenate``, a ``zip`` with another dataset),
+    False when it is none."""
+    found = other = False
+    for d in _datasets_below(data, stop=lambda d: d is source):
+        found = found or d is source
+        other = other or (d is not source and not _inputs_of(d))
+    return (None if other else True) if found else False
 
 
 def seeded_poisson_samplers() -> list:

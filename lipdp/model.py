@@ -51,8 +51,9 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import _probe_batches, check_no_batch_coupling, leaf_layers
-from lipdp.data import (ShuffleSamplingWarning, holds_repeat, pipeline_sampler, reserved_draws,
-                        repeated_pass, seeded_poisson_samplers, unshuffled_batching)
+from lipdp.data import (ShuffleSamplingWarning, derived_from, holds_repeat, pipeline_sampler,
+                        repeated_pass, reserved_draws, seeded_poisson_samplers,
+                        unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -198,38 +199,18 @@ def _dataset_arrays(dataset: tf.data.Dataset):
         return None
 
 
-def _derived_from(data: tf.data.Dataset, source: tf.data.Dataset) -> Optional[bool]:
-    """Whether the elements of `data` come from `source` by tf.data transformations (each
-    dataset object holds its inputs): True when `source` is its only origin (a ``take``,
-    ``map``, ``shuffle``, ``batch`` of it), None when it is one of several (a
-    ``concatenate``, a ``zip`` with another dataset), False when it is none."""
-    stack, seen, found, other = [data], set(), False, False
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if current is source:
-            found = True
-            continue
-        inputs = [d for d in current._inputs() if isinstance(d, tf.data.Dataset)]
-        other = other or not inputs
-        stack.extend(inputs)
-    return (None if other else True) if found else False
-
-
 def _validates_on_training_data(x, y, data, shared=None) -> bool:
     """Whether `data` (validation data, a monitor's examples) holds only training records: the
     very dataset `fit` trains on or one made from it alone by tf.data transformations
-    (`_derived_from`: ``ds.take(2)`` and ``ds.map(...)`` passed until 2026-12-07, an audit), a
-    training pipeline of `lipdp.data.load_dataset` (it carries a Poisson sampler; its test
-    pipeline does not), or arrays (or a finite dataset) every example of which is a training
-    example (`_examples_shared`, or its result `shared`)."""
+    (`lipdp.data.derived_from`: ``ds.take(2)`` and ``ds.map(...)`` passed until 2026-12-07,
+    an audit), a training pipeline of `lipdp.data.load_dataset` (it carries a Poisson
+    sampler; its test pipeline does not), or arrays (or a finite dataset) every example of
+    which is a training example (`_examples_shared`, or its result `shared`)."""
     if data is None:
         return False
     if isinstance(data, tf.data.Dataset) and (
             getattr(data, "lipdp_sampler", None) is not None or (
-                isinstance(x, tf.data.Dataset) and _derived_from(data, x) is True)):
+                isinstance(x, tf.data.Dataset) and derived_from(data, x) is True)):
         return True
     shared = shared if shared is not None else _examples_shared(x, y, data)
     return shared is not None and shared[1] > 0 and shared[0] == shared[1]
@@ -239,9 +220,9 @@ def _warn_if_shared(x, y, data, what: str, logs: str, shared=None, stacklevel=3)
     """A warning when `data` holds some training records but not only those: arrays sharing
     examples with the training arrays (`_examples_shared`, or its result `shared`), a
     dataset made from the training dataset and others, or one the training dataset is made
-    from (`_derived_from`)."""
+    from (`lipdp.data.derived_from`)."""
     if isinstance(data, tf.data.Dataset) and isinstance(x, tf.data.Dataset) and (
-            _derived_from(data, x) is None or _derived_from(x, data) is not False):
+            derived_from(data, x) is None or derived_from(x, data) is not False):
         count = "examples of the training dataset"
     else:
         shared = shared if shared is not None else _examples_shared(x, y, data)
@@ -2019,7 +2000,7 @@ class _DPModelMixin:
         # Last, so that they run after a BackupAndRestore restored the model.
         given = list(callbacks or [])
         accountants = [c for c in given if isinstance(c, DP_Accountant)]
-        callbacks = [_MarkTrainedDraws(start_sampler.sampler), _RememberTrainedValues()] + \
+        callbacks = [_MarkTrainedDraws(start_sampler), _RememberTrainedValues()] + \
             given + [_EpochSizeCheck(), _NoteLedger(accountants), start_sampler]
         self._build_optimizer()
         self._build_metrics(x, y)
@@ -2063,7 +2044,7 @@ class _DPModelMixin:
             self._set_fit_sampler_seeds(outer_seeds)
             # The variable back up (EarlyStopping sets weights), and past the draws of a step
             # that ended no batch (an exception, or data run out inside a multi-step call).
-            self._raise_draws_until(start_sampler._draws_reserved() or 0)
+            self._raise_draws_until(start_sampler.draws_reserved() or 0)
             # The History holds the epochs' values; the state left is the last epoch's
             # training totals (without validation), which any saving path would write
             # (`tf.keras.models.save_model` does not call `save`).
@@ -2449,25 +2430,27 @@ class _EpochSizeCheck(tf.keras.callbacks.Callback):
 
 class _MarkTrainedDraws(tf.keras.callbacks.Callback):
     """After every step (each call of the train function), the model's
-    ``poisson_draws_until`` raised to where `sampler`'s draws stand: every pass that gave a
-    batch to the steps so far began, and reserved its draws, before the batch came. First
-    of `fit`'s callbacks, so that the values remembered (`_RememberTrainedValues`) and any
-    checkpoint saved after the step carry it. `_StartSampler` raises the mark only by the
-    pass each epoch begins: a pipeline repeated within an epoch (``ds.repeat()`` with a
-    larger ``steps_per_epoch``, ``ds.take(k).repeat()``) trained on draws of later passes
-    above the saved mark, and a run continued in another process trained on 3 of them again
-    (an audit, 2026-12-07). Also at each epoch's and training's end: steps of a multi-step
-    call that ran out of data end no batch (a review replayed 3 draws; `fit` raises the mark
-    once more when it returns or raises)."""
+    ``poisson_draws_until`` raised to where the draws of `start`'s sampler stand
+    (`_StartSampler.draws_reserved`): every pass that gave a batch to the steps so far
+    began, and reserved its draws, before the batch came. First of `fit`'s callbacks, so
+    that the values remembered (`_RememberTrainedValues`) and any checkpoint saved after the
+    step carry it. `_StartSampler` raises the mark only by the pass each epoch begins: a
+    pipeline repeated within an epoch (``ds.repeat()`` with a larger ``steps_per_epoch``,
+    ``ds.take(k).repeat()``) trained on draws of later passes above the saved mark, and a
+    run continued in another process trained on 3 of them again (an audit, 2026-12-07).
+    Also at each epoch's and training's end: steps of a multi-step call that ran out of
+    data end no batch (a review replayed 3 draws; `fit` raises the mark once more when it
+    returns or raises)."""
 
-    def __init__(self, sampler):
+    def __init__(self, start: "_StartSampler"):
         super().__init__()
         self._supports_tf_logs = True  # the logs are not read: Keras need not convert them
-        self.sampler = sampler if getattr(sampler, "next_step", None) is not None else None
+        self.start = start
 
     def _raise(self):
-        if self.sampler is not None:  # also back up after a callback's restore lowered it
-            self.model._raise_draws_until(int(self.sampler.next_step.numpy()))
+        reserved = self.start.draws_reserved()
+        if reserved is not None:  # also back up after a callback's restore lowered it
+            self.model._raise_draws_until(reserved)
 
     def on_train_batch_end(self, batch, logs=None):
         self._raise()
@@ -2566,15 +2549,16 @@ class _StartSampler(tf.keras.callbacks.Callback):
     def __init__(self, sampler):
         super().__init__()
         self.sampler = sampler if getattr(sampler, "next_step", None) is not None else None
-        self._before_checks = self._draws_reserved()
+        self._before_checks = self.draws_reserved()
         self._after_checks = None
 
-    def _draws_reserved(self):
+    def draws_reserved(self) -> Optional[int]:
+        """Where the sampler's draws stand (its counter; None without a Poisson sampler)."""
         return None if self.sampler is None else int(self.sampler.next_step.numpy())
 
     def checks_ended(self):
         """`fit`'s checks of the data are over: what they reserved is known."""
-        self._after_checks = self._draws_reserved()
+        self._after_checks = self.draws_reserved()
 
     def _start(self):
         self.sampler.start_at(self.model.poisson_draws_until)
@@ -2583,7 +2567,7 @@ class _StartSampler(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.sampler is None:
             return
-        if self._after_checks is not None and self._draws_reserved() == self._after_checks:
+        if self._after_checks is not None and self.draws_reserved() == self._after_checks:
             self.sampler.next_step.assign(self._before_checks)
         self.model._samplers_seen.add(id(self.sampler))
 

@@ -118,8 +118,7 @@ def check_per_example_gradients_run(model: tf.keras.Model) -> None:
         ValueError: naming the layer.
     """
     for layer in _all_layers(model):
-        if isinstance(layer, tf.keras.layers.Layer) and getattr(layer, "groups", 1) != 1 \
-                and hasattr(layer, "kernel_size"):
+        if getattr(layer, "groups", 1) != 1 and hasattr(layer, "kernel_size"):
             raise ValueError(
                 f"Layer '{layer.name}' ({type(layer).__name__}) is a grouped convolution "
                 f"(groups={layer.groups}): classic DP-SGD takes its per-example gradients with "
