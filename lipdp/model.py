@@ -73,6 +73,7 @@ from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_ids_in_range, check_sparse_labels, class_index_classes,
                            embedding_id_limits, into_range, realigned, records_in_arrays,
                            row_fingerprints, sparse_label_classes)
+from lipdp.state_guard import StateGuard
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
 from lipdp.weight_copies import TrainedBy, keys_of, origins, remember
 
@@ -1408,6 +1409,7 @@ class _DPModelMixin:
                     "DP-SGD must clip the average of an example's views, which its per-example "
                     "norm engines do not group.")
             self._clipped_dpsgd = ClippedDPSGD(self, loss, self.dp_parameters, metadata)
+            self._state_guard = self._clipped_dpsgd.state_guard
             self.dp_loss = loss
             super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
             return
@@ -1435,7 +1437,7 @@ class _DPModelMixin:
                              f"nb_classes={self.dataset_metadata.nb_classes}.")
         check_float32(leaf_layers(self))
         check_float32_inputs(self)
-        self._check_user_layers_per_example()
+        self._state_guard = StateGuard(self._check_user_layers_per_example())
         self.dp_loss = loss
         self._loss_lipschitz = float(loss.lipschitz(nb_outputs))
         self._check_every_variable_bounded(layers)
@@ -1452,7 +1454,10 @@ class _DPModelMixin:
         layer holding another layer's kernel in a closure: tied weights) is refused
         (`lipdp.variable_reads`). lipdp's own layers are per-example and read only their own
         variables by construction (and tested so): not probed, no compile-time cost. A user
-        layer's `project` runs once first, as lipdp's layers project at build."""
+        layer's `project` runs once first, as lipdp's layers project at build.
+
+        Returns the user layers' variables that the probe saw no pass change, which every
+        step must leave as it found them (`lipdp.state_guard`); none without user layers."""
         user_layers = [layer for layer in self._flatten_layers(include_self=False, recursive=True)
                        if isinstance(layer, DPLayer)
                        and not type(layer).__module__.startswith("lipdp.")]
@@ -1462,7 +1467,7 @@ class _DPModelMixin:
             # 5.08 under bounds for norm 1: an audit). Its projection runs once here.
             layer.project(True)
         if user_layers:
-            check_no_batch_coupling(self)
+            unwritten = check_no_batch_coupling(self)
             probe = _probe_batches(self)[0]
             reads = traced_reads_outside_owners(self, lambda: self(probe, training=True))
             if reads:
@@ -1472,6 +1477,8 @@ class _DPModelMixin:
                     "use, while its bound covers its own layer's (tied weights). Clipless "
                     "DP-SGD cannot bound it; classic DP-SGD (mode='clipped') takes exact "
                     "per-example gradients of such variables.")
+            return unwritten
+        return []
 
     def _init_adaptive_clipping(self):
         clipping = self.dp_parameters.loss_gradient_clipping
@@ -1848,11 +1855,13 @@ class _DPModelMixin:
                         "sampling='poisson').")
         with tf.control_dependencies([too_large, self._ledger_guard()]):  # before anything
             x = tf.nest.map_structure(tf.identity, x)                    # uses the batch
+            state = self._state_guard.read()
         batch = _batch_size(x)
         x, y = self._flatten_views(x, y)
         if self.dp_parameters.mode is DPMode.CLIPPED:
             x, y = self._ids_into_range(x, y)  # for the step and for the logged loss
         _, noisy, _, _, y_pred = self.private_gradients(x, y)
+        noisy, y_pred = self._state_guard.checked(state, (noisy, y_pred))  # before any update
         if self.dp_parameters.loss_gradient_clipping is not None:
             with tf.control_dependencies(noisy):  # C_t served this step's bounds first
                 self._update_logit_clip(y, y_pred)

@@ -165,6 +165,7 @@ def mirrored():
     results["oversized"] = _oversized_batches(strategy, x, y)
     reference, pieces = _sampler_pieces(strategy)
     results["sampler"] = dict(reference=reference, pieces=pieces)
+    results["warmed_state"] = _warmed_state(strategy)  # last: it seeds, then unseeds
     return results
 
 
@@ -179,6 +180,25 @@ def _oversized_batches(strategy, x, y):
     except tf.errors.InvalidArgumentError as error:
         return dict(error=error.message, steps=model.dp_steps_taken)
     return dict(error=None, steps=model.dp_steps_taken)
+
+
+def _warmed_state(strategy):
+    """What fit does under the strategy with a layer that writes a record into its state
+    from its third call on (`tests.test_state_guard`): the error, the state after, and the
+    steps counted."""
+    from tests.test_state_guard import CANARY, _model
+
+    with strategy.scope():
+        model = _model("ghost")
+    x = np.random.RandomState(1).randn(64, 4).astype(np.float32)
+    x[:, 1] = CANARY
+    try:
+        model.fit(x, np.zeros(64, np.int64), batch_size=8, epochs=1, verbose=0)
+    except tf.errors.InvalidArgumentError as error:
+        return dict(error=error.message, largest=float(model.get_layer("warmed").largest.numpy()),
+                    steps=model.dp_steps_taken)
+    return dict(error=None, largest=float(model.get_layer("warmed").largest.numpy()),
+                steps=model.dp_steps_taken)
 
 
 def _adaptive_model(clipping, learning_rate, steps_per_epoch=4):

@@ -135,6 +135,15 @@ def test_a_global_batch_larger_than_declared_is_refused_under_the_strategy(mirro
     assert result["steps"] == 0
 
 
+def test_state_written_after_a_warm_up_is_put_back_under_the_strategy(mirrored):
+    """`lipdp.state_guard` under MirroredStrategy: each replica puts the value its batch
+    wrote back before the step fails (the layer's own write works in replica context, and so
+    does the guard's); two steps counted, as on one device."""
+    result = mirrored["warmed_state"]
+    assert result["error"] is not None and "warmed/largest:0" in result["error"], result
+    assert result["largest"] == 0.0 and result["steps"] == 2, result
+
+
 def test_adaptive_clipping_counts_over_the_global_batch(mirrored):
     """`lipdp.AdaptiveClipping` under the strategy: the replicas' counts are summed and the
     count's noise is drawn once. Noise-free, C_t after 8 steps equals the single-device

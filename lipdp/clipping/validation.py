@@ -50,7 +50,7 @@ def _all_layers(model: tf.keras.Model) -> List[tf.keras.layers.Layer]:
             if not isinstance(layer, tf.keras.layers.InputLayer)]
 
 
-def check_no_batch_coupling(model: tf.keras.Model) -> None:
+def check_no_batch_coupling(model: tf.keras.Model) -> List[tf.Variable]:
     """Refuse models whose output for one example depends on the other examples, or whose
     variables record the training data in a forward or backward pass.
 
@@ -81,6 +81,12 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
     refused too. Coupling that the random probe does not trigger (data-dependent branches)
     is not seen.
 
+    Returns:
+        The variables of layers defined outside lipdp that no pass of the probe changed, for
+        `lipdp.state_guard.StateGuard` to keep unchanged by every training step (state
+        written only after some calls, which the probe's passes from the compiled state do
+        not reach).
+
     Raises:
         BatchCouplingError: naming the layer (and variable) found, and what to use instead.
     """
@@ -104,7 +110,7 @@ def check_no_batch_coupling(model: tf.keras.Model) -> None:
                 "the model, outside the privacy guarantee (an audit told two datasets "
                 "differing in one record apart from the saved means). Give it public "
                 "statistics instead (e.g. Normalization(mean=..., variance=...)).")
-    _probe(model)
+    return _probe(model)
 
 
 def check_per_example_gradients_run(model: tf.keras.Model) -> None:
@@ -283,8 +289,9 @@ def _training_mode_without_draws(model, batch, forward):
     return False, ()
 
 
-def _probe(model: tf.keras.Model) -> None:
-    """The behavioural half of `check_no_batch_coupling` (its docstring)."""
+def _probe(model: tf.keras.Model) -> List[tf.Variable]:
+    """The behavioural half of `check_no_batch_coupling` (its docstring); returns the
+    variables of layers defined outside lipdp that no pass changed."""
     # Every variable is compared, trainable ones too: a layer may assign its weights from
     # the batch.
     variables = list({v.ref(): v for v in model.variables}.values())
@@ -292,13 +299,20 @@ def _probe(model: tf.keras.Model) -> None:
     for layer in _all_layers(model):  # parents first: the deepest layer holding v wins
         for v in layer.weights:
             owner[v.ref()] = layer
+    initial = [v.numpy() for v in variables]
+    moved = set()
+
+    def noted(values):
+        """`values` (the variables' after a pass), noting which differ from `initial`."""
+        moved.update(i for i, (a, b) in enumerate(zip(initial, values)) if not _same(a, b))
+        return values
 
     def forward(inputs, training):
         """Outputs (flattened, numpy) and the variables' values after one pass; every
         variable is restored afterwards."""
         with _restored(variables):
             outputs = [np.array(t) for t in tf.nest.flatten(model(inputs, training=training))]
-            return outputs, [v.numpy() for v in variables]
+            return outputs, noted([v.numpy() for v in variables])
 
     a, b = _probe_batches(model)
     outputs_a, state_a = forward(a, True)
@@ -351,6 +365,7 @@ def _probe(model: tf.keras.Model) -> None:
     # The backward pass: with the forward rows of the other examples unchanged, the gradient
     # reaching each layer's output for them must be too (a custom gradient may mix the rows).
     backward_a, state_a = _output_cotangents(model, a, training, held, variables)
+    noted(state_a)
     for probe, changed, mark in probes:
         try:
             with marking(mark):
@@ -359,7 +374,15 @@ def _probe(model: tf.keras.Model) -> None:
         except Exception:  # pylint: disable=broad-except  (a layer refusing NaN)
             continue
         _refuse_backward_coupling(probe, training, backward_a, backward_p)
-        _refuse_backward_state(probe, variables, state_a, state_p, owner)
+        _refuse_backward_state(probe, variables, state_a, noted(state_p), owner)
+    return [v for i, v in enumerate(variables) if i not in moved
+            and v.ref() in owner and not type(owner[v.ref()]).__module__.startswith("lipdp.")]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal in shape and every entry (NaN equal to NaN)."""
+    return a.shape == b.shape and np.array_equal(
+        a, b, equal_nan=bool(np.issubdtype(a.dtype, np.inexact)))
 
 
 def _refuse_backward_state(probe, variables, state_a, state_p, owner):

@@ -1,0 +1,87 @@
+"""The training step's check that no layer wrote the batch into a variable the probe saw still.
+
+Classic DP-SGD's models, and clipless models holding a DP layer defined outside lipdp, are
+probed at compile (`lipdp.clipping.validation.check_no_batch_coupling`): a variable that a
+training-mode pass writes differently for different inputs is refused. Every pass of that
+probe starts from the compiled state, so a layer that writes only after some calls (a warm-up)
+was not seen: a custom layer keeping the running maximum of ``|x|`` from its fourth call on
+saved a training record's exact value (1234.5) in its weights, released with the model
+without noise (an audit, 2026-12-07).
+
+`StateGuard` closes that gap for the variables no pass of the probe moved (their layers
+defined outside lipdp; trainable ones too: a forward pass may assign a weight). Each training
+step reads them before anything uses the batch, and after the private gradients, before the
+update, fails if any differs bit for bit from what it held: the step stops with
+``InvalidArgumentError`` naming the variables, no update applied, and the values put back
+first (each replica its own, under a distribution strategy), so what the batch wrote does
+not stay in the model. The failure itself tells that a step changed the state, once: the
+model is refused from then on.
+
+Not seen: variables the probe saw move the same way for every input (a call counter,
+power-iteration vectors), which may later record the data; a write undone within the step.
+A model without such variables (every lipdp layer, Keras' per-example layers: the kernels of a
+clipped Dense are guarded and cost one copy of them per step) runs no extra operation when
+the list is empty.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import tensorflow as tf
+
+_INTEGER_OF_SIZE = {1: tf.int8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
+
+
+def _bits(t: tf.Tensor) -> tf.Tensor:
+    """`t` as integers of its floating bytes (NaN equal to itself, -0 unequal to 0), or as is."""
+    if t.dtype.is_floating:
+        return tf.bitcast(t, _INTEGER_OF_SIZE[t.dtype.size])
+    return t
+
+
+class StateGuard:
+    """The variables a training step must leave as it found them until its update.
+
+    Args:
+        variables: the variables to guard (`check_no_batch_coupling`'s return).
+    """
+
+    def __init__(self, variables: Sequence[tf.Variable] = ()):
+        self.variables = list(variables)
+
+    def read(self) -> List[tf.Tensor]:
+        """The guarded variables' values now (at the start of a step)."""
+        return [tf.identity(v.read_value()) for v in self.variables]
+
+    def checked(self, before: List[tf.Tensor], outputs):
+        """`outputs` (a structure of tensors) once the guarded variables are found to hold
+        `before` again, after `outputs` are computed.
+
+        Raises:
+            InvalidArgumentError: (at run time) naming the variables that changed, after
+                putting them back.
+        """
+        if not self.variables:
+            return outputs
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            changed = tf.stack([tf.reduce_any(tf.not_equal(_bits(v.read_value()), _bits(b)))
+                                for v, b in zip(self.variables, before)])
+        written = tf.reduce_any(changed)
+        put_back = tf.cond(written, lambda: self._assign(before), lambda: tf.constant(True))
+        names = tf.constant([v.name for v in self.variables])
+        with tf.control_dependencies([put_back]):
+            check = tf.debugging.Assert(tf.logical_not(written), [
+                "A training step changed variables that lipdp's compile-time probe saw no "
+                "training pass change (a layer writing its state only after some calls): what "
+                "it wrote may be the training data, released with the model without noise, "
+                "outside the privacy guarantee. They were put back, and no update was "
+                "applied. Remove that state from the layer. Changed:",
+                tf.boolean_mask(names, changed)], summarize=len(self.variables))
+        with tf.control_dependencies([check]):
+            return tf.nest.map_structure(tf.identity, outputs)
+
+    def _assign(self, values):
+        with tf.control_dependencies([v.assign(value) for v, value in
+                                      zip(self.variables, values)]):
+            return tf.constant(True)

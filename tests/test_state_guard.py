@@ -1,0 +1,117 @@
+"""A layer that writes its state only after some calls (a warm-up) is stopped at the first
+step that writes, before its update, with the written value put back (`lipdp.state_guard`):
+in classic DP-SGD, and for a DP layer defined outside lipdp in clipless mode. The
+compile-time probe (`check_no_batch_coupling`), every pass of which starts from the compiled
+state, let it through: a running maximum of ``|x|`` after three calls saved a training
+record's value (1234.5) in the model (an audit, 2026-12-07)."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lipdp
+from lipdp.layers import DP_BoundedInput, DP_QuickSpectralDense
+from lipdp.layers.base import DPLayer
+from lipdp.losses import DP_TauCategoricalCrossentropy
+
+L = tf.keras.layers
+N, BATCH, DIM, CANARY = 64, 8, 4, 1234.5
+
+
+class _WarmedMaximum(L.Layer):
+    """The identity, which from its third training call on keeps the largest ``|x|`` it
+    sees in a non-trainable variable: the probe's passes, each from the compiled state (no
+    call yet), never write it."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(name="calls", shape=(), initializer="zeros",
+                                     trainable=False)
+        self.largest = self.add_weight(name="largest", shape=(), initializer="zeros",
+                                       trainable=False)
+
+    def call(self, inputs, training=None):
+        if training:
+            self.calls.assign_add(1.0)
+            self.largest.assign(tf.where(
+                self.calls > 2.0, tf.maximum(self.largest, tf.reduce_max(tf.abs(inputs))),
+                self.largest))
+        return inputs
+
+
+class _WarmedDPMaximum(_WarmedMaximum, DPLayer):
+    """`_WarmedMaximum` as a DP layer: the identity's bounds, which hold."""
+
+    def propagate_inputs(self, input_bound):
+        return input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return gradient_bound
+
+
+def _model(mode, run_eagerly=False):
+    tf.keras.utils.set_random_seed(0)
+    metadata = lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, CANARY, "shuffle")
+    if mode == "clipless":
+        model = lipdp.DP_Sequential(
+            [DP_BoundedInput(CANARY, input_shape=(DIM,)), _WarmedDPMaximum(name="warmed"),
+             DP_QuickSpectralDense(3)],
+            dp_parameters=lipdp.DPParameters(noise_multiplier=1.0, delta=1e-5),
+            dataset_metadata=metadata)
+        loss = DP_TauCategoricalCrossentropy(1.0)
+    else:
+        model = lipdp.DP_Sequential(
+            [L.Input((DIM,)), _WarmedMaximum(name="warmed"), L.Dense(3)],
+            dp_parameters=lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0,
+                                             engine=mode),
+            dataset_metadata=metadata)
+        loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(loss=loss, optimizer=tf.keras.optimizers.SGD(0.1), run_eagerly=run_eagerly)
+    tf.random.set_seed(None)
+    return model
+
+
+@pytest.mark.parametrize("mode,run_eagerly", [
+    ("ghost", False), ("ghost", True), ("vectorized", False), ("clipless", False)])
+def test_state_written_after_a_warm_up_stops_the_step_and_is_put_back(mode, run_eagerly):
+    """Every batch holds the canary: the step that first writes it fails naming the
+    variable, its update not applied, the variable back at 0, the ledger at the steps
+    before; the call counter (moved alike by every probe pass) is not guarded."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model(mode, run_eagerly)
+    names = [v.name for v in model._state_guard.variables]
+    assert "warmed/largest:0" in names and "warmed/calls:0" not in names
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+    x[3, 1] = CANARY
+    y = rng.integers(0, 3, BATCH)
+    warmed = model.get_layer("warmed")
+    for step in range(6):
+        before = [v.numpy() for v in model.trainable_variables]
+        try:
+            model.train_on_batch(x, y)
+        except tf.errors.InvalidArgumentError as error:
+            assert "warmed/largest:0" in error.message
+            assert "put back, and no update was applied" in error.message
+            break
+        assert warmed.largest.numpy() == 0.0
+    else:
+        pytest.fail(f"six steps trained; the layer holds {warmed.largest.numpy()}")
+    assert warmed.calls.numpy() > 2.0  # the layer did write in the failed step
+    assert warmed.largest.numpy() == 0.0
+    for b, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(b, v.numpy(), err_msg=v.name)
+    assert model.dp_steps_taken == step
+
+
+def test_a_model_of_lipdp_layers_guards_nothing():
+    """lipdp's own layers are not probed and not guarded: the clipless step runs no extra
+    operation."""
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(DIM,)), DP_QuickSpectralDense(3)],
+        dp_parameters=lipdp.DPParameters(noise_multiplier=1.0, delta=1e-5),
+        dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, 1.0, "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    assert model._state_guard.variables == []
