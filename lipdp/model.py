@@ -421,6 +421,10 @@ _XLA_REFUSAL = (
     "breakdown tables.)")
 
 
+# The guard of a model not compiled (no probe ran): nothing to compare.
+_NO_GUARD = StateGuard()
+
+
 class _DPModelMixin:
     """Private training shared by `DP_Sequential` and `DP_Model`."""
 
@@ -1409,7 +1413,7 @@ class _DPModelMixin:
                     "DP-SGD must clip the average of an example's views, which its per-example "
                     "norm engines do not group.")
             self._clipped_dpsgd = ClippedDPSGD(self, loss, self.dp_parameters, metadata)
-            self._state_guard = self._clipped_dpsgd.state_guard
+            self._state_guard = self._guard(self._clipped_dpsgd.unwritten)
             self.dp_loss = loss
             super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
             return
@@ -1437,12 +1441,21 @@ class _DPModelMixin:
                              f"nb_classes={self.dataset_metadata.nb_classes}.")
         check_float32(leaf_layers(self))
         check_float32_inputs(self)
-        self._state_guard = StateGuard(self._check_user_layers_per_example())
+        self._state_guard = self._guard(self._check_user_layers_per_example())
         self.dp_loss = loss
         self._loss_lipschitz = float(loss.lipschitz(nb_outputs))
         self._check_every_variable_bounded(layers)
         self._init_adaptive_clipping()
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def _guard(self, unwritten) -> StateGuard:
+        """The guard every step runs (`lipdp.state_guard`) over the variables the probe saw
+        no pass write (`unwritten`), but for the model's own bookkeeping, which the step
+        writes. A variable of a subclass' own (a running maximum in its ``call``) is guarded
+        (an audit, 2026-12-07: only layers' variables were, and it kept a record's value)."""
+        bookkeeping = {v.ref() for v in (self._dp_steps, self._dp_ledger, self._examples_seen,
+                                         self._logit_clip, self._draws_until)}
+        return StateGuard([v for v in unwritten if v.ref() not in bookkeeping])
 
     def _check_user_layers_per_example(self):
         """A DP layer defined outside lipdp (the `DPLayer` extension point) is probed as
@@ -1825,6 +1838,21 @@ class _DPModelMixin:
         self.train_function = with_limited_blas_threads(train_function)
         return self.train_function
 
+    def test_step(self, data):
+        """Keras' evaluation step under the step's state guard (`lipdp.state_guard`): a layer
+        writing what it evaluates into its state (in inference mode, which the compile-time
+        probe does not run) is stopped, the values put back (an audit, 2026-12-07:
+        ``evaluate`` on the training records left one in the weights)."""
+        guard = getattr(self, "_state_guard", _NO_GUARD)
+        state = guard.read()
+        return guard.checked(state, super().test_step(data), "evaluation")
+
+    def predict_step(self, data):
+        """Keras' prediction step under the state guard, as `test_step`."""
+        guard = getattr(self, "_state_guard", _NO_GUARD)
+        state = guard.read()
+        return guard.checked(state, super().predict_step(data), "prediction")
+
     def train_step(self, data):
         if in_xla_context():  # compile refuses jit_compile; Keras' setter or a user's jit not
             raise ValueError(_XLA_REFUSAL)
@@ -1875,7 +1903,7 @@ class _DPModelMixin:
         # unknown length, the call that finds the iterator exhausted must not count a step.
         with tf.control_dependencies(noisy):
             self._dp_steps.assign_add(1)
-        self._examples_seen.assign_add(batch)
+            self._examples_seen.assign_add(batch)
         # C_t of AdaptiveClipping is computed from noisy counts only: private to log.
         clip = ({} if self.dp_parameters.loss_gradient_clipping is None
                 else {"logit_clip": self._logit_clip.read_value()})

@@ -1,4 +1,4 @@
-"""The training step's check that no layer wrote the batch into a variable the probe saw still.
+"""Each step's check that nothing wrote the batch into a variable the probe saw still.
 
 Classic DP-SGD's models, and clipless models holding a DP layer defined outside lipdp, are
 probed at compile (`lipdp.clipping.validation.check_no_batch_coupling`): a variable that a
@@ -8,20 +8,24 @@ was not seen: a custom layer keeping the running maximum of ``|x|`` from its fou
 saved a training record's exact value (1234.5) in its weights, released with the model
 without noise (an audit, 2026-12-07).
 
-`StateGuard` closes that gap for the variables no pass of the probe moved (their layers
-defined outside lipdp; trainable ones too: a forward pass may assign a weight). Each training
-step reads them before anything uses the batch, and after the private gradients, before the
-update, fails if any differs bit for bit from what it held: the step stops with
+`StateGuard` closes that gap for the variables no pass of the probe moved, but for those of
+lipdp's own layers and the model's bookkeeping (`DP_Model._guard`; trainable ones too: a
+forward pass may assign a weight; a subclass' own variables too). Each training step reads
+them before anything uses the batch, and after the private gradients, before the update,
+fails if any differs bit for bit from what it held: the step stops with
 ``InvalidArgumentError`` naming the variables, no update applied, and the values put back
 first (each replica its own, under a distribution strategy), so what the batch wrote does
-not stay in the model. The failure itself tells that a step changed the state, once: the
-model is refused from then on.
+not stay in the model. Evaluation and prediction steps are checked the same way (the probe
+runs training-mode passes: a layer writing in inference kept the records `evaluate` ran
+on). The failure itself tells that a step changed the state, once: the model is refused
+from then on.
 
 Not seen: variables the probe saw move the same way for every input (a call counter,
-power-iteration vectors), which may later record the data; a write undone within the step.
-A model without such variables (every lipdp layer, Keras' per-example layers: the kernels of a
-clipped Dense are guarded and cost one copy of them per step) runs no extra operation when
-the list is empty.
+power-iteration vectors), which may later record the data; a write undone within the step;
+the steps of a model never compiled. A variable created by a pass after build is refused at
+compile (`check_no_batch_coupling`). Without guarded variables (lipdp's layers only: the
+clipless step) no operation is added; a clipped Keras model's weights cost one copy and one
+comparison per step (`benchmarks/state_guard_cost.py`).
 """
 
 from __future__ import annotations
@@ -54,9 +58,10 @@ class StateGuard:
         """The guarded variables' values now (at the start of a step)."""
         return [tf.identity(v.read_value()) for v in self.variables]
 
-    def checked(self, before: List[tf.Tensor], outputs):
+    def checked(self, before: List[tf.Tensor], outputs, step: str = "training"):
         """`outputs` (a structure of tensors) once the guarded variables are found to hold
-        `before` again, after `outputs` are computed.
+        `before` again, after `outputs` are computed (by a ``step``: "training",
+        "evaluation", "prediction").
 
         Raises:
             InvalidArgumentError: (at run time) naming the variables that changed, after
@@ -72,11 +77,12 @@ class StateGuard:
         names = tf.constant([v.name for v in self.variables])
         with tf.control_dependencies([put_back]):
             check = tf.debugging.Assert(tf.logical_not(written), [
-                "A training step changed variables that lipdp's compile-time probe saw no "
-                "training pass change (a layer writing its state only after some calls): what "
-                "it wrote may be the training data, released with the model without noise, "
-                "outside the privacy guarantee. They were put back, and no update was "
-                "applied. Remove that state from the layer. Changed:",
+                f"A step ({step}) changed variables that lipdp's compile-time probe saw no "
+                "training pass change (a layer writing its state only after some calls, or in "
+                "inference): what it wrote may be the records it ran on, released with the "
+                "model without noise, outside the privacy guarantee. They were put back"
+                f"{', and no update was applied' if step == 'training' else ''}. Remove that "
+                "state from the layer. Changed:",
                 tf.boolean_mask(names, changed)], summarize=len(self.variables))
         with tf.control_dependencies([check]):
             return tf.nest.map_structure(tf.identity, outputs)

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import lipdp
+from lipdp.clipping import BatchCouplingError
 from lipdp.layers import DP_BoundedInput, DP_QuickSpectralDense
 from lipdp.layers.base import DPLayer
 from lipdp.losses import DP_TauCategoricalCrossentropy
@@ -40,6 +41,55 @@ class _WarmedMaximum(L.Layer):
         return inputs
 
 
+class _WarmedModel(lipdp.DP_Sequential):
+    """`_WarmedMaximum`'s state in the model's own variables (a subclass): only layers'
+    variables were guarded, and it kept the canary (an audit, 2026-12-07)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = tf.Variable(0.0, trainable=False, name="model_calls")
+        self.largest = tf.Variable(0.0, trainable=False, name="model_largest")
+
+    def call(self, inputs, training=None, **kwargs):
+        if training:
+            self.calls.assign_add(1.0)
+            self.largest.assign(tf.where(
+                self.calls > 2.0, tf.maximum(self.largest, tf.reduce_max(tf.abs(inputs))),
+                self.largest))
+        return super().call(inputs, training=training, **kwargs)
+
+
+class _InferenceMaximum(L.Layer):
+    """Keeps the largest ``|x|`` of its inference calls (`evaluate`, `predict`): the probe
+    judges training passes."""
+
+    def build(self, input_shape):
+        self.largest = self.add_weight(name="largest", shape=(), initializer="zeros",
+                                       trainable=False)
+
+    def call(self, inputs, training=None):
+        if not training:
+            self.largest.assign(tf.maximum(self.largest, tf.reduce_max(tf.abs(inputs))))
+        return inputs
+
+
+class _LazyMaximum(L.Layer):
+    """Creates its variable in its first training call (after build) and writes the batch's
+    largest ``|x|`` into it: the probe listed the variables before its passes, so neither
+    it nor the guard compared this one (an audit, 2026-12-07: the canary stayed)."""
+
+    largest = None
+
+    def call(self, inputs, training=None):
+        if training:
+            if self.largest is None:
+                with tf.init_scope():
+                    self.largest = self.add_weight(name="largest", shape=(),
+                                                   initializer="zeros", trainable=False)
+            self.largest.assign(tf.reduce_max(tf.abs(inputs)))
+        return inputs
+
+
 class _WarmedDPMaximum(_WarmedMaximum, DPLayer):
     """`_WarmedMaximum` as a DP layer: the identity's bounds, which hold."""
 
@@ -50,7 +100,7 @@ class _WarmedDPMaximum(_WarmedMaximum, DPLayer):
         return gradient_bound
 
 
-def _model(mode, run_eagerly=False):
+def _model(mode, run_eagerly=False, layer=_WarmedMaximum, model_cls=lipdp.DP_Sequential):
     tf.keras.utils.set_random_seed(0)
     metadata = lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, CANARY, "shuffle")
     if mode == "clipless":
@@ -61,8 +111,8 @@ def _model(mode, run_eagerly=False):
             dataset_metadata=metadata)
         loss = DP_TauCategoricalCrossentropy(1.0)
     else:
-        model = lipdp.DP_Sequential(
-            [L.Input((DIM,)), _WarmedMaximum(name="warmed"), L.Dense(3)],
+        model = model_cls(
+            [L.Input((DIM,)), layer(name="warmed"), L.Dense(3)],
             dp_parameters=lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0,
                                              engine=mode),
             dataset_metadata=metadata)
@@ -104,6 +154,45 @@ def test_state_written_after_a_warm_up_stops_the_step_and_is_put_back(mode, run_
     for b, v in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(b, v.numpy(), err_msg=v.name)
     assert model.dp_steps_taken == step
+    assert model._examples_seen.numpy() == step * BATCH  # not the failed step's
+
+
+def test_state_of_a_model_subclass_is_guarded():
+    """The subclass' own variable, written from the third call on, stops that step; the
+    model's bookkeeping (ledger, step count, draw mark) is not guarded: the step writes it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model("ghost", layer=lambda name: L.Activation("linear", name=name),
+                       model_cls=_WarmedModel)
+    names = [v.name for v in model._state_guard.variables]
+    assert "model_largest:0" in names and "model_calls:0" not in names
+    assert not {"dp_steps_taken:0", "dp_ledger:0", "examples_seen:0", "loss_gradient_clip:0",
+                "poisson_draws_until:0"} & set(names)
+    x = np.full((BATCH, DIM), CANARY, np.float32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="model_largest:0"):
+        for _ in range(6):
+            model.train_on_batch(x, np.zeros(BATCH, np.int64))
+    assert model.largest.numpy() == 0.0 and model.dp_steps_taken == 2
+
+
+def test_a_variable_created_by_a_forward_pass_is_refused_at_compile():
+    with pytest.raises(BatchCouplingError, match="warmed/largest:0' of layer 'warmed' .* "
+                                                 "created by a forward pass"):
+        _model("ghost", layer=_LazyMaximum)
+
+
+@pytest.mark.parametrize("call,step", [
+    (lambda model, x: model.evaluate(x, np.zeros(BATCH, np.int64), verbose=0), "evaluation"),
+    (lambda model, x: model.predict(x, verbose=0), "prediction")])
+def test_state_written_in_inference_is_put_back(call, step):
+    """`evaluate` and `predict` on the training records ran the layer's write unchecked."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model("ghost", layer=_InferenceMaximum)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"A step \\({step}\\) changed .*warmed/largest:0"):
+        call(model, np.full((BATCH, DIM), CANARY, np.float32))
+    assert model.get_layer("warmed").largest.numpy() == 0.0
 
 
 def test_a_model_of_lipdp_layers_guards_nothing():

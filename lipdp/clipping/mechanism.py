@@ -25,7 +25,6 @@ from lipdp.clipping.validation import (check_no_batch_coupling, check_per_exampl
                                        per_example_loss)
 from lipdp.clipping.vectorized import VectorizedEngine
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NormEngine
-from lipdp.state_guard import StateGuard
 
 
 class PreclipFallbackWarning(UserWarning):
@@ -56,8 +55,8 @@ class ClippedDPSGD:
                  dataset_metadata: DatasetMetadata):
         if dp_parameters.mode is not DPMode.CLIPPED:
             raise ValueError("ClippedDPSGD needs DPParameters(mode='clipped', ...).")
-        #: What every step must leave unwritten until its update (`lipdp.state_guard`).
-        self.state_guard = StateGuard(check_no_batch_coupling(model))
+        #: What the probe saw no pass write (`check_no_batch_coupling`).
+        self.unwritten = check_no_batch_coupling(model)
         check_per_example_gradients_run(model)
         if not model.trainable_variables:
             raise ValueError("The model has no trainable variables to train privately (is it "

@@ -82,10 +82,11 @@ def check_no_batch_coupling(model: tf.keras.Model) -> List[tf.Variable]:
     is not seen.
 
     Returns:
-        The variables of layers defined outside lipdp that no pass of the probe changed, for
-        `lipdp.state_guard.StateGuard` to keep unchanged by every training step (state
-        written only after some calls, which the probe's passes from the compiled state do
-        not reach).
+        The variables that no pass of the probe changed, those of lipdp's own layers aside
+        (the model's own included: the caller leaves out its bookkeeping), for
+        `lipdp.state_guard.StateGuard` to keep unchanged by every step (state written only
+        after some calls, which the probe's passes from the compiled state do not reach). A
+        variable created by a pass (after build) is refused.
 
     Raises:
         BatchCouplingError: naming the layer (and variable) found, and what to use instead.
@@ -375,8 +376,26 @@ def _probe(model: tf.keras.Model) -> List[tf.Variable]:
             continue
         _refuse_backward_coupling(probe, training, backward_a, backward_p)
         _refuse_backward_state(probe, variables, state_a, noted(state_p), owner)
-    return [v for i, v in enumerate(variables) if i not in moved
-            and v.ref() in owner and not type(owner[v.ref()]).__module__.startswith("lipdp.")]
+    _refuse_created_variables(model, variables)
+    return [v for i, v in enumerate(variables) if i not in moved and not (
+        v.ref() in owner and type(owner[v.ref()]).__module__.startswith("lipdp."))]
+
+
+def _refuse_created_variables(model, variables):
+    """Raise `BatchCouplingError` when the probe's passes created variables (a layer adding
+    a weight in its call, after build): the first pass's values stayed in them, unrestored,
+    and neither the probe nor the step's guard judged them. A layer doing so kept the
+    largest training input (an audit, 2026-12-07)."""
+    known = {v.ref() for v in variables}
+    created = [v for v in model.variables if v.ref() not in known]
+    if created:
+        owner = {v.ref(): layer for layer in _all_layers(model) for v in layer.weights}
+        raise BatchCouplingError(
+            f"The variable '{created[0].name}' of {_holder(owner, created[0])} was created by "
+            "a forward pass, after the model was built: what a training pass writes into "
+            "state created so cannot be checked (the probe and every step compare the "
+            "variables that exist at compile), and it may be the training data, released "
+            "with the model without noise. Create the variable in the layer's build().")
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
