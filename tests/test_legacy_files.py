@@ -69,7 +69,10 @@ def test_a_file_saved_before_the_draw_mark_loads_and_trains_on(tmp_path, name):
         model = _model()
         model.load_weights(path)
     assert _digest(path) == before
-    np.testing.assert_array_equal(model(data["x"]).numpy(), data["outputs"])
+    # To float32 rounding: the saved outputs were computed on another CPU, whose kernels
+    # round differently (2.4e-7 apart on an Intel Xeon for files written on an AMD EPYC);
+    # weights that did not load give outputs apart by O(1).
+    np.testing.assert_allclose(model(data["x"]).numpy(), data["outputs"], rtol=1e-5, atol=1e-6)
     assert model.dp_steps_taken == STEPS and model.poisson_draws_until == STEPS
     assert int(model._draws_until.numpy()) == 0
     assert model.privacy_ledger.steps == STEPS
