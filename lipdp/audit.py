@@ -81,6 +81,7 @@ import tensorflow as tf
 from lipdp.accounting import epsilon_spent
 from lipdp.clipping.validation import per_example_loss
 from lipdp.evaluation import roc_auc
+from lipdp.state_guard import guarded_call
 
 __all__ = [
     "AttackResult",
@@ -220,7 +221,7 @@ def _auroc_null_std(scores, labels) -> float:
 # Per-example scores of a model.
 # --------------------------------------------------------------------------- #
 def _logits(model, x, batch_size) -> np.ndarray:
-    outputs = [np.asarray(model(tf.convert_to_tensor(x[i:i + batch_size]), training=False),
+    outputs = [np.asarray(guarded_call(model, tf.convert_to_tensor(x[i:i + batch_size])),
                           np.float64) for i in range(0, len(x), batch_size)]
     logits = np.concatenate(outputs) if outputs else np.zeros((0, int(model.output_shape[-1])))
     if logits.ndim != 2:
@@ -247,7 +248,7 @@ def loss_scores(model, x, y, batch_size: int = 1024) -> np.ndarray:
     loss_fn = _per_example_loss(model)
     values = []
     for i in range(0, len(x), batch_size):
-        logits = model(tf.convert_to_tensor(x[i:i + batch_size]), training=False)
+        logits = guarded_call(model, tf.convert_to_tensor(x[i:i + batch_size]))
         values.append(np.asarray(loss_fn(tf.convert_to_tensor(y[i:i + batch_size]), logits),
                                  np.float64).reshape(-1))
     return -np.concatenate(values) if values else np.zeros(0)

@@ -440,6 +440,7 @@ def tightness(model, dataset, loss=None, max_batches=None, chunk_size: int = 64,
         of `variable_names`.
     """
     from lipdp.per_example import chunked_gradient_norms
+    from lipdp.state_guard import run_guarded
 
     bound_by_ref = {v.ref(): float(b) for v, b in
                     backpropagate_bounds(dp_layers(model), _loss_lipschitz(model, loss))}
@@ -448,8 +449,10 @@ def tightness(model, dataset, loss=None, max_batches=None, chunk_size: int = 64,
         dataset = tf.data.Dataset.from_tensor_slices(tuple(dataset)).batch(256)
     if max_batches is not None:
         dataset = dataset.take(max_batches)
-    norms = chunked_gradient_norms(model, per_example_loss_of(model, loss), dataset, chunk_size,
-                                   variables, function_cache)
+    # Training-mode passes on records, outside a step: under the model's state guard.
+    norms = run_guarded(model, "per-example gradients", lambda: chunked_gradient_norms(
+        model, per_example_loss_of(model, loss), dataset, chunk_size, variables,
+        function_cache))
     if not norms or not norms[0].size:
         raise ValueError("The dataset yielded no examples.")
     names = variable_names(model)

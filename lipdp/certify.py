@@ -69,6 +69,7 @@ from lipdp.clipping.validation import leaf_layers
 from lipdp.layers.base import (chain_rounding_error, check_float32, check_float32_inputs,
                                operator_norm_cache)
 from lipdp.operator_norms import float32_products_rounded_to_nearest
+from lipdp.state_guard import guarded_call
 
 __all__ = ["CertifiableAccuracy", "certified_accuracy", "certified_auroc", "certified_radii",
            "certified_radius", "float_error_bound", "margins"]
@@ -134,7 +135,7 @@ def _logits(model, x, batch_size: int) -> np.ndarray:
                          "batch): no prediction or radius is defined for them.")
     if len(x) == 0:
         return np.zeros((0, int(model.output_shape[-1])), np.float64)
-    outputs = [model(x[start:start + batch_size], training=False).numpy()
+    outputs = [guarded_call(model, x[start:start + batch_size]).numpy()
                for start in range(0, len(x), batch_size)]
     return np.concatenate(outputs).astype(np.float64)
 

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.certify import labelled_batches
+from lipdp.state_guard import guarded_call
 
 __all__ = ["binary_scores", "roc_auc"]
 
@@ -32,7 +33,7 @@ def binary_scores(model, dataset_or_xy, batch_size: int = 1024) -> Tuple[np.ndar
         raise ValueError(f"An AUROC needs a binary classifier; the model has {outputs} outputs.")
     scores, labels = [], []
     for x, y in labelled_batches(dataset_or_xy, batch_size):
-        logits = np.asarray(model(tf.convert_to_tensor(x), training=False), np.float64)
+        logits = np.asarray(guarded_call(model, tf.convert_to_tensor(x)), np.float64)
         scores.append(logits[:, 0] if outputs == 1 else logits[:, 1] - logits[:, 0])
         labels.append(y.argmax(axis=-1) if y.ndim == 2 and y.shape[-1] == 2
                       else y.reshape(-1) > 0)

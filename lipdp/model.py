@@ -1450,12 +1450,15 @@ class _DPModelMixin:
 
     def _guard(self, unwritten) -> StateGuard:
         """The guard every step runs (`lipdp.state_guard`) over the variables the probe saw
-        no pass write (`unwritten`), but for the model's own bookkeeping, which the step
-        writes. A variable of a subclass' own (a running maximum in its ``call``) is guarded
-        (an audit, 2026-12-07: only layers' variables were, and it kept a record's value)."""
+        no pass write (`unwritten`; None: no probe ran, nothing guarded), but for the model's
+        own bookkeeping, which the step writes. A variable of a subclass' own (a running
+        maximum in its ``call``) is guarded (an audit, 2026-12-07: only layers' variables
+        were, and it kept a record's value)."""
+        if unwritten is None:
+            return StateGuard()
         bookkeeping = {v.ref() for v in (self._dp_steps, self._dp_ledger, self._examples_seen,
                                          self._logit_clip, self._draws_until)}
-        return StateGuard([v for v in unwritten if v.ref() not in bookkeeping])
+        return StateGuard([v for v in unwritten if v.ref() not in bookkeeping], self)
 
     def _check_user_layers_per_example(self):
         """A DP layer defined outside lipdp (the `DPLayer` extension point) is probed as
@@ -1469,8 +1472,8 @@ class _DPModelMixin:
         variables by construction (and tested so): not probed, no compile-time cost. A user
         layer's `project` runs once first, as lipdp's layers project at build.
 
-        Returns the user layers' variables that the probe saw no pass change, which every
-        step must leave as it found them (`lipdp.state_guard`); none without user layers."""
+        Returns the variables that the probe saw no pass change, which every step must
+        leave as it found them (`lipdp.state_guard`); None without user layers (no probe)."""
         user_layers = [layer for layer in self._flatten_layers(include_self=False, recursive=True)
                        if isinstance(layer, DPLayer)
                        and not type(layer).__module__.startswith("lipdp.")]
@@ -1491,7 +1494,7 @@ class _DPModelMixin:
                     "DP-SGD cannot bound it; classic DP-SGD (mode='clipped') takes exact "
                     "per-example gradients of such variables.")
             return unwritten
-        return []
+        return None
 
     def _init_adaptive_clipping(self):
         clipping = self.dp_parameters.loss_gradient_clipping

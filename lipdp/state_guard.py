@@ -20,19 +20,26 @@ runs training-mode passes: a layer writing in inference kept the records `evalua
 on). The failure itself tells that a step changed the state, once: the model is refused
 from then on.
 
+lipdp's own passes over records outside a step (`lipdp.certify`, `lipdp.audit`, `tightness`)
+run under the guard too (`run_guarded`, `guarded_call`). A variable a pass creates after the
+guard was made (in a traced step, in inference, after the probe's calls: each kept a record in
+an audit, 2026-12-07) fails that step; the probe refuses one its own passes create
+(`check_no_batch_coupling`).
+
 Not seen: variables the probe saw move the same way for every input (a call counter,
 power-iteration vectors), which may later record the data; a write undone within the step;
-the steps of a model never compiled. A variable created by a pass after build is refused at
-compile (`check_no_batch_coupling`). Without guarded variables (lipdp's layers only: the
-clipless step) no operation is added; a clipped Keras model's weights cost one copy and one
-comparison per step (`benchmarks/state_guard_cost.py`).
+a user's own direct ``model(x)``; the steps of a model never compiled. Without guarded
+variables (lipdp's layers only: the clipless step) no operation is added; a clipped Keras
+model's weights cost one copy and one comparison per step (`benchmarks/state_guard_cost.py`).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, Callable, List, Sequence
 
 import tensorflow as tf
+
+from lipdp.clipping.validation import of_lipdp, variable_owners
 
 _INTEGER_OF_SIZE = {1: tf.int8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
@@ -45,14 +52,19 @@ def _bits(t: tf.Tensor) -> tf.Tensor:
 
 
 class StateGuard:
-    """The variables a training step must leave as it found them until its update.
+    """The variables a step must leave as it found them until its update.
 
     Args:
         variables: the variables to guard (`check_no_batch_coupling`'s return).
+        model: the model they belong to, whose variables at this point are all it may hold
+            later (a variable created by a later pass, traced or in inference, escaped both
+            checks: an audit, 2026-12-07); None: no such check (nothing was probed).
     """
 
-    def __init__(self, variables: Sequence[tf.Variable] = ()):
+    def __init__(self, variables: Sequence[tf.Variable] = (), model=None):
         self.variables = list(variables)
+        self.model = model
+        self._known = set() if model is None else {v.ref() for v in model.variables}
 
     def read(self) -> List[tf.Tensor]:
         """The guarded variables' values now (at the start of a step)."""
@@ -66,7 +78,11 @@ class StateGuard:
         Raises:
             InvalidArgumentError: (at run time) naming the variables that changed, after
                 putting them back.
+            ValueError: (when the step is traced, or run eagerly) the model holds
+                a variable it did not hold when the guard was made, created by the step;
+                run eagerly, what the step wrote into it is zeroed first.
         """
+        self._refuse_created(step)
         if not self.variables:
             return outputs
         with tf.control_dependencies(tf.nest.flatten(outputs)):
@@ -84,10 +100,49 @@ class StateGuard:
                 f"{', and no update was applied' if step == 'training' else ''}. Remove that "
                 "state from the layer. Changed:",
                 tf.boolean_mask(names, changed)], summarize=len(self.variables))
+        if tf.executing_eagerly():  # checked already; `outputs` kept as they are (numpy)
+            return outputs
         with tf.control_dependencies([check]):
             return tf.nest.map_structure(tf.identity, outputs)
+
+    def _refuse_created(self, step):
+        if self.model is None:
+            return
+        created = [v for v in self.model.variables if v.ref() not in self._known]
+        if created:
+            owner = variable_owners(self.model)
+            created = [v for v in created if not of_lipdp(owner, v)]
+        if not created:
+            return
+        if tf.executing_eagerly():  # the step ran: its writes are in them
+            for v in created:
+                v.assign(tf.zeros_like(v))
+        # A ValueError: AutoGraph, converting the user's layer that called for the trace,
+        # re-raises exceptions of its known types only (a subclass became a StagingError).
+        raise ValueError(
+            f"A step ({step}) created the variables {[v.name for v in created]} in the model "
+            "after compile: what a pass writes into state created so is checked neither at "
+            "compile nor by the steps, and it may be the records it ran on, released with the "
+            "model without noise. Create every variable in its layer's build().")
 
     def _assign(self, values):
         with tf.control_dependencies([v.assign(value) for v, value in
                                       zip(self.variables, values)]):
             return tf.constant(True)
+
+
+def run_guarded(model, step: str, compute: Callable[[], Any]):
+    """``compute()`` (eager) under a DP model's state guard (`StateGuard`, as its steps run),
+    named `step` in the error; other models' as it is."""
+    guard = getattr(model, "_state_guard", None)
+    if guard is None:
+        return compute()
+    before = guard.read()
+    return guard.checked(before, compute(), step)
+
+
+def guarded_call(model, inputs):
+    """``model(inputs, training=False)`` under a DP model's state guard, as its `predict`
+    steps run: lipdp's certificates, attacks and scores call the model so, and a layer
+    writing in inference kept a record they ran on (an audit, 2026-12-07)."""
+    return run_guarded(model, "prediction", lambda: model(inputs, training=False))

@@ -90,6 +90,38 @@ class _LazyMaximum(L.Layer):
         return inputs
 
 
+class _LaterMaximum(L.Layer):
+    """Creates its variable after the compile-time probe, at its first call that `when`
+    accepts (``(training, eager)``), and keeps the largest ``|x|`` in it (an audit,
+    2026-12-07: a traced training call, an inference call, the 41st call in Python)."""
+
+    largest = None
+
+    def __init__(self, when, **kwargs):
+        super().__init__(**kwargs)
+        self.when, self.calls = when, 0
+
+    def call(self, inputs, training=None):
+        self.calls += 1
+        if self.largest is None and self.when(training, tf.executing_eagerly(), self.calls):
+            with tf.init_scope():
+                self.largest = self.add_weight(name="largest", shape=(), initializer="zeros",
+                                               trainable=False)
+        if self.largest is not None:
+            self.largest.assign(tf.maximum(self.largest, tf.reduce_max(tf.abs(inputs))))
+        return inputs
+
+
+class _InferenceDPMaximum(_InferenceMaximum, DPLayer):
+    """`_InferenceMaximum` as a DP layer (the identity's bounds)."""
+
+    def propagate_inputs(self, input_bound):
+        return input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return gradient_bound
+
+
 class _WarmedDPMaximum(_WarmedMaximum, DPLayer):
     """`_WarmedMaximum` as a DP layer: the identity's bounds, which hold."""
 
@@ -204,3 +236,74 @@ def test_a_model_of_lipdp_layers_guards_nothing():
         dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, 1.0, "shuffle"))
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
     assert model._state_guard.variables == []
+
+
+LATER = {
+    "a traced training call": (lambda training, eager, calls: training and not eager, False,
+                               lambda model, x, y: model.fit(x, y, batch_size=BATCH, verbose=0)),
+    "an inference call": (lambda training, eager, calls: training is False, False,
+                          lambda model, x, y: model.evaluate(x, y, batch_size=BATCH, verbose=0)),
+    "the 41st call, eagerly": (lambda training, eager, calls: training and calls > 40, True,
+                               lambda model, x, y: model.fit(x, y, batch_size=BATCH, epochs=10,
+                                                             verbose=0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LATER))
+def test_a_variable_created_after_compile_stops_the_step(case):
+    """The guard's list is made at compile: a variable created later, by a traced pass, an
+    inference pass or after the probe's calls, was compared by nothing and kept the canary.
+    The step that creates one fails (traced: before it runs; eagerly: the value zeroed)."""
+    when, eager, run = LATER[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model("ghost", run_eagerly=eager, layer=lambda name: _LaterMaximum(when,
+                                                                                    name=name))
+    assert model.get_layer("warmed").largest is None
+    x = np.full((N, DIM), CANARY, np.float32)
+    with pytest.raises(ValueError, match="created the variables .*warmed/largest:0"):
+        run(model, x, np.zeros(N, np.int64))
+    assert model.get_layer("warmed").largest.numpy() == 0.0
+
+
+def test_lipdp_certificates_run_under_the_guard():
+    """`lipdp.certify` called the model directly, outside `predict`: a layer writing in
+    inference kept the canary (an audit, 2026-12-07)."""
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(CANARY, input_shape=(DIM,)), _InferenceDPMaximum(name="inference"),
+         DP_QuickSpectralDense(3)],
+        dp_parameters=lipdp.DPParameters(noise_multiplier=1.0, delta=1e-5),
+        dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, CANARY, "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    x = np.full((BATCH, DIM), CANARY, np.float32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="inference/largest:0"):
+        lipdp.certify.certified_accuracy(model, (x, np.eye(3)[np.zeros(BATCH, int)]), [0.0])
+    assert model.get_layer("inference").largest.numpy() == 0.0
+
+
+class _PreprocessedModel(lipdp.DP_Model):
+    """A functional DP model whose ``call`` first runs a Dense made in ``__init__``: built by
+    the probe's first pass, which a check of variables created by a pass refused (a review,
+    2026-12-07); now built by a pass of its own first, and its weights compared."""
+
+    def __init__(self, **kwargs):
+        inputs = L.Input((DIM,))
+        super().__init__(inputs, L.Dense(3)(inputs), **kwargs)
+        self.pre = L.Dense(DIM, name="pre")
+
+    def call(self, inputs, training=None, **kwargs):
+        return super().call(self.pre(inputs), training=training, **kwargs)
+
+
+def test_layers_a_subclass_builds_in_its_call_are_probed_and_guarded():
+    model = _PreprocessedModel(
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0),
+        dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, None, "shuffle"))
+    assert not model.pre.built
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="sgd")
+    assert "pre/kernel:0" in [v.name.split("/", 1)[-1] for v in model._state_guard.variables]
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(N, DIM)).astype(np.float32), rng.integers(0, 3, N),
+              batch_size=BATCH, verbose=0)
+    assert model.dp_steps_taken == N // BATCH

@@ -293,13 +293,20 @@ def _training_mode_without_draws(model, batch, forward):
 def _probe(model: tf.keras.Model) -> List[tf.Variable]:
     """The behavioural half of `check_no_batch_coupling` (its docstring); returns the
     variables of layers defined outside lipdp that no pass changed."""
+    a, b = _probe_batches(model)
+    built = {id(layer) for layer in _all_layers(model) if layer.built}
+    existing = _unique_variables(model)
+    if len(built) < len(_all_layers(model)):
+        # Layers a subclass' call builds (their variables, created during the passes below,
+        # went uncompared and unguarded): built by one pass first, its writes undone.
+        with _restored(existing):
+            model(a, training=True)
     # Every variable is compared, trainable ones too: a layer may assign its weights from
     # the batch.
-    variables = list({v.ref(): v for v in model.variables}.values())
-    owner: Dict[object, tf.keras.layers.Layer] = {}
-    for layer in _all_layers(model):  # parents first: the deepest layer holding v wins
-        for v in layer.weights:
-            owner[v.ref()] = layer
+    variables = _unique_variables(model)
+    _refuse_created_variables(model, [v for v in variables if v.ref() not in
+                                      {u.ref() for u in existing}], built)
+    owner = variable_owners(model)
     initial = [v.numpy() for v in variables]
     moved = set()
 
@@ -315,7 +322,6 @@ def _probe(model: tf.keras.Model) -> List[tf.Variable]:
             outputs = [np.array(t) for t in tf.nest.flatten(model(inputs, training=training))]
             return outputs, noted([v.numpy() for v in variables])
 
-    a, b = _probe_batches(model)
     outputs_a, state_a = forward(a, True)
     # The marked probes: the first example made NaN, and beyond every value. Integer inputs
     # (token ids) cannot be marked: their first float activations are (`mark`).
@@ -376,26 +382,43 @@ def _probe(model: tf.keras.Model) -> List[tf.Variable]:
             continue
         _refuse_backward_coupling(probe, training, backward_a, backward_p)
         _refuse_backward_state(probe, variables, state_a, noted(state_p), owner)
-    _refuse_created_variables(model, variables)
-    return [v for i, v in enumerate(variables) if i not in moved and not (
-        v.ref() in owner and type(owner[v.ref()]).__module__.startswith("lipdp."))]
-
-
-def _refuse_created_variables(model, variables):
-    """Raise `BatchCouplingError` when the probe's passes created variables (a layer adding
-    a weight in its call, after build): the first pass's values stayed in them, unrestored,
-    and neither the probe nor the step's guard judged them. A layer doing so kept the
-    largest training input (an audit, 2026-12-07)."""
     known = {v.ref() for v in variables}
-    created = [v for v in model.variables if v.ref() not in known]
+    _refuse_created_variables(model, [v for v in model.variables if v.ref() not in known])
+    return [v for i, v in enumerate(variables) if i not in moved and not of_lipdp(owner, v)]
+
+
+def of_lipdp(owner, variable) -> bool:
+    """Whether `variable` belongs to one of lipdp's own layers (`owner`: `variable_owners`)."""
+    layer = owner.get(variable.ref())
+    return layer is not None and type(layer).__module__.startswith("lipdp.")
+
+
+def _unique_variables(model) -> List[tf.Variable]:
+    return list({v.ref(): v for v in model.variables}.values())
+
+
+def variable_owners(model) -> Dict[object, tf.keras.layers.Layer]:
+    """``variable.ref() -> layer``: the deepest layer holding each variable (parents come
+    first in `_all_layers`)."""
+    return {v.ref(): layer for layer in _all_layers(model) for v in layer.weights}
+
+
+def _refuse_created_variables(model, created, built_before=None):
+    """Raise `BatchCouplingError` for a variable of `created` (variables a forward pass
+    created), but for those of layers a pass built (not in `built_before`, ids of the
+    layers built before it; all counted when None): a layer adding a weight in its call,
+    after build, kept the largest training input in it, unjudged by the probe and the
+    step's guard (an audit, 2026-12-07)."""
+    owner = variable_owners(model)
+    created = [v for v in created if built_before is None or v.ref() not in owner
+               or id(owner[v.ref()]) in built_before]
     if created:
-        owner = {v.ref(): layer for layer in _all_layers(model) for v in layer.weights}
         raise BatchCouplingError(
             f"The variable '{created[0].name}' of {_holder(owner, created[0])} was created by "
-            "a forward pass, after the model was built: what a training pass writes into "
-            "state created so cannot be checked (the probe and every step compare the "
-            "variables that exist at compile), and it may be the training data, released "
-            "with the model without noise. Create the variable in the layer's build().")
+            "a forward pass, after the model was built: what a pass writes into state "
+            "created so cannot be checked (the probe and every step compare the variables "
+            "that exist at compile), and it may be the training data, released with the "
+            "model without noise. Create the variable in the layer's build().")
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
