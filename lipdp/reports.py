@@ -153,6 +153,7 @@ def gradient_norm_sample(model, data, sample_size: int = 256, seed: int = 0, *,
     from lipdp.callbacks import sample_examples
     from lipdp.metadata import DPMode
     from lipdp.per_example import chunked_gradient_norms
+    from lipdp.state_guard import run_guarded
 
     parameters = getattr(model, "dp_parameters", None)
     loss = getattr(model, "dp_loss", None)
@@ -164,8 +165,9 @@ def gradient_norm_sample(model, data, sample_size: int = 256, seed: int = 0, *,
         return None
     bounds = gradient_bounds(model, loss)
     names = variable_names(model)
-    norms = chunked_gradient_norms(model, per_example_loss_of(model, loss),
-                                   [sample_examples(data, sample_size, seed)], chunk_size)
+    norms = run_guarded(model, "per-example gradients", lambda: chunked_gradient_norms(
+        model, per_example_loss_of(model, loss), [sample_examples(data, sample_size, seed)],
+        chunk_size))
     return {names[v.ref()]: {"bound": bounds[names[v.ref()]], "norms": n.tolist()}
             for v, n in zip(model.trainable_variables, norms)}
 

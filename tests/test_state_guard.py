@@ -307,3 +307,22 @@ def test_layers_a_subclass_builds_in_its_call_are_probed_and_guarded():
     model.fit(rng.normal(size=(N, DIM)).astype(np.float32), rng.integers(0, 3, N),
               batch_size=BATCH, verbose=0)
     assert model.dp_steps_taken == N // BATCH
+
+
+@pytest.mark.parametrize("measure", [
+    lambda model, data: lipdp.bounds.tightness(model, data),
+    lambda model, data: lipdp.reports.gradient_norm_sample(model, data)],
+    ids=["tightness", "gradient_norm_sample"])
+def test_per_example_gradient_reports_run_under_the_guard(measure):
+    """The exact per-example gradients of `tightness` (BoundMonitor, SignalToNoise) and of
+    the run reports take training-mode passes over records outside any step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model("clipless")
+    warmed = model.get_layer("warmed")
+    warmed.calls.assign(5.0)  # past its warm-up
+    data = (np.full((BATCH, DIM), CANARY, np.float32), np.eye(3, dtype=np.float32)[[0] * BATCH])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="(?s)per-example gradients.*"
+                                                             "warmed/largest:0"):
+        measure(model, data)
+    assert warmed.largest.numpy() == 0.0
