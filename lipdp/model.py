@@ -73,7 +73,7 @@ from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_ids_in_range, check_sparse_labels, class_index_classes,
                            embedding_id_limits, into_range, realigned, records_in_arrays,
                            row_fingerprints, sparse_label_classes)
-from lipdp.state_guard import StateGuard
+from lipdp.state_guard import StateGuard, run_guarded
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
 from lipdp.weight_copies import TrainedBy, keys_of, origins, remember
 
@@ -419,10 +419,6 @@ _XLA_REFUSAL = (
     "certified operator norms are computed on the host (tf.numpy_function), which XLA cannot "
     "compile. (On CPU XLA does not speed up lipdp's layers anyway: benchmarks/results.md, "
     "breakdown tables.)")
-
-
-# The guard of a model not compiled (no probe ran): nothing to compare.
-_NO_GUARD = StateGuard()
 
 
 class _DPModelMixin:
@@ -1846,15 +1842,13 @@ class _DPModelMixin:
         writing what it evaluates into its state (in inference mode, which the compile-time
         probe does not run) is stopped, the values put back (an audit, 2026-12-07:
         ``evaluate`` on the training records left one in the weights)."""
-        guard = getattr(self, "_state_guard", _NO_GUARD)
-        state = guard.read()
-        return guard.checked(state, super().test_step(data), "evaluation")
+        step = super().test_step
+        return run_guarded(self, "evaluation", lambda: step(data))
 
     def predict_step(self, data):
         """Keras' prediction step under the state guard, as `test_step`."""
-        guard = getattr(self, "_state_guard", _NO_GUARD)
-        state = guard.read()
-        return guard.checked(state, super().predict_step(data), "prediction")
+        step = super().predict_step
+        return run_guarded(self, "prediction", lambda: step(data))
 
     def train_step(self, data):
         if in_xla_context():  # compile refuses jit_compile; Keras' setter or a user's jit not

@@ -132,8 +132,9 @@ class StateGuard:
 
 
 def run_guarded(model, step: str, compute: Callable[[], Any]):
-    """``compute()`` (eager) under a DP model's state guard (`StateGuard`, as its steps run),
-    named `step` in the error; other models' as it is."""
+    """``compute()`` under a DP model's state guard (`StateGuard`), named `step` in the
+    error: a step's body when traced, or lipdp's passes over records run eagerly; without a
+    guard (another model, or one never compiled) as it is."""
     guard = getattr(model, "_state_guard", None)
     if guard is None:
         return compute()

@@ -291,8 +291,7 @@ def _training_mode_without_draws(model, batch, forward):
 
 
 def _probe(model: tf.keras.Model) -> List[tf.Variable]:
-    """The behavioural half of `check_no_batch_coupling` (its docstring); returns the
-    variables of layers defined outside lipdp that no pass changed."""
+    """The behavioural half of `check_no_batch_coupling` (its docstring, and its return)."""
     a, b = _probe_batches(model)
     built = {id(layer) for layer in _all_layers(model) if layer.built}
     existing = _unique_variables(model)
@@ -312,7 +311,8 @@ def _probe(model: tf.keras.Model) -> List[tf.Variable]:
 
     def noted(values):
         """`values` (the variables' after a pass), noting which differ from `initial`."""
-        moved.update(i for i, (a, b) in enumerate(zip(initial, values)) if not _same(a, b))
+        moved.update(i for i, (first, now) in enumerate(zip(initial, values))
+                     if not _same(first, now))
         return values
 
     def forward(inputs, training):
