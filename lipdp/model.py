@@ -50,7 +50,8 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
                           dp_layers, require_built)
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
-from lipdp.clipping.validation import _probe_batches, check_no_batch_coupling, leaf_layers
+from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, defined_in_lipdp,
+                                       leaf_layers)
 from lipdp.data import (ShuffleSamplingWarning, derived_from, holds_repeat, pipeline_sampler,
                         repeated_pass, reserved_draws, seeded_poisson_samplers,
                         unshuffled_batching)
@@ -1409,7 +1410,8 @@ class _DPModelMixin:
                     "DP-SGD must clip the average of an example's views, which its per-example "
                     "norm engines do not group.")
             self._clipped_dpsgd = ClippedDPSGD(self, loss, self.dp_parameters, metadata)
-            self._state_guard = self._guard(self._clipped_dpsgd.unwritten)
+            self._state_guard = self._guard(self._clipped_dpsgd.unwritten,
+                                            self._clipped_dpsgd.probed)
             self.dp_loss = loss
             super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
             return
@@ -1437,24 +1439,25 @@ class _DPModelMixin:
                              f"nb_classes={self.dataset_metadata.nb_classes}.")
         check_float32(leaf_layers(self))
         check_float32_inputs(self)
-        self._state_guard = self._guard(self._check_user_layers_per_example())
+        self._state_guard = self._guard(*self._check_user_layers_per_example())
         self.dp_loss = loss
         self._loss_lipschitz = float(loss.lipschitz(nb_outputs))
         self._check_every_variable_bounded(layers)
         self._init_adaptive_clipping()
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
-    def _guard(self, unwritten) -> StateGuard:
+    def _guard(self, unwritten, probed) -> StateGuard:
         """The guard every step runs (`lipdp.state_guard`) over the variables the probe saw
         no pass write (`unwritten`; None: no probe ran, nothing guarded), but for the model's
-        own bookkeeping, which the step writes. A variable of a subclass' own (a running
+        own bookkeeping, which the step writes; `probed`, the variables the model held at
+        the probe's end, are all it may hold. A variable of a subclass' own (a running
         maximum in its ``call``) is guarded (an audit, 2026-12-07: only layers' variables
         were, and it kept a record's value)."""
         if unwritten is None:
             return StateGuard()
         bookkeeping = {v.ref() for v in (self._dp_steps, self._dp_ledger, self._examples_seen,
                                          self._logit_clip, self._draws_until)}
-        return StateGuard([v for v in unwritten if v.ref() not in bookkeeping], self)
+        return StateGuard([v for v in unwritten if v.ref() not in bookkeeping], self, probed)
 
     def _check_user_layers_per_example(self):
         """A DP layer defined outside lipdp (the `DPLayer` extension point) is probed as
@@ -1468,18 +1471,19 @@ class _DPModelMixin:
         variables by construction (and tested so): not probed, no compile-time cost. A user
         layer's `project` runs once first, as lipdp's layers project at build.
 
-        Returns the variables that the probe saw no pass change, which every step must
-        leave as it found them (`lipdp.state_guard`); None without user layers (no probe)."""
+        Returns ``(unwritten, probed)``: the variables that the probe saw no pass change,
+        which every step must leave as it found them (`lipdp.state_guard`), and those the
+        model held at the probe's end (a variable the traced read check below creates is not
+        one of them); ``(None, None)`` without user layers (no probe)."""
         user_layers = [layer for layer in self._flatten_layers(include_self=False, recursive=True)
-                       if isinstance(layer, DPLayer)
-                       and not type(layer).__module__.startswith("lipdp.")]
+                       if isinstance(layer, DPLayer) and not defined_in_lipdp(type(layer))]
         for layer in user_layers:
             # lipdp's own layers project at build; a user layer's constraint held only after
             # the first step (a Frobenius-normalised kernel trained its first step at norm
             # 5.08 under bounds for norm 1: an audit). Its projection runs once here.
             layer.project(True)
         if user_layers:
-            unwritten = check_no_batch_coupling(self)
+            unwritten, probed = check_no_batch_coupling(self), list(self.variables)
             probe = _probe_batches(self)[0]
             reads = traced_reads_outside_owners(self, lambda: self(probe, training=True))
             if reads:
@@ -1489,8 +1493,8 @@ class _DPModelMixin:
                     "use, while its bound covers its own layer's (tied weights). Clipless "
                     "DP-SGD cannot bound it; classic DP-SGD (mode='clipped') takes exact "
                     "per-example gradients of such variables.")
-            return unwritten
-        return None
+            return unwritten, probed
+        return None, None
 
     def _init_adaptive_clipping(self):
         clipping = self.dp_parameters.loss_gradient_clipping

@@ -28,7 +28,9 @@ an audit, 2026-12-07) fails that step; the probe refuses one its own passes crea
 
 Not seen: variables the probe saw move the same way for every input (a call counter,
 power-iteration vectors), which may later record the data; a write undone within the step;
-a user's own direct ``model(x)``; the steps of a model never compiled. Without guarded
+state held outside the model (a variable no layer tracks), which a weight's ``constraint``,
+applied by the optimizer after the check, could copy into the weight (a review,
+2026-12-07); a user's own direct ``model(x)``; the steps of a model never compiled. Without guarded
 variables (lipdp's layers only: the clipless step) no operation is added; a clipped Keras
 model's weights cost one copy and one comparison per step (`benchmarks/state_guard_cost.py`).
 """
@@ -39,7 +41,7 @@ from typing import Any, Callable, List, Sequence
 
 import tensorflow as tf
 
-from lipdp.clipping.validation import of_lipdp, variable_owners
+from lipdp.clipping.validation import direct_holders, of_lipdp
 
 _INTEGER_OF_SIZE = {1: tf.int8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
@@ -56,15 +58,19 @@ class StateGuard:
 
     Args:
         variables: the variables to guard (`check_no_batch_coupling`'s return).
-        model: the model they belong to, whose variables at this point are all it may hold
-            later (a variable created by a later pass, traced or in inference, escaped both
-            checks: an audit, 2026-12-07); None: no such check (nothing was probed).
+        model: the model they belong to; None: no check of created variables (nothing was
+            probed).
+        known: the variables `model` may hold: those the probe saw. Any other fails a step
+            (a variable created by a later pass, traced or in inference, escaped both
+            checks: an audit, 2026-12-07; so did one created by a trace of `compile` after
+            the probe, when the known variables were read from the model after it).
     """
 
-    def __init__(self, variables: Sequence[tf.Variable] = (), model=None):
+    def __init__(self, variables: Sequence[tf.Variable] = (), model=None,
+                 known: Sequence[tf.Variable] = ()):
         self.variables = list(variables)
         self.model = model
-        self._known = set() if model is None else {v.ref() for v in model.variables}
+        self._known = {v.ref() for v in known}
 
     def read(self) -> List[tf.Tensor]:
         """The guarded variables' values now (at the start of a step)."""
@@ -110,8 +116,8 @@ class StateGuard:
             return
         created = [v for v in self.model.variables if v.ref() not in self._known]
         if created:
-            owner = variable_owners(self.model)
-            created = [v for v in created if not of_lipdp(owner, v)]
+            holders = direct_holders(self.model)
+            created = [v for v in created if not of_lipdp(holders, v)]
         if not created:
             return
         if tf.executing_eagerly():  # the step ran: its writes are in them

@@ -112,6 +112,18 @@ class _LaterMaximum(L.Layer):
         return inputs
 
 
+class _LaterDPMaximum(_LaterMaximum, DPLayer):
+    """`_LaterMaximum` as a DP layer (the identity's bounds): in clipless mode, compile's
+    check of variables read across layers traces the model after the probe, which created
+    the variable before the guard listed the model's variables (a review, 2026-12-07)."""
+
+    def propagate_inputs(self, input_bound):
+        return input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return gradient_bound
+
+
 class _InferenceDPMaximum(_InferenceMaximum, DPLayer):
     """`_InferenceMaximum` as a DP layer (the identity's bounds)."""
 
@@ -132,19 +144,19 @@ class _WarmedDPMaximum(_WarmedMaximum, DPLayer):
         return gradient_bound
 
 
-def _model(mode, run_eagerly=False, layer=_WarmedMaximum, model_cls=lipdp.DP_Sequential):
+def _model(mode, run_eagerly=False, layer=None, model_cls=lipdp.DP_Sequential):
     tf.keras.utils.set_random_seed(0)
     metadata = lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, CANARY, "shuffle")
     if mode == "clipless":
         model = lipdp.DP_Sequential(
-            [DP_BoundedInput(CANARY, input_shape=(DIM,)), _WarmedDPMaximum(name="warmed"),
-             DP_QuickSpectralDense(3)],
+            [DP_BoundedInput(CANARY, input_shape=(DIM,)), (layer or _WarmedDPMaximum)(
+                name="warmed"), DP_QuickSpectralDense(3)],
             dp_parameters=lipdp.DPParameters(noise_multiplier=1.0, delta=1e-5),
             dataset_metadata=metadata)
         loss = DP_TauCategoricalCrossentropy(1.0)
     else:
         model = model_cls(
-            [L.Input((DIM,)), layer(name="warmed"), L.Dense(3)],
+            [L.Input((DIM,)), (layer or _WarmedMaximum)(name="warmed"), L.Dense(3)],
             dp_parameters=lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0,
                                              engine=mode),
             dataset_metadata=metadata)
@@ -241,6 +253,10 @@ def test_a_model_of_lipdp_layers_guards_nothing():
 LATER = {
     "a traced training call": (lambda training, eager, calls: training and not eager, False,
                                lambda model, x, y: model.fit(x, y, batch_size=BATCH, verbose=0)),
+    "a traced training call, clipless": (
+        lambda training, eager, calls: training and not eager, False,
+        lambda model, x, y: model.fit(x, np.eye(3, dtype=np.float32)[y], batch_size=BATCH,
+                                      verbose=0)),
     "an inference call": (lambda training, eager, calls: training is False, False,
                           lambda model, x, y: model.evaluate(x, y, batch_size=BATCH, verbose=0)),
     "the 41st call, eagerly": (lambda training, eager, calls: training and calls > 40, True,
@@ -255,11 +271,12 @@ def test_a_variable_created_after_compile_stops_the_step(case):
     inference pass or after the probe's calls, was compared by nothing and kept the canary.
     The step that creates one fails (traced: before it runs; eagerly: the value zeroed)."""
     when, eager, run = LATER[case]
+    clipless = case.endswith("clipless")
+    later = _LaterDPMaximum if clipless else _LaterMaximum
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = _model("ghost", run_eagerly=eager, layer=lambda name: _LaterMaximum(when,
-                                                                                    name=name))
-    assert model.get_layer("warmed").largest is None
+        model = _model("clipless" if clipless else "ghost", run_eagerly=eager,
+                       layer=lambda name: later(when, name=name))
     x = np.full((N, DIM), CANARY, np.float32)
     with pytest.raises(ValueError, match="created the variables .*warmed/largest:0"):
         run(model, x, np.zeros(N, np.int64))
@@ -326,3 +343,33 @@ def test_per_example_gradient_reports_run_under_the_guard(measure):
                                                              "warmed/largest:0"):
         measure(model, data)
     assert warmed.largest.numpy() == 0.0
+
+
+def test_a_variable_also_set_on_a_lipdp_layer_stays_guarded():
+    """lipdp's own layers are not guarded: a user layer's variable that a lipdp layer also
+    holds (set as its attribute) went unguarded when the deepest holder decided (a review,
+    2026-12-07)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = lipdp.DP_Sequential(
+            [DP_BoundedInput(CANARY, input_shape=(DIM,)), _WarmedDPMaximum(name="warmed"),
+             DP_QuickSpectralDense(3, name="head")],
+            dp_parameters=lipdp.DPParameters(noise_multiplier=1.0, delta=1e-5),
+            dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, CANARY, "shuffle"))
+        model.get_layer("head").alias = model.get_layer("warmed").largest
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    assert "warmed/largest:0" in [v.name for v in model._state_guard.variables]
+
+
+def test_a_layer_claiming_a_lipdp_module_is_still_a_user_layer():
+    """Whether a layer is lipdp's own was read from its class' ``__module__``, which any
+    class may set (a review, 2026-12-07): such a layer went unprobed and unguarded."""
+
+    class Disguised(_WarmedDPMaximum):
+        pass
+
+    Disguised.__module__ = "lipdp.layers.base"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model("clipless", layer=Disguised)
+    assert "warmed/largest:0" in [v.name for v in model._state_guard.variables]

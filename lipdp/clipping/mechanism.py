@@ -55,8 +55,10 @@ class ClippedDPSGD:
                  dataset_metadata: DatasetMetadata):
         if dp_parameters.mode is not DPMode.CLIPPED:
             raise ValueError("ClippedDPSGD needs DPParameters(mode='clipped', ...).")
-        #: What the probe saw no pass write (`check_no_batch_coupling`).
+        #: What the probe saw no pass write (`check_no_batch_coupling`), and every variable
+        #: the model held then (for `lipdp.state_guard`).
         self.unwritten = check_no_batch_coupling(model)
+        self.probed = list(model.variables)
         check_per_example_gradients_run(model)
         if not model.trainable_variables:
             raise ValueError("The model has no trainable variables to train privately (is it "

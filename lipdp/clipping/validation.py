@@ -13,6 +13,7 @@ of each example as a batch of one. Training-mode state written from the data
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Callable, Dict, Iterator, List
 
 import numpy as np
@@ -384,13 +385,40 @@ def _probe(model: tf.keras.Model) -> List[tf.Variable]:
         _refuse_backward_state(probe, variables, state_a, noted(state_p), owner)
     known = {v.ref() for v in variables}
     _refuse_created_variables(model, [v for v in model.variables if v.ref() not in known])
-    return [v for i, v in enumerate(variables) if i not in moved and not of_lipdp(owner, v)]
+    holders = direct_holders(model)
+    return [v for i, v in enumerate(variables) if i not in moved and not of_lipdp(holders, v)]
 
 
-def of_lipdp(owner, variable) -> bool:
-    """Whether `variable` belongs to one of lipdp's own layers (`owner`: `variable_owners`)."""
-    layer = owner.get(variable.ref())
-    return layer is not None and type(layer).__module__.startswith("lipdp.")
+def defined_in_lipdp(cls) -> bool:
+    """Whether the class `cls` is one of lipdp's own: found under its name in a lipdp module
+    (a class whose ``__module__`` merely says ``lipdp.``, as a user's may, is not)."""
+    module = sys.modules.get(getattr(cls, "__module__", ""))
+    if module is None or not module.__name__.startswith("lipdp."):
+        return False
+    found = module
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
+
+
+def direct_holders(model) -> Dict[object, List[tf.keras.layers.Layer]]:
+    """``variable.ref() -> [layer, ...]``: the layers of `model` holding each variable
+    themselves (created by them or set as their attribute), not through a sub-layer."""
+    holders: Dict[object, List[tf.keras.layers.Layer]] = {}
+    for layer in _all_layers(model):
+        inner = {v.ref() for sub in layer._flatten_layers(include_self=False, recursive=True)
+                 for v in sub.weights}
+        for v in layer.weights:
+            if v.ref() not in inner:
+                holders.setdefault(v.ref(), []).append(layer)
+    return holders
+
+
+def of_lipdp(holders, variable) -> bool:
+    """Whether `variable` is held by lipdp's own layers alone (`holders`: `direct_holders`):
+    a user layer's variable also set on a lipdp layer went unguarded (a review, 2026-12-07)."""
+    layers = holders.get(variable.ref(), ())
+    return bool(layers) and all(defined_in_lipdp(type(layer)) for layer in layers)
 
 
 def _unique_variables(model) -> List[tf.Variable]:
