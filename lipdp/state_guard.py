@@ -8,9 +8,11 @@ was not seen: a custom layer keeping the running maximum of ``|x|`` from its fou
 saved a training record's exact value (1234.5) in its weights, released with the model
 without noise (an audit, 2026-12-07).
 
-`StateGuard` closes that gap for the variables no pass of the probe moved, but for those of
-lipdp's own layers and the model's bookkeeping (`DP_Model._guard`; trainable ones too: a
-forward pass may assign a weight; a subclass' own variables too). Each training step reads
+`StateGuard` closes that gap for the variables no pass of the probe moved, but for those only
+lipdp's own code can write (`lipdp.clipping.validation.of_lipdp`: every layer holding them,
+the model included, lipdp's or a Keras container) and the model's bookkeeping
+(`DP_Model._guard`; trainable ones too: a forward pass may assign a weight; a subclass' own
+variables too). Each training step reads
 them before anything uses the batch, and after the private gradients, before the update,
 fails if any differs bit for bit from what it held: the step stops with
 ``InvalidArgumentError`` naming the variables, no update applied, and the values put back
@@ -31,7 +33,8 @@ power-iteration vectors), which may later record the data; a write undone within
 state held outside the model (a variable no layer tracks), which a weight's ``constraint``,
 applied by the optimizer after the check, could copy into the weight (a review,
 2026-12-07); a user's own direct ``model(x)``; the steps of a model never compiled. Without guarded
-variables (lipdp's layers only: the clipless step) no operation is added; a clipped Keras
+variables (lipdp's layers only: the clipless step) no operation is added to the step (the
+check of created variables runs in Python, when the step is traced); a clipped Keras
 model's weights cost one copy and one comparison per step (`benchmarks/state_guard_cost.py`).
 """
 
@@ -41,7 +44,7 @@ from typing import Any, Callable, List, Sequence
 
 import tensorflow as tf
 
-from lipdp.clipping.validation import direct_holders, of_lipdp
+from lipdp.clipping.validation import of_lipdp, variable_holders
 
 _INTEGER_OF_SIZE = {1: tf.int8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
@@ -116,7 +119,7 @@ class StateGuard:
             return
         created = [v for v in self.model.variables if v.ref() not in self._known]
         if created:
-            holders = direct_holders(self.model)
+            holders = variable_holders(self.model)
             created = [v for v in created if not of_lipdp(holders, v)]
         if not created:
             return

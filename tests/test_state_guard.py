@@ -373,3 +373,39 @@ def test_a_layer_claiming_a_lipdp_module_is_still_a_user_layer():
         warnings.simplefilter("ignore")
         model = _model("clipless", layer=Disguised)
     assert "warmed/largest:0" in [v.name for v in model._state_guard.variables]
+
+
+class _WrappingWriter(L.Layer):
+    """Runs a lipdp layer it holds and, from its third training call on, writes the batch's
+    largest ``|x|`` into that layer's bias: lipdp's layers were exempt by their variables'
+    innermost holder, so this went unguarded (a review, 2026-12-07)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = DP_QuickSpectralDense(DIM, use_bias=True)
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+        self.calls = self.add_weight(name="calls", shape=(), initializer="zeros",
+                                     trainable=False)
+
+    def call(self, inputs, training=None):
+        if training:
+            self.calls.assign_add(1.0)
+            largest = tf.reduce_max(tf.abs(inputs))
+            self.inner.bias.assign(tf.where(self.calls > 2.0, tf.fill([DIM], largest),
+                                            self.inner.bias))
+        return self.inner(inputs)
+
+
+def test_a_user_layer_writing_a_lipdp_layer_it_holds_is_stopped():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model("ghost", layer=lambda name: _WrappingWriter(name=name))
+    assert any(v.name.endswith("bias:0") and "warmed" in v.name
+               for v in model._state_guard.variables)
+    x = np.full((BATCH, DIM), CANARY, np.float32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="warmed/.*bias:0"):
+        for _ in range(6):
+            model.train_on_batch(x, np.zeros(BATCH, np.int64))
+    assert not np.any(model.get_layer("warmed").inner.bias.numpy() == CANARY)

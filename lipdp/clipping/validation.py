@@ -385,15 +385,15 @@ def _probe(model: tf.keras.Model) -> List[tf.Variable]:
         _refuse_backward_state(probe, variables, state_a, noted(state_p), owner)
     known = {v.ref() for v in variables}
     _refuse_created_variables(model, [v for v in model.variables if v.ref() not in known])
-    holders = direct_holders(model)
+    holders = variable_holders(model)
     return [v for i, v in enumerate(variables) if i not in moved and not of_lipdp(holders, v)]
 
 
-def defined_in_lipdp(cls) -> bool:
-    """Whether the class `cls` is one of lipdp's own: found under its name in a lipdp module
-    (a class whose ``__module__`` merely says ``lipdp.``, as a user's may, is not)."""
+def _defined_in(cls, package: str) -> bool:
+    """Whether the class `cls` is found under its name in a module of `package` (a class
+    whose ``__module__`` merely names one, as a user's may, is not)."""
     module = sys.modules.get(getattr(cls, "__module__", ""))
-    if module is None or not module.__name__.startswith("lipdp."):
+    if module is None or not module.__name__.startswith(package + "."):
         return False
     found = module
     for part in cls.__qualname__.split("."):
@@ -401,24 +401,32 @@ def defined_in_lipdp(cls) -> bool:
     return found is cls
 
 
-def direct_holders(model) -> Dict[object, List[tf.keras.layers.Layer]]:
-    """``variable.ref() -> [layer, ...]``: the layers of `model` holding each variable
-    themselves (created by them or set as their attribute), not through a sub-layer."""
+def defined_in_lipdp(cls) -> bool:
+    """Whether the class `cls` is one of lipdp's own (`_defined_in`)."""
+    return _defined_in(cls, "lipdp")
+
+
+def variable_holders(model) -> Dict[object, List[tf.keras.layers.Layer]]:
+    """``variable.ref() -> [layer, ...]``: `model` and every layer inside it whose weights
+    include each variable, its own or a sub-layer's (whose call the holder runs, and may
+    write in)."""
     holders: Dict[object, List[tf.keras.layers.Layer]] = {}
-    for layer in _all_layers(model):
-        inner = {v.ref() for sub in layer._flatten_layers(include_self=False, recursive=True)
-                 for v in sub.weights}
+    for layer in [model] + _all_layers(model):
         for v in layer.weights:
-            if v.ref() not in inner:
-                holders.setdefault(v.ref(), []).append(layer)
+            holders.setdefault(v.ref(), []).append(layer)
     return holders
 
 
 def of_lipdp(holders, variable) -> bool:
-    """Whether `variable` is held by lipdp's own layers alone (`holders`: `direct_holders`):
-    a user layer's variable also set on a lipdp layer went unguarded (a review, 2026-12-07)."""
+    """Whether only lipdp's own code, or Keras' containers, can write `variable`: every
+    layer holding it (`holders`: `variable_holders`, the model included) is of a class lipdp
+    defines, or Keras (a plain Sequential or functional model, a wrapper), and one of them
+    is lipdp's. A user layer's variable also set on a lipdp layer, a user layer writing the
+    variables of a lipdp layer it holds, a class saying ``__module__ = "lipdp..."`` went
+    unguarded (reviews, 2026-12-07)."""
     layers = holders.get(variable.ref(), ())
-    return bool(layers) and all(defined_in_lipdp(type(layer)) for layer in layers)
+    return any(defined_in_lipdp(type(layer)) for layer in layers) and all(
+        defined_in_lipdp(type(layer)) or _defined_in(type(layer), "keras") for layer in layers)
 
 
 def _unique_variables(model) -> List[tf.Variable]:
