@@ -1833,13 +1833,33 @@ class _DPModelMixin:
         certificate's host products are small, each call of it runs with numpy's BLAS on one
         thread: the step's certificates run in numpy on one of TensorFlow's threads while
         TensorFlow's own hold the cores (`lipdp.host_blas`). The traced function itself is
-        ``train_tf_function``, as Keras keeps it."""
+        ``train_tf_function``, as Keras keeps it. A variable the model holds that the probe
+        did not see fails here too, not only when the step is traced
+        (`_refuse_created_variables`)."""
         self._check_compiled()
+        self._refuse_created_variables("training")
         train_function = super().make_train_function(force)
         if getattr(train_function, "limits_blas_threads", False) or not self.limits_host_blas():
             return train_function
         self.train_function = with_limited_blas_threads(train_function)
         return self.train_function
+
+    def _refuse_created_variables(self, step):
+        """`lipdp.state_guard.StateGuard.refuse_created` at each call of `fit`, `evaluate`,
+        `predict` and their ``*_on_batch``: a variable set on a layer after the step was
+        traced (one a layer wrote while it was held outside the model) reached the weights
+        through the cached step (a review, 2026-12-07)."""
+        guard = getattr(self, "_state_guard", None)
+        if guard is not None:
+            guard.refuse_created(step)
+
+    def make_test_function(self, force=False):
+        self._refuse_created_variables("evaluation")
+        return super().make_test_function(force)
+
+    def make_predict_function(self, force=False):
+        self._refuse_created_variables("prediction")
+        return super().make_predict_function(force)
 
     def test_step(self, data):
         """Keras' evaluation step under the step's state guard (`lipdp.state_guard`): a layer

@@ -8,33 +8,32 @@ was not seen: a custom layer keeping the running maximum of ``|x|`` from its fou
 saved a training record's exact value (1234.5) in its weights, released with the model
 without noise (an audit, 2026-12-07).
 
-`StateGuard` closes that gap for the variables no pass of the probe moved, but for those only
-lipdp's own code can write (`lipdp.clipping.validation.of_lipdp`: every layer holding them,
-the model included, lipdp's or a Keras container) and the model's bookkeeping
-(`DP_Model._guard`; trainable ones too: a forward pass may assign a weight; a subclass' own
-variables too). Each training step reads
-them before anything uses the batch, and after the private gradients, before the update,
-fails if any differs bit for bit from what it held: the step stops with
-``InvalidArgumentError`` naming the variables, no update applied, and the values put back
-first (each replica its own, under a distribution strategy), so what the batch wrote does
-not stay in the model. Evaluation and prediction steps are checked the same way (the probe
-runs training-mode passes: a layer writing in inference kept the records `evaluate` ran
-on). The failure itself tells that a step changed the state, once: the model is refused
-from then on.
+`StateGuard` closes that gap for every variable no pass of the probe moved, but for the
+model's bookkeeping (`DP_Model._guard`): trainable ones (a forward pass may assign a weight),
+a subclass' own, lipdp's layers' (a user layer holding one, or a closure in a ``Lambda``, may
+write them: exempting the variables of lipdp's and Keras' layers let both keep a record, a
+review, 2026-12-07). Each training step reads them before anything uses the batch, and after
+the private gradients, before the update, fails if any differs bit for bit from what it
+held: the step stops with ``InvalidArgumentError`` naming the variables, no update applied,
+and the values put back first (each replica its own, under a distribution strategy), so
+what the batch wrote does not stay in the model. Evaluation and prediction steps are checked
+the same way (the probe runs training-mode passes: a layer writing in inference kept the
+records `evaluate` ran on). The failure itself tells that a step changed the state, once:
+the model is refused from then on.
 
 lipdp's own passes over records outside a step (`lipdp.certify`, `lipdp.audit`, `tightness`)
-run under the guard too (`run_guarded`, `guarded_call`). A variable a pass creates after the
-guard was made (in a traced step, in inference, after the probe's calls: each kept a record in
-an audit, 2026-12-07) fails that step; the probe refuses one its own passes create
-(`check_no_batch_coupling`).
+run under the guard too (`run_guarded`, `guarded_call`). A variable the model holds that the
+probe did not see (created by a pass after it, traced, in inference or after the probe's
+calls; set on a layer later: each kept a record in a review, 2026-12-07) fails the step that
+traces with it, and every call of `fit`, `evaluate`, `predict` (`refuse_created`); the probe
+refuses one its own passes create (`check_no_batch_coupling`).
 
 Not seen: variables the probe saw move the same way for every input (a call counter,
 power-iteration vectors), which may later record the data; a write undone within the step;
 state held outside the model (a variable no layer tracks), which a weight's ``constraint``,
-applied by the optimizer after the check, could copy into the weight (a review,
-2026-12-07); a user's own direct ``model(x)``; the steps of a model never compiled. Without guarded
-variables (lipdp's layers only: the clipless step) no operation is added to the step (the
-check of created variables runs in Python, when the step is traced); a clipped Keras
+applied by the optimizer after the check, could copy into the weight; a user's own direct
+``model(x)``; the steps of a model never compiled. Without a probe (lipdp's layers only: the
+clipless step) nothing is guarded and no operation is added to the step; a clipped Keras
 model's weights cost one copy and one comparison per step (`benchmarks/state_guard_cost.py`).
 """
 
@@ -43,8 +42,6 @@ from __future__ import annotations
 from typing import Any, Callable, List, Sequence
 
 import tensorflow as tf
-
-from lipdp.clipping.validation import of_lipdp, variable_holders
 
 _INTEGER_OF_SIZE = {1: tf.int8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
@@ -91,7 +88,7 @@ class StateGuard:
                 a variable it did not hold when the guard was made, created by the step;
                 run eagerly, what the step wrote into it is zeroed first.
         """
-        self._refuse_created(step)
+        self.refuse_created(step)
         if not self.variables:
             return outputs
         with tf.control_dependencies(tf.nest.flatten(outputs)):
@@ -114,13 +111,12 @@ class StateGuard:
         with tf.control_dependencies([check]):
             return tf.nest.map_structure(tf.identity, outputs)
 
-    def _refuse_created(self, step):
+    def refuse_created(self, step: str):
+        """Raise `ValueError` when the model holds a variable the probe did not see (see
+        `checked`); run eagerly, its value is zeroed first."""
         if self.model is None:
             return
         created = [v for v in self.model.variables if v.ref() not in self._known]
-        if created:
-            holders = variable_holders(self.model)
-            created = [v for v in created if not of_lipdp(holders, v)]
         if not created:
             return
         if tf.executing_eagerly():  # the step ran: its writes are in them
@@ -129,10 +125,11 @@ class StateGuard:
         # A ValueError: AutoGraph, converting the user's layer that called for the trace,
         # re-raises exceptions of its known types only (a subclass became a StagingError).
         raise ValueError(
-            f"A step ({step}) created the variables {[v.name for v in created]} in the model "
-            "after compile: what a pass writes into state created so is checked neither at "
-            "compile nor by the steps, and it may be the records it ran on, released with the "
-            "model without noise. Create every variable in its layer's build().")
+            f"A step ({step}) found variables in the model that compile's probe did not see "
+            f"(created or set on a layer after it): {[v.name for v in created]}. What a pass "
+            "writes into them is checked neither at compile nor by the steps, and it may be "
+            "the records it ran on, released with the model without noise. Create every "
+            "variable in its layer's build(), and compile again after changing the model.")
 
     def _assign(self, values):
         with tf.control_dependencies([v.assign(value) for v, value in

@@ -240,8 +240,8 @@ def test_state_written_in_inference_is_put_back(call, step):
 
 
 def test_a_model_of_lipdp_layers_guards_nothing():
-    """lipdp's own layers are not probed and not guarded: the clipless step runs no extra
-    operation."""
+    """A clipless model of lipdp's own layers alone is not probed and guards nothing: its
+    step runs no extra operation."""
     model = lipdp.DP_Sequential(
         [DP_BoundedInput(1.0, input_shape=(DIM,)), DP_QuickSpectralDense(3)],
         dp_parameters=lipdp.DPParameters(noise_multiplier=1.0, delta=1e-5),
@@ -278,7 +278,7 @@ def test_a_variable_created_after_compile_stops_the_step(case):
         model = _model("clipless" if clipless else "ghost", run_eagerly=eager,
                        layer=lambda name: later(when, name=name))
     x = np.full((N, DIM), CANARY, np.float32)
-    with pytest.raises(ValueError, match="created the variables .*warmed/largest:0"):
+    with pytest.raises(ValueError, match="did not see .*warmed/largest:0"):
         run(model, x, np.zeros(N, np.int64))
     assert model.get_layer("warmed").largest.numpy() == 0.0
 
@@ -409,3 +409,52 @@ def test_a_user_layer_writing_a_lipdp_layer_it_holds_is_stopped():
         for _ in range(6):
             model.train_on_batch(x, np.zeros(BATCH, np.int64))
     assert not np.any(model.get_layer("warmed").inner.bias.numpy() == CANARY)
+
+
+def test_a_lambda_writing_another_layer_when_it_sees_a_record_is_stopped():
+    """A closure in a Keras ``Lambda`` writes the next Dense's bias only when the batch holds
+    the canary (the probe's random batches never do): variables held by Keras' and lipdp's
+    layers alone were exempt, and the bias kept the canary (a review, 2026-12-07)."""
+    tf.keras.utils.set_random_seed(0)
+    dense = L.Dense(3, name="dense")
+    dense.build((None, DIM))
+
+    def write_on_canary(t):
+        seen = tf.reduce_any(tf.abs(t - CANARY) < 1.0)
+        dense.bias.assign(tf.where(seen, tf.fill([3], CANARY), dense.bias))
+        return t
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = lipdp.DP_Sequential(
+            [L.Input((DIM,)), L.Lambda(write_on_canary, name="writer"), dense],
+            dp_parameters=lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0),
+            dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, None, "shuffle"))
+        model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer="sgd")
+    tf.random.set_seed(None)
+    x = np.zeros((BATCH, DIM), np.float32)
+    model.train_on_batch(x, np.zeros(BATCH, np.int64))
+    x[2, 1] = CANARY
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"\[bias:0\]"):
+        model.train_on_batch(x, np.zeros(BATCH, np.int64))
+    assert not np.any(dense.bias.numpy() == CANARY)
+
+
+def test_a_variable_set_on_a_layer_after_the_step_was_traced_fails_the_next_call():
+    """A layer wrote into a variable held outside the model, then set on it after the first
+    `fit`: the cached step never traced again, and the second `fit` kept the record (a
+    review, 2026-12-07). Each call of fit, evaluate and predict checks the model's
+    variables."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model("ghost", layer=lambda name: L.Activation("linear", name=name))
+    x = np.random.default_rng(0).normal(size=(N, DIM)).astype(np.float32)
+    y = np.zeros(N, np.int64)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    model.get_layer("warmed").stash = tf.Variable(CANARY, trainable=False, name="stash")
+    for call in (lambda: model.fit(x, y, batch_size=BATCH, verbose=0),
+                 lambda: model.evaluate(x, y, verbose=0), lambda: model.predict(x, verbose=0)):
+        with pytest.raises(ValueError, match="did not see .*stash:0"):
+            call()
+    assert model.get_layer("warmed").stash.numpy() == 0.0

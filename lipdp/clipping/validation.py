@@ -83,11 +83,11 @@ def check_no_batch_coupling(model: tf.keras.Model) -> List[tf.Variable]:
     is not seen.
 
     Returns:
-        The variables that no pass of the probe changed, those of lipdp's own layers aside
-        (the model's own included: the caller leaves out its bookkeeping), for
-        `lipdp.state_guard.StateGuard` to keep unchanged by every step (state written only
-        after some calls, which the probe's passes from the compiled state do not reach). A
-        variable created by a pass (after build) is refused.
+        The variables that no pass of the probe changed (the model's own included: the
+        caller leaves out its bookkeeping), for `lipdp.state_guard.StateGuard` to keep
+        unchanged by every step (state written only after some calls, which the probe's
+        passes from the compiled state do not reach). A variable created by a pass (after
+        build) is refused.
 
     Raises:
         BatchCouplingError: naming the layer (and variable) found, and what to use instead.
@@ -385,48 +385,19 @@ def _probe(model: tf.keras.Model) -> List[tf.Variable]:
         _refuse_backward_state(probe, variables, state_a, noted(state_p), owner)
     known = {v.ref() for v in variables}
     _refuse_created_variables(model, [v for v in model.variables if v.ref() not in known])
-    holders = variable_holders(model)
-    return [v for i, v in enumerate(variables) if i not in moved and not of_lipdp(holders, v)]
+    return [v for i, v in enumerate(variables) if i not in moved]
 
 
-def _defined_in(cls, package: str) -> bool:
-    """Whether the class `cls` is found under its name in a module of `package` (a class
-    whose ``__module__`` merely names one, as a user's may, is not)."""
+def defined_in_lipdp(cls) -> bool:
+    """Whether the class `cls` is one of lipdp's own: found under its name in a lipdp module
+    (a class whose ``__module__`` merely says ``lipdp.``, as a user's may, is not)."""
     module = sys.modules.get(getattr(cls, "__module__", ""))
-    if module is None or not module.__name__.startswith(package + "."):
+    if module is None or not module.__name__.startswith("lipdp."):
         return False
     found = module
     for part in cls.__qualname__.split("."):
         found = getattr(found, part, None)
     return found is cls
-
-
-def defined_in_lipdp(cls) -> bool:
-    """Whether the class `cls` is one of lipdp's own (`_defined_in`)."""
-    return _defined_in(cls, "lipdp")
-
-
-def variable_holders(model) -> Dict[object, List[tf.keras.layers.Layer]]:
-    """``variable.ref() -> [layer, ...]``: `model` and every layer inside it whose weights
-    include each variable, its own or a sub-layer's (whose call the holder runs, and may
-    write in)."""
-    holders: Dict[object, List[tf.keras.layers.Layer]] = {}
-    for layer in [model] + _all_layers(model):
-        for v in layer.weights:
-            holders.setdefault(v.ref(), []).append(layer)
-    return holders
-
-
-def of_lipdp(holders, variable) -> bool:
-    """Whether only lipdp's own code, or Keras' containers, can write `variable`: every
-    layer holding it (`holders`: `variable_holders`, the model included) is of a class lipdp
-    defines, or Keras (a plain Sequential or functional model, a wrapper), and one of them
-    is lipdp's. A user layer's variable also set on a lipdp layer, a user layer writing the
-    variables of a lipdp layer it holds, a class saying ``__module__ = "lipdp..."`` went
-    unguarded (reviews, 2026-12-07)."""
-    layers = holders.get(variable.ref(), ())
-    return any(defined_in_lipdp(type(layer)) for layer in layers) and all(
-        defined_in_lipdp(type(layer)) or _defined_in(type(layer), "keras") for layer in layers)
 
 
 def _unique_variables(model) -> List[tf.Variable]:
