@@ -32,7 +32,9 @@ Not seen: variables the probe saw move the same way for every input (a call coun
 power-iteration vectors), which may later record the data; a write undone within the step;
 state held outside the model (a variable no layer tracks), which a weight's ``constraint``,
 applied by the optimizer after the check, could copy into the weight; a user's own direct
-``model(x)``; the steps of a model never compiled. Without a probe (lipdp's layers only: the
+``model(x)``; a layer's ``project``, run after the check, reaching the batch through the
+traced graph's captures (deliberate code: a review, 2026-12-07); the steps of a model never
+compiled. Without a probe (lipdp's layers only: the
 clipless step) nothing is guarded and no operation is added to the step; a clipped Keras
 model's weights cost one copy and one comparison per step (`benchmarks/state_guard_cost.py`).
 """
