@@ -804,6 +804,30 @@ class _DPModelMixin:
         self._dp_steps.assign(steps)
         self._dp_ledger.assign(rows)
 
+    def _refuse_several_steps_per_batch(self, call, whole):
+        """`call` (a ``*_on_batch`` method) runs one batch: under ``steps_per_execution``
+        above 1 Keras' function would draw that many batches from it and fail on the second
+        (``OutOfRangeError``); refused first, naming `whole` (the call that uses the value)."""
+        steps = getattr(self, "_steps_per_execution", None)
+        if steps is not None and int(steps.numpy()) > 1:
+            raise ValueError(
+                f"{call} runs one batch, but the model was compiled with "
+                f"steps_per_execution={int(steps.numpy())}: Keras' function would draw "
+                f"that many batches from it. Compile with steps_per_execution=1 for {call} "
+                f"({whole} uses the value you compile with).")
+
+    def test_on_batch(self, *args, **kwargs):
+        """Keras `test_on_batch`; refuses ``steps_per_execution`` above 1 as `train_on_batch`
+        does (Keras failed with an ``OutOfRangeError``: a review, 2026-12-07)."""
+        self._refuse_several_steps_per_batch("test_on_batch", "evaluate")
+        return super().test_on_batch(*args, **kwargs)
+
+    def predict_on_batch(self, *args, **kwargs):
+        """Keras `predict_on_batch`, refusing ``steps_per_execution`` above 1 as
+        `test_on_batch`."""
+        self._refuse_several_steps_per_batch("predict_on_batch", "predict")
+        return super().predict_on_batch(*args, **kwargs)
+
     def train_on_batch(self, *args, **kwargs):
         """Keras `train_on_batch` (one private step, recorded in the ledger).
 
@@ -813,13 +837,7 @@ class _DPModelMixin:
                 private step and fail on the second draw (``OutOfRangeError``), with
                 ``optimizer.iterations`` advanced twice.
         """
-        steps = getattr(self, "_steps_per_execution", None)
-        if steps is not None and int(steps.numpy()) > 1:
-            raise ValueError(
-                f"train_on_batch runs one batch, but the model was compiled with "
-                f"steps_per_execution={int(steps.numpy())}: Keras' train function would draw "
-                "that many batches from it. Compile with steps_per_execution=1 for "
-                "train_on_batch (fit uses the value you compile with).")
+        self._refuse_several_steps_per_batch("train_on_batch", "fit")
         self._build_optimizer()
         self._build_metrics(args[0] if args else kwargs.get("x"),
                             args[1] if len(args) > 1 else kwargs.get("y"))

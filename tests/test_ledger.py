@@ -587,6 +587,12 @@ def test_train_on_batch_refuses_several_steps_per_execution():
         model.train_on_batch(x[:16], y[:16])
     assert model.dp_steps_taken == 0 and int(model.optimizer.iterations.numpy()) == 0
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.trainable_weights))
+    # Evaluation and prediction of one batch failed with Keras' OutOfRangeError (a review,
+    # 2026-12-07): refused by name too.
+    with pytest.raises(ValueError, match="test_on_batch .*steps_per_execution=3"):
+        model.test_on_batch(x[:16], y[:16])
+    with pytest.raises(ValueError, match="predict_on_batch .*steps_per_execution=3"):
+        model.predict_on_batch(x[:16])
 
 
 class _PlainSteps(lipdp.DP_Sequential):
