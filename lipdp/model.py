@@ -734,6 +734,11 @@ class _DPModelMixin:
         if self._step_mechanism is not None:
             self._open_segment()
 
+    def _ledger_counters(self) -> tuple:
+        """The variables that count this model's private training (step count, ledger,
+        examples seen, Poisson draw mark): the step writes them, loads carry them."""
+        return self._dp_steps, self._dp_ledger, self._examples_seen, self._draws_until
+
     def _replaced_every_weight(self, before) -> bool:
         """Whether every weight holds another value than `before` (``get_weights()`` taken
         before a load), the ledger's own counters aside and the loss-gradient clip of
@@ -743,7 +748,7 @@ class _DPModelMixin:
         trained, then froze, kept (4 for 12). Weights that no run trained and that both
         hold alike (a public frozen base) make the load a partial one too: both ledgers are
         then composed (safe)."""
-        counters = (self._dp_steps, self._dp_ledger, self._examples_seen, self._draws_until)
+        counters = self._ledger_counters()
         for variable, old in zip(self.weights, before):
             new = variable.numpy()
             if any(variable is c for c in counters) or (
@@ -1473,8 +1478,7 @@ class _DPModelMixin:
         were, and it kept a record's value)."""
         if unwritten is None:
             return StateGuard()
-        bookkeeping = {v.ref() for v in (self._dp_steps, self._dp_ledger, self._examples_seen,
-                                         self._logit_clip, self._draws_until)}
+        bookkeeping = {v.ref() for v in self._ledger_counters() + (self._logit_clip,)}
         return StateGuard([v for v in unwritten if v.ref() not in bookkeeping], self, probed)
 
     def _check_user_layers_per_example(self):
@@ -1853,16 +1857,16 @@ class _DPModelMixin:
         TensorFlow's own hold the cores (`lipdp.host_blas`). The traced function itself is
         ``train_tf_function``, as Keras keeps it. A variable the model holds that the probe
         did not see fails here too, not only when the step is traced
-        (`_refuse_created_variables`)."""
+        (`_refuse_unprobed_variables`)."""
         self._check_compiled()
-        self._refuse_created_variables("training")
+        self._refuse_unprobed_variables("training")
         train_function = super().make_train_function(force)
         if getattr(train_function, "limits_blas_threads", False) or not self.limits_host_blas():
             return train_function
         self.train_function = with_limited_blas_threads(train_function)
         return self.train_function
 
-    def _refuse_created_variables(self, step):
+    def _refuse_unprobed_variables(self, step):
         """`lipdp.state_guard.StateGuard.refuse_created` at each call of `fit`, `evaluate`,
         `predict` and their ``*_on_batch``: a variable set on a layer after the step was
         traced (one a layer wrote while it was held outside the model) reached the weights
@@ -1872,11 +1876,11 @@ class _DPModelMixin:
             guard.refuse_created(step)
 
     def make_test_function(self, force=False):
-        self._refuse_created_variables("evaluation")
+        self._refuse_unprobed_variables("evaluation")
         return super().make_test_function(force)
 
     def make_predict_function(self, force=False):
-        self._refuse_created_variables("prediction")
+        self._refuse_unprobed_variables("prediction")
         return super().make_predict_function(force)
 
     def test_step(self, data):

@@ -34,9 +34,9 @@ state held outside the model (a variable no layer tracks), which a weight's ``co
 applied by the optimizer after the check, could copy into the weight; a user's own direct
 ``model(x)``; a layer's ``project``, run after the check, reaching the batch through the
 traced graph's captures (deliberate code: a review, 2026-12-07); the steps of a model never
-compiled. Without a probe (lipdp's layers only: the
-clipless step) nothing is guarded and no operation is added to the step; a clipped Keras
-model's weights cost one copy and one comparison per step (`benchmarks/state_guard_cost.py`).
+compiled. Without a probe (lipdp's layers only: the clipless step) nothing is guarded and no
+operation is added to the step; a clipped Keras model's weights cost one copy and one
+comparison per step (`benchmarks/state_guard_cost.py`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class StateGuard:
 
     def read(self) -> List[tf.Tensor]:
         """The guarded variables' values now (at the start of a step)."""
-        return [tf.identity(v.read_value()) for v in self.variables]
+        return [v.read_value() for v in self.variables]
 
     def checked(self, before: List[tf.Tensor], outputs, step: str = "training"):
         """`outputs` (a structure of tensors) once the guarded variables are found to hold

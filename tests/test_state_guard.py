@@ -112,10 +112,8 @@ class _LaterMaximum(L.Layer):
         return inputs
 
 
-class _LaterDPMaximum(_LaterMaximum, DPLayer):
-    """`_LaterMaximum` as a DP layer (the identity's bounds): in clipless mode, compile's
-    check of variables read across layers traces the model after the probe, which created
-    the variable before the guard listed the model's variables (a review, 2026-12-07)."""
+class _IdentityBounds(DPLayer):
+    """The bounds of the identity, which these layers are (their writes aside): they hold."""
 
     def propagate_inputs(self, input_bound):
         return input_bound
@@ -124,24 +122,18 @@ class _LaterDPMaximum(_LaterMaximum, DPLayer):
         return gradient_bound
 
 
-class _InferenceDPMaximum(_InferenceMaximum, DPLayer):
-    """`_InferenceMaximum` as a DP layer (the identity's bounds)."""
-
-    def propagate_inputs(self, input_bound):
-        return input_bound
-
-    def backpropagate_inputs(self, input_bound, gradient_bound):
-        return gradient_bound
+class _LaterDPMaximum(_LaterMaximum, _IdentityBounds):
+    """`_LaterMaximum` as a DP layer: in clipless mode, compile's check of variables read
+    across layers traces the model after the probe, which created the variable before the
+    guard listed the model's variables (a review, 2026-12-07)."""
 
 
-class _WarmedDPMaximum(_WarmedMaximum, DPLayer):
-    """`_WarmedMaximum` as a DP layer: the identity's bounds, which hold."""
+class _InferenceDPMaximum(_InferenceMaximum, _IdentityBounds):
+    """`_InferenceMaximum` as a DP layer."""
 
-    def propagate_inputs(self, input_bound):
-        return input_bound
 
-    def backpropagate_inputs(self, input_bound, gradient_bound):
-        return gradient_bound
+class _WarmedDPMaximum(_WarmedMaximum, _IdentityBounds):
+    """`_WarmedMaximum` as a DP layer."""
 
 
 def _model(mode, run_eagerly=False, layer=None, model_cls=lipdp.DP_Sequential):

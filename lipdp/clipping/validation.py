@@ -294,9 +294,10 @@ def _training_mode_without_draws(model, batch, forward):
 def _probe(model: tf.keras.Model) -> List[tf.Variable]:
     """The behavioural half of `check_no_batch_coupling` (its docstring, and its return)."""
     a, b = _probe_batches(model)
-    built = {id(layer) for layer in _all_layers(model) if layer.built}
+    layers = _all_layers(model)
+    built = {id(layer) for layer in layers if layer.built}
     existing = _unique_variables(model)
-    if len(built) < len(_all_layers(model)):
+    if len(built) < len(layers):
         # Layers a subclass' call builds (their variables, created during the passes below,
         # went uncompared and unguarded): built by one pass first, its writes undone.
         with _restored(existing):
@@ -304,8 +305,8 @@ def _probe(model: tf.keras.Model) -> List[tf.Variable]:
     # Every variable is compared, trainable ones too: a layer may assign its weights from
     # the batch.
     variables = _unique_variables(model)
-    _refuse_created_variables(model, [v for v in variables if v.ref() not in
-                                      {u.ref() for u in existing}], built)
+    existed = {v.ref() for v in existing}
+    _refuse_created_variables(model, [v for v in variables if v.ref() not in existed], built)
     owner = variable_owners(model)
     initial = [v.numpy() for v in variables]
     moved = set()
