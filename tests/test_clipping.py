@@ -151,6 +151,38 @@ def test_clipped_update_on_lipdp_layers(clipping, engine):
     _check_against_reference(_dp_layers, clipping, engine, DP_TauCategoricalCrossentropy(5.0), x, y)
 
 
+def _float64_layers(mixed):
+    """A float64 model, or one mixing a float64 layer with a float32 one."""
+    return [L.Input((6,)), L.Dense(5, activation="tanh", dtype="float64"),
+            L.Dense(4, dtype="float32" if mixed else "float64")]
+
+
+@pytest.mark.parametrize("engine,clipping", [("ghost", "flat"), ("ghost", "per-layer"),
+                                             ("vectorized", "global")])
+@pytest.mark.parametrize("mixed", [False, True], ids=["float64", "float64+float32"])
+def test_clipped_update_of_float64_variables(clipping, engine, mixed):
+    """Ghost norms are float32 upper bounds: a float64 model's factors met its float64
+    gradients in a product and fit failed with a TypeError (an audit), and a model mixing
+    float32 and float64 variables failed to add their squared norms, in every engine. The
+    factors are now cast to each gradient's dtype, never rounded up (`factors_in`)."""
+    x, y = _data(6, shape=(6,), seed=4)
+    model = _check_against_reference(lambda: _float64_layers(mixed), clipping, engine, CCE, x, y,
+                                      shape=(6,))
+    assert [v.dtype for v in model.trainable_variables][:2] == [tf.float64, tf.float64]
+
+
+def test_factors_cast_to_float32_are_never_rounded_up():
+    """A float64 factor just below a float32 one would be rounded up to it by a plain cast."""
+    from lipdp.clipping.engine import factors_in
+
+    above = np.nextafter(np.float32(0.75), np.float32(1.0))
+    factors = tf.constant([0.75 + 1e-12, float(above) - 1e-12, 0.5, 1.0], tf.float64)
+    cast = factors_in(factors, tf.float32).numpy()
+    assert np.all(cast.astype(np.float64) <= factors.numpy())
+    np.testing.assert_array_equal(cast, np.float32([0.75, 0.75, 0.5, 1.0]))
+    assert factors_in(tf.constant(cast), tf.float64).dtype == tf.float64
+
+
 class _SwitchedScale(L.Layer):
     """Doubles its input while a variable says so: Python control flow on a tensor, which
     AutoGraph turns into a `tf.cond` inside a traced step, as it does in Keras' `fit`."""

@@ -31,8 +31,26 @@ def squared_norms_of(per_example: List[tf.Tensor]) -> List[tf.Tensor]:
 
 
 def weighted_sum(factors: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
-    """``sum_i factors[i] * per_example[i]``."""
-    return tf.tensordot(factors, per_example, axes=1)
+    """``sum_i factors[i] * per_example[i]``, the factors in the tensor's dtype
+    (`factors_in`)."""
+    return tf.tensordot(factors_in(factors, per_example.dtype), per_example, axes=1)
+
+
+def factors_in(factors: tf.Tensor, dtype) -> tf.Tensor:
+    """Clipping factors in `dtype`, never larger than the given ones: a float64 factor cast to
+    a float32 gradient's dtype is rounded to nearest, which may round it up and let the
+    clipped gradient exceed its threshold, so such a factor is moved to the next float32 below
+    it. Widening casts are exact. The factors of a model mixing float32 and float64 variables
+    are float64 (`lipdp.clipping.rules`); ghost norms are float32 upper bounds, so a float64
+    gradient gets float32 factors."""
+    dtype = tf.as_dtype(dtype)
+    if factors.dtype == dtype:
+        return factors
+    cast = tf.cast(factors, dtype)
+    if dtype.size >= factors.dtype.size:
+        return cast
+    rounded_up = tf.cast(cast, factors.dtype) > factors
+    return tf.where(rounded_up, tf.math.nextafter(cast, tf.zeros_like(cast)), cast)
 
 
 def usable_examples(losses: tf.Tensor, squared_norms: List[tf.Tensor]) -> tf.Tensor:

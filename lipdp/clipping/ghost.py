@@ -77,8 +77,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from lipdp import kernels
-from lipdp.clipping.engine import (ClippedBatch, rows_of_a_usable_example, squared_norms_of,
-                                   usable_examples, weighted_sum, without_unusable)
+from lipdp.clipping.engine import (ClippedBatch, factors_in, rows_of_a_usable_example,
+                                   squared_norms_of, usable_examples, weighted_sum,
+                                   without_unusable)
 from lipdp.clipping.ghost_norms import ghost_rule, uses_gram
 from lipdp.clipping.rules import ClippingRule
 from lipdp.clipping.validation import leaf_layers, wrapped_calls
@@ -537,6 +538,7 @@ class GhostEngine:
         if variable.ref() in result.exact:
             return weighted_sum(nu, result.exact[variable.ref()])
         z, g = result.local[variable.ref()]
-        weights = tf.reshape(tf.stop_gradient(nu), [-1] + [1] * (g.shape.rank - 1))
+        weights = tf.reshape(tf.stop_gradient(factors_in(nu, g.dtype)),
+                             [-1] + [1] * (g.shape.rank - 1))
         return result.tape.gradient(z, variable, output_gradients=weights * g,
                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)

@@ -25,8 +25,13 @@ from lipdp.metadata import Clipping, DPParameters
 
 
 def _total_norm(squared_norms: Sequence[tf.Tensor]) -> tf.Tensor:
-    """``||g_i||`` over all variables, shape ``(batch,)``."""
-    return tf.sqrt(tf.add_n(list(squared_norms)))
+    """``||g_i||`` over all variables, shape ``(batch,)``; in float64 when the squared norms'
+    dtypes differ (float32 and float64 variables in one model, or float32 ghost norms of
+    float64 variables: the casts to float64 are exact)."""
+    squared_norms = list(squared_norms)
+    if len({s.dtype for s in squared_norms}) > 1:
+        squared_norms = [tf.cast(s, tf.float64) for s in squared_norms]
+    return tf.sqrt(tf.add_n(squared_norms))
 
 
 class ClippingRule(abc.ABC):
