@@ -211,6 +211,53 @@ def test_state_of_a_model_subclass_is_guarded():
     assert model.largest.numpy() == 0.0 and model.dp_steps_taken == 2
 
 
+class _HeldLayerModel(lipdp.DP_Sequential):
+    """Calls a `_WarmedMaximum` it holds in an attribute: Keras does not track the layers set
+    on a Sequential model, so its variables were in neither `model.variables` nor the
+    probe's and the guard's lists, and it kept the canary through `fit` (a review,
+    2026-12-07)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held = {"maxima": [_WarmedMaximum(name="held")]}
+
+    def call(self, inputs, training=None, **kwargs):
+        inputs = self.held["maxima"][0](inputs, training=training)
+        return super().call(inputs, training=training, **kwargs)
+
+
+class _HeldLayerFunctional(lipdp.DP_Model):
+    """`_HeldLayerModel` as a functional model, which Keras does track the layers of."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held = _WarmedMaximum(name="held")
+
+    def call(self, inputs, training=None, **kwargs):
+        return super().call(self.held(inputs, training=training), training=training, **kwargs)
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_a_layer_held_outside_the_model_s_layers_is_refused_at_compile(functional):
+    """A Sequential subclass' held layer is refused; a functional subclass' is tracked by
+    Keras, so probed and guarded."""
+    parameters = lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0)
+    metadata = lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, CANARY, "shuffle")
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if functional:
+        inputs = tf.keras.Input((DIM,))
+        model = _HeldLayerFunctional(inputs, L.Dense(3)(inputs), dp_parameters=parameters,
+                                     dataset_metadata=metadata)
+        model.compile(loss=loss, optimizer=tf.keras.optimizers.SGD(0.1))
+        assert any(v.name.endswith("held/largest:0") for v in model._state_guard.variables)
+        return
+    model = _HeldLayerModel([L.Input((DIM,)), L.Dense(3)], dp_parameters=parameters,
+                            dataset_metadata=metadata)
+    with pytest.raises(BatchCouplingError, match="Layer 'held' .* held in attribute 'held' "
+                                                 "of .* is not one of the model's layers"):
+        model.compile(loss=loss, optimizer=tf.keras.optimizers.SGD(0.1))
+
+
 def test_a_variable_created_by_a_forward_pass_is_refused_at_compile():
     with pytest.raises(BatchCouplingError, match="warmed/largest:0' of layer 'warmed' .* "
                                                  "created by a forward pass"):

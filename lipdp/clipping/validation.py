@@ -92,6 +92,7 @@ def check_no_batch_coupling(model: tf.keras.Model) -> List[tf.Variable]:
     Raises:
         BatchCouplingError: naming the layer (and variable) found, and what to use instead.
     """
+    _refuse_untracked_layers(model)
     for layer in _all_layers(model):
         names = {cls.__name__ for cls in type(layer).__mro__}
         coupled = names.intersection(_BATCH_COUPLED)
@@ -113,6 +114,44 @@ def check_no_batch_coupling(model: tf.keras.Model) -> List[tf.Variable]:
                 "differing in one record apart from the saved means). Give it public "
                 "statistics instead (e.g. Normalization(mean=..., variance=...)).")
     return _probe(model)
+
+
+def _refuse_untracked_layers(model: tf.keras.Model) -> None:
+    """Raise `BatchCouplingError` for a layer held in an attribute of the model or of a model
+    inside it (directly, or in a list, tuple or dict) that Keras does not list among the
+    model's layers: a Sequential or functional model (a subclass of `DP_Sequential` or
+    `DP_Model` setting ``self.extra = Layer()`` in its ``__init__`` and calling it in its
+    ``call``) does not track the layers set on it. Such a layer's variables are not in
+    ``model.variables``: neither trained nor seen by the probe and the step's guard (a review,
+    2026-12-07: a running maximum in one kept a record's value through `fit`)."""
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    tracked = {id(layer) for layer in layers}
+    # Other layers track what they hold (a Bidirectional's template `layer`, untracked on
+    # purpose, is not called).
+    for holder in (layer for layer in layers if isinstance(layer, tf.keras.Model)):
+        # Public attributes first: Keras' checkpoint bookkeeping holds the same layer too.
+        for attribute, value in sorted(vars(holder).items(), key=lambda a: a[0].startswith("_")):
+            for layer in _layers_held(value):
+                if id(layer) not in tracked and not isinstance(layer, tf.keras.layers.InputLayer):
+                    raise BatchCouplingError(
+                        f"Layer '{layer.name}' ({type(layer).__name__}), held in attribute "
+                        f"'{attribute}' of '{holder.name}', is not one of the model's layers: "
+                        "Keras does not track the layers set on a Sequential or functional "
+                        "model, so its variables are neither trained nor checked for state "
+                        "written from the training data. Make it one of the model's layers "
+                        "(in the list given to DP_Sequential, or in the graph of a DP_Model).")
+
+
+def _layers_held(value, depth=0) -> Iterator[tf.keras.layers.Layer]:
+    """The Keras layers `value` is or holds in lists, tuples and dicts (a few levels)."""
+    if isinstance(value, tf.keras.layers.Layer):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _layers_held(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from _layers_held(item, depth + 1)
 
 
 def check_per_example_gradients_run(model: tf.keras.Model) -> None:
