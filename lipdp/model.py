@@ -900,21 +900,30 @@ class _DPModelMixin:
         return super().evaluate(x, y, *args, **kwargs)
 
     def _warn_once_that_batches_are_unchecked(self):
-        """`fit` checks the pipeline it trains on against Poisson metadata and warns about
-        any other (`_check_pipeline_sampler`); `train_on_batch` sees single batches, so under
-        Poisson metadata it warns once per model that the reported epsilon rests on how the
-        loop draws them (an audit's loop over 32 records under metadata of 64 ran silently,
-        epsilon 7.39 reported for 13.16)."""
-        if self.dataset_metadata.sampling != Sampling.POISSON or \
-                getattr(self, "_warned_unchecked_batches", False):
+        """`fit` checks the pipeline it trains on against the metadata and warns about any
+        other (`_check_pipeline_sampler`); `train_on_batch` sees single batches, so it warns
+        once per model that the reported epsilon rests on how the loop draws them (an audit's
+        loop over 32 records under Poisson metadata of 64 ran silently, epsilon 7.39 reported
+        for 13.16; under shuffle metadata, 16 steps on the same 50 records of 400 reported
+        4.70 for 25.9, 2026-12-07)."""
+        if getattr(self, "_warned_unchecked_batches", False):
             return
         self._warned_unchecked_batches = True
+        if self.dataset_metadata.sampling == Sampling.POISSON:
+            holds = ("each one holds every one of the dataset_metadata's nb_samples_train "
+                     "examples independently with probability q = batch_size / "
+                     "nb_samples_train (iterate lipdp.data.load_dataset's Poisson pipeline, "
+                     "untransformed, to draw them so)")
+        else:
+            holds = ("each epoch's batches of batch_size examples split a fresh random "
+                     "permutation of the dataset_metadata's nb_samples_train distinct "
+                     "examples, each example in one batch per epoch (and shuffle sampling's "
+                     "epsilon is itself the heuristic of Poisson subsampling at that rate); a "
+                     "loop that trains on one batch again, or on records more often than once "
+                     "an epoch, spends more")
         warnings.warn(ShuffleSamplingWarning(
             "train_on_batch trains on the batches your loop gives it, which lipdp cannot "
-            "check: the reported epsilon holds only if each one holds every one of the "
-            "dataset_metadata's nb_samples_train examples independently with probability q = "
-            "batch_size / nb_samples_train (iterate lipdp.data.load_dataset's Poisson "
-            "pipeline, untransformed, to draw them so)."), stacklevel=3)
+            f"check: the reported epsilon holds only if {holds}."), stacklevel=3)
 
     def _warn_if_a_seeded_pipeline_is_behind(self):
         """`fit` starts a `lipdp.data.load_dataset` Poisson pipeline at the model's step;
@@ -2020,7 +2029,13 @@ class _DPModelMixin:
                 `lipdp.records`). Without it, a bad record aborts training at the step
                 that samples it, which reveals when it was sampled (in clipped mode, an
                 example whose loss or norm is not finite contributes zero instead; an
-                id or class index out of range still aborts).
+                id or class index out of range still aborts). The same pass also counts,
+                under shuffle sampling, the records of a pass whose size tf.data does not
+                know (a ``filter``: other than ``nb_samples_train`` is refused before the
+                first step; without the pass, at the epoch's end, after its steps ran at
+                another rate than the accountant's) and byte-identical copies of a record
+                (a warning; without the pass, not counted: copies raise the rate at which
+                their record is drawn, an audit, 2026-12-07).
             Other arguments: as for `tf.keras.Model.fit`.
         """
         self._check_compiled()
