@@ -64,7 +64,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Un
 import numpy as np
 import tensorflow as tf
 
-from lipdp.augmentation import AUGMENTATIONS, stack_views
+from lipdp.augmentation import AUGMENTATIONS, each_image_alone, stack_views
 from lipdp.metadata import DatasetMetadata, Sampling, _parse_enum
 
 __all__ = [
@@ -1301,8 +1301,10 @@ def load_dataset(
             (`lipdp.augmentation`, shifts of up to 2 pixels) or a function of a batch of
             images ``(B, H, W, C)`` in [0, 1] that transforms each image on its own
             (one that lets a NaN image of a probe batch reach the others is refused:
-            `_check_augmentation_per_example`). Applied before the input bound. Not with
-            `feature_map`.
+            `_check_augmentation_per_example`). A function of yours is called on each
+            image alone, as a batch of one (`lipdp.augmentation.each_image_alone`), so
+            that no view depends on another record. Applied before the input bound. Not
+            with `feature_map`.
         augmentation_multiplicity: k augmented views of every sampled example (needs an
             `augmentation` when k > 1): ``ds_train`` then yields inputs of shape
             ``(batch, k) + input_shape`` and ``metadata.augmentation_multiplicity`` is k;
@@ -1401,7 +1403,9 @@ def load_dataset(
         sampling=sampling,
         augmentation_multiplicity=augmentation_multiplicity,
     )
-    transform = _make_transform(bound, raw.nb_classes, augmentation, augmentation_multiplicity)
+    transform = _make_transform(bound, raw.nb_classes,
+                                None if augmentation is None else each_image_alone(augmentation),
+                                augmentation_multiplicity)
 
     x_tr, y_tr = tf.constant(x_train), tf.constant(y_train)
     n = metadata.nb_samples_train

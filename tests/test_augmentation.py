@@ -8,6 +8,8 @@ with k random views it stays within the sensitivity. Broken on purpose (the step
 to 1, views summed instead of averaged), both checks fail (4x the single-view gradient).
 """
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -17,7 +19,7 @@ from lipdp.augmentation import random_shift
 from lipdp.layers import DP_BoundedInput, DP_Flatten, DP_GroupSort, DP_QuickSpectralDense
 from lipdp.per_example import per_example_gradients
 from tests._soundness import maximize_gradient_norm
-from tests.test_data import make_mnist_dir
+from tests.test_data import make_mnist_dir, write_idx
 
 X0 = 6.0
 K = 4
@@ -192,6 +194,47 @@ def test_an_augmentation_mixing_only_large_batches_is_refused(fashion_dir):
     with pytest.raises(ValueError, match="does not transform each image on its own"):
         lipdp.data.load_dataset("fashion_mnist", 32, bound_clip_value=X0, data_dir=fashion_dir,
                                 download=False, augmentation=mix_large)
+
+
+def _invert_if_one_is_bright(images):
+    """Inverts every image of a batch that holds an image of mean above 0.9: a NaN image never
+    triggers it (a comparison with NaN is false), so the NaN probe passes it."""
+    bright = tf.reduce_any(tf.reduce_mean(images, axis=[1, 2, 3]) > 0.9)
+    return tf.where(bright, 1.0 - images, images)
+
+
+@pytest.mark.parametrize("multiplicity", [1, K])
+def test_a_mixing_the_probe_misses_cannot_reach_another_image(tmp_path, multiplicity):
+    """The audit's augmentation (2026-12-07) passed the probe and moved the averaged gradient
+    by 4.1x the sensitivity when the bright record was added: `load_dataset` now calls it on
+    each image alone, so the bright image inverts itself only. Without `each_image_alone`
+    every view of the batch was inverted."""
+    folder = str(tmp_path / "fashion_mnist")
+    x_train, *_ = make_mnist_dir(folder, n_train=48, n_test=16, ids=True)
+    x_train[7] = 250  # the bright record
+    write_idx(os.path.join(folder, "train-images-idx3-ubyte.gz"), x_train, True)
+    ds, _, _ = lipdp.data.load_dataset(
+        "fashion_mnist", 48, bound_clip_value=1e3, data_dir=str(tmp_path), download=False,
+        seed=0, sampling="shuffle", augmentation=_invert_if_one_is_bright,
+        augmentation_multiplicity=multiplicity)
+    x, _ = next(iter(ds))
+    views = x.numpy().reshape((48, multiplicity, 28, 28))
+    bright = np.all(np.isclose(views, 1.0 - 250 / 255, atol=1e-6), axis=(1, 2, 3))
+    assert bright.sum() == 1  # the bright record, inverted, in every view
+    assert np.all(views[~bright][:, :, 1:, :] == 0.0)  # the id images, not inverted (1.0)
+
+
+def test_only_lipdp_s_own_augmentations_run_on_the_whole_batch():
+    from lipdp.augmentation import each_image_alone, random_shift_flip
+
+    own = random_shift_flip()
+    assert each_image_alone(own) is own and each_image_alone(random_shift()) is not None
+    mimic = lambda images: images  # noqa: E731  (a flag copied from a string is not lipdp's)
+    mimic.lipdp_per_image = "lipdp_per_image"
+    assert each_image_alone(mimic) is not mimic
+    images = tf.constant(np.random.default_rng(0).uniform(size=(5, 4, 4, 1)), tf.float32)
+    np.testing.assert_array_equal(each_image_alone(_invert_if_one_is_bright)(images),
+                                  images.numpy())
 
 
 def test_metadata_round_trip_keeps_the_multiplicity(fashion_dir):
