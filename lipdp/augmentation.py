@@ -72,8 +72,11 @@ def random_shift_flip(max_shift: int = 2) -> Callable[[tf.Tensor], tf.Tensor]:
 def each_image_alone(augmentation: Callable[[tf.Tensor], tf.Tensor]
                      ) -> Callable[[tf.Tensor], tf.Tensor]:
     """`augmentation` applied to each image of a batch on its own, as a batch of one
-    (`tf.map_fn`): whatever it computes, an image's view is a function of that image alone,
-    which the sensitivity of a step assumes (the module docstring). `load_dataset`'s probe
+    (`tf.map_fn`): whatever it computes from its input, an image's view is a function of that
+    image alone, which the sensitivity of a step assumes (the module docstring), unless the
+    augmentation keeps state across calls (a `tf.Variable` it writes: the calls run one
+    image after the other, so such state can carry one image into the next one's view, a
+    review, 2026-12-07; an augmentation must not write state). `load_dataset`'s probe
     refuses augmentations it sees mixing images, but a mixing that a NaN image does not
     trigger passed it: an augmentation inverting every image of a batch holding one bright
     image moved the averaged gradient by 4.1x the sensitivity (clipless) and 6.5x (clipped)

@@ -51,7 +51,7 @@ from lipdp.bounds import (backpropagate_bounds, certified_norm_requests, check_r
 from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, defined_in_lipdp,
-                                       leaf_layers)
+                                       leaf_layers, refuse_untracked_layers)
 from lipdp.data import (ShuffleSamplingWarning, derived_from, holds_repeat, pipeline_sampler,
                         repeated_pass, reserved_draws, seeded_poisson_samplers,
                         unshuffled_batching)
@@ -1879,10 +1879,13 @@ class _DPModelMixin:
         """`lipdp.state_guard.StateGuard.refuse_created` at each call of `fit`, `evaluate`,
         `predict` and their ``*_on_batch``: a variable set on a layer after the step was
         traced (one a layer wrote while it was held outside the model) reached the weights
-        through the cached step (a review, 2026-12-07)."""
+        through the cached step (a review, 2026-12-07); so did a layer set on the model after
+        compile (`refuse_untracked_layers`)."""
         guard = getattr(self, "_state_guard", None)
         if guard is not None:
             guard.refuse_created(step)
+            if guard.model is not None:  # probed: so are the layers it holds
+                refuse_untracked_layers(self)
 
     def make_test_function(self, force=False):
         self._refuse_unprobed_variables("evaluation")

@@ -171,6 +171,15 @@ def test_clipped_update_of_float64_variables(clipping, engine, mixed):
     assert [v.dtype for v in model.trainable_variables][:2] == [tf.float64, tf.float64]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_variables_are_refused(dtype):
+    """Clipped in float16, contributions exceeded C by 1.2e-3 of it (a review, 2026-12-07);
+    the mixed_float16 policy keeps float32 variables."""
+    layers = [L.Input((6,)), L.Dense(5, activation="tanh"), L.Dense(4, dtype=dtype)]
+    with pytest.raises(ValueError, match=f"'dense_.*kernel:0' is {dtype}"):
+        _compiled(lambda: layers, "flat", "vectorized", CCE, shape=(6,))
+
+
 def test_factors_cast_to_float32_are_never_rounded_up():
     """A float64 factor just below a float32 one would be rounded up to it by a plain cast."""
     from lipdp.clipping.engine import factors_in

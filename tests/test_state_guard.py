@@ -253,9 +253,73 @@ def test_a_layer_held_outside_the_model_s_layers_is_refused_at_compile(functiona
         return
     model = _HeldLayerModel([L.Input((DIM,)), L.Dense(3)], dp_parameters=parameters,
                             dataset_metadata=metadata)
-    with pytest.raises(BatchCouplingError, match="Layer 'held' .* held in attribute 'held' "
+    with pytest.raises(BatchCouplingError, match="'held' .* held in attribute 'held' "
                                                  "of .* is not one of the model's layers"):
         model.compile(loss=loss, optimizer=tf.keras.optimizers.SGD(0.1))
+
+
+class _StatefulModule(tf.Module):
+    """Not a Keras layer: a `tf.Module` keeping the largest ``|x|`` it is given."""
+
+    def __init__(self):
+        super().__init__(name="held")
+        self.largest = tf.Variable(0.0, trainable=False)
+
+    def __call__(self, inputs):
+        self.largest.assign(tf.maximum(self.largest, tf.reduce_max(tf.abs(inputs))))
+        return inputs
+
+
+class _HeldElsewhere(lipdp.DP_Sequential):
+    """Holds `held` (set by the test) and calls it first in its `call`."""
+
+    held = None
+
+    def call(self, inputs, training=None, **kwargs):
+        if self.held is not None:
+            inputs = _first(self.held)(inputs)
+        return super().call(inputs, training=training, **kwargs)
+
+
+def _first(held):
+    if isinstance(held, (set, list)):
+        return next(iter(held))
+    return getattr(held, "layer", held)
+
+
+@pytest.mark.parametrize("holder", ["a set", "a SimpleNamespace", "a tf.Module",
+                                    "set after compile"])
+def test_layers_and_modules_held_in_other_ways_are_refused(holder):
+    """A review (2026-12-07) got past the first version with a layer in a set or a
+    SimpleNamespace, a stateful `tf.Module` that is not a layer, and a layer set on the model
+    after compile (it kept the canary through `fit`): refused at compile, or at the next
+    call of `fit`."""
+    import types
+
+    model = _HeldElsewhere(
+        [L.Input((DIM,)), L.Dense(3)],
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0),
+        dataset_metadata=lipdp.DatasetMetadata((DIM,), 3, N, 8, BATCH, CANARY, "shuffle"))
+    held = {"a set": lambda: {_WarmedMaximum(name="held")},
+            "a SimpleNamespace": lambda: types.SimpleNamespace(layer=_WarmedMaximum(name="held")),
+            "a tf.Module": _StatefulModule,
+            "set after compile": lambda: _WarmedMaximum(name="held")}[holder]()
+
+    def compile_model():
+        model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=tf.keras.optimizers.SGD(0.1))
+
+    message = "'held' .* held in attribute 'held' of .* is not one of the model's layers"
+    if holder == "set after compile":
+        compile_model()
+        model.held = held
+        with pytest.raises(BatchCouplingError, match=message):
+            model.fit(np.full((N, DIM), CANARY, np.float32), np.zeros(N, np.int64), verbose=0)
+        assert model.dp_steps_taken == 0
+        return
+    model.held = held
+    with pytest.raises(BatchCouplingError, match=message):
+        compile_model()
 
 
 def test_a_variable_created_by_a_forward_pass_is_refused_at_compile():

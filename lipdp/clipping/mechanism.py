@@ -63,6 +63,7 @@ class ClippedDPSGD:
         if not model.trainable_variables:
             raise ValueError("The model has no trainable variables to train privately (is it "
                              "built? give its first layer an input shape or an Input).")
+        _refuse_half_precision_variables(model)
         self.loss_fn = per_example_loss(loss)
         self.rule: ClippingRule = make_rule(dp_parameters, model.trainable_variables)
         self.noise_multiplier = float(dp_parameters.noise_multiplier)
@@ -98,3 +99,23 @@ class ClippedDPSGD:
         clipping (one example may put its whole clipped norm on a single variable)."""
         return [tf.constant(s / self.denominator, tf.float32)
                 for s in self.rule.variable_sensitivities()]
+
+
+def _refuse_half_precision_variables(model: tf.keras.Model) -> None:
+    """Refuse trainable variables of fewer than 32 bits (float16, bfloat16): their per-example
+    gradients, squared norms and clipping factors round in that precision, and clipped
+    contributions exceeded C by 1.2e-3 of it (the vectorized engine, flat clipping; a review,
+    2026-12-07), far beyond what the noise's slack covers. The ``mixed_float16`` policy keeps
+    float32 variables and passes.
+
+    Raises:
+        ValueError: naming the first such variable.
+    """
+    for variable in model.trainable_variables:
+        if variable.dtype.is_floating and variable.dtype.size < 4:
+            raise ValueError(
+                f"The trainable variable '{variable.name}' is {variable.dtype.name}: its "
+                "per-example gradients are clipped in that precision, and the clipped "
+                "contributions exceed the threshold by about 1e-3 of it, beyond the "
+                "sensitivity the noise is calibrated to. Keep trainable variables in float32 "
+                "(the 'mixed_float16' policy does) or float64.")

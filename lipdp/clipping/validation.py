@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 from typing import Callable, Dict, Iterator, List
 
 import numpy as np
@@ -92,7 +93,7 @@ def check_no_batch_coupling(model: tf.keras.Model) -> List[tf.Variable]:
     Raises:
         BatchCouplingError: naming the layer (and variable) found, and what to use instead.
     """
-    _refuse_untracked_layers(model)
+    refuse_untracked_layers(model)
     for layer in _all_layers(model):
         names = {cls.__name__ for cls in type(layer).__mro__}
         coupled = names.intersection(_BATCH_COUPLED)
@@ -116,25 +117,36 @@ def check_no_batch_coupling(model: tf.keras.Model) -> List[tf.Variable]:
     return _probe(model)
 
 
-def _refuse_untracked_layers(model: tf.keras.Model) -> None:
-    """Raise `BatchCouplingError` for a layer held in an attribute of the model or of a model
-    inside it (directly, or in a list, tuple or dict) that Keras does not list among the
-    model's layers: a Sequential or functional model (a subclass of `DP_Sequential` or
-    `DP_Model` setting ``self.extra = Layer()`` in its ``__init__`` and calling it in its
-    ``call``) does not track the layers set on it. Such a layer's variables are not in
-    ``model.variables``: neither trained nor seen by the probe and the step's guard (a review,
-    2026-12-07: a running maximum in one kept a record's value through `fit`)."""
+def refuse_untracked_layers(model: tf.keras.Model) -> None:
+    """Raise `BatchCouplingError` for a layer, or a `tf.Module` with variables the model does
+    not list, held in an attribute of the model or of a model inside it (directly, or in a
+    list, tuple, set, dict or ``SimpleNamespace``) that Keras does not list among the
+    model's layers: a Sequential or functional model (a subclass of `DP_Sequential` setting
+    ``self.extra = Layer()`` in its ``__init__`` and calling it in its ``call``) does not
+    track the layers set on it. Such a layer's variables are not in ``model.variables``:
+    neither trained nor seen by the probe and the step's guard (a review, 2026-12-07: a
+    running maximum in one kept a record's value through `fit`). Run at compile
+    (`check_no_batch_coupling`) and at every call of `fit`, `evaluate` and `predict` of a
+    probed model (a layer set after compile)."""
     layers = list(model._flatten_layers(include_self=True, recursive=True))
     tracked = {id(layer) for layer in layers}
+    listed = {v.ref() for v in model.variables}
+    optimizer = getattr(model, "optimizer", None)
     # Other layers track what they hold (a Bidirectional's template `layer`, untracked on
     # purpose, is not called).
     for holder in (layer for layer in layers if isinstance(layer, tf.keras.Model)):
         # Public attributes first: Keras' checkpoint bookkeeping holds the same layer too.
         for attribute, value in sorted(vars(holder).items(), key=lambda a: a[0].startswith("_")):
-            for layer in _layers_held(value):
-                if id(layer) not in tracked and not isinstance(layer, tf.keras.layers.InputLayer):
+            for module in _modules_held(value):
+                if isinstance(module, tf.keras.layers.Layer):
+                    untracked = id(module) not in tracked and not isinstance(
+                        module, tf.keras.layers.InputLayer)
+                else:
+                    untracked = module is not optimizer and any(
+                        v.ref() not in listed for v in module.variables)
+                if untracked:
                     raise BatchCouplingError(
-                        f"Layer '{layer.name}' ({type(layer).__name__}), held in attribute "
+                        f"'{module.name}' ({type(module).__name__}), held in attribute "
                         f"'{attribute}' of '{holder.name}', is not one of the model's layers: "
                         "Keras does not track the layers set on a Sequential or functional "
                         "model, so its variables are neither trained nor checked for state "
@@ -142,16 +154,21 @@ def _refuse_untracked_layers(model: tf.keras.Model) -> None:
                         "(in the list given to DP_Sequential, or in the graph of a DP_Model).")
 
 
-def _layers_held(value, depth=0) -> Iterator[tf.keras.layers.Layer]:
-    """The Keras layers `value` is or holds in lists, tuples and dicts (a few levels)."""
-    if isinstance(value, tf.keras.layers.Layer):
+def _modules_held(value, depth=0) -> Iterator[tf.Module]:
+    """The `tf.Module`s (Keras layers among them) `value` is or holds in lists, tuples, sets,
+    dicts and ``SimpleNamespace``s (a few levels)."""
+    if isinstance(value, tf.Module):
         yield value
-    elif depth < 4 and isinstance(value, (list, tuple)):
+        return
+    if depth >= 4:
+        return
+    if isinstance(value, types.SimpleNamespace):
+        value = vars(value)
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
         for item in value:
-            yield from _layers_held(item, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for item in value.values():
-            yield from _layers_held(item, depth + 1)
+            yield from _modules_held(item, depth + 1)
 
 
 def check_per_example_gradients_run(model: tf.keras.Model) -> None:
