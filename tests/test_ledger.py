@@ -595,21 +595,6 @@ def test_train_on_batch_refuses_several_steps_per_execution():
         model.predict_on_batch(x[:16])
 
 
-def test_train_on_batch_under_shuffle_metadata_warns_once_that_its_batches_are_unchecked():
-    """A loop training 16 times on the same 50 records of 400 under shuffle metadata ran in
-    silence and reported the epsilon of 16 steps at q = 1/8 (4.70 for 25.9, an audit,
-    2026-12-07); Poisson metadata warned already."""
-    x, y = _data()
-    model = _model()
-    assert model.dataset_metadata.sampling.value == "shuffle"
-    with pytest.warns(lipdp.data.ShuffleSamplingWarning,
-                      match="train_on_batch .* a fresh random permutation"):
-        model.train_on_batch(x[:16], y[:16])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", lipdp.data.ShuffleSamplingWarning)
-        model.train_on_batch(x[:16], y[:16])  # once per model
-
-
 class _PlainSteps(lipdp.DP_Sequential):
     """Overrides train_step with an ordinary, non-private step (no super())."""
 
