@@ -76,7 +76,8 @@ from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            row_fingerprints, sparse_label_classes)
 from lipdp.state_guard import StateGuard, run_guarded
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
-from lipdp.weight_copies import TrainedBy, keys_of, origins, remember
+from lipdp.weight_copies import (TrainedBy, forget_loaded, keys_of, loaded_models, note_loaded,
+                                  origins, remember)
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -651,6 +652,7 @@ class _DPModelMixin:
         """Keras' loading of the model's own variables (`.keras` and `.weights.h5` files);
         a file saved before ``poisson_draws_until`` existed, without it, loads the others
         and sets it to 0 (`_with_draws_until`)."""
+        note_loaded(self)
         own = self._trainable_weights + self._non_trainable_weights
         if self._lacks_draws_until(len(store.keys()), own):
             for index, variable in enumerate(own[:-1]):
@@ -690,6 +692,8 @@ class _DPModelMixin:
                 "the layers' weights with layer.set_weights and account for their origin.")
         if not steps_loaded:
             self._set_ledger(kept)
+        else:
+            note_loaded(self)
         optimizer_after = self._optimizer_values()
         if not _same_values(optimizer_before, optimizer_after):
             holds_state = False  # the file's optimizer state replaced the model's
@@ -1138,6 +1142,7 @@ class _DPModelMixin:
         step of `fit` (a callback copying at a step's end) and before the model's values are
         remembered as its own (`_remember_trained_values`). The steps to come are then named
         as the model's own (`_open_segment`), as after a load."""
+        _remember_loaded_values(self)
         changed = False
         for trained_by in origins(self.weights, self._ledger_token):
             steps = self._recorded_steps
@@ -1172,6 +1177,7 @@ class _DPModelMixin:
         model's `fit` copying another run's layers at an epoch's end had them remembered as
         the model's own (an audit, 2026-12-06: 4 steps reported for 12), and a seeded
         program training two models to the same values has each keep its own."""
+        forget_loaded(self)
         if look_up:
             self._take_copied_values()
         remember(self.trainable_variables, self._trained_by(), transient,
@@ -2674,6 +2680,25 @@ class _StartSampler(tf.keras.callbacks.Callback):
             self._start()
 
 
+def _remember_loaded_values(looking_up):
+    """Before a model looks its values up (`_take_copied_values`): the trainable values of
+    every model loaded from a file since (`load_weights`, Keras' loading of a saved model)
+    that holds steps and whose values no model of this process produced are remembered with
+    its ledger (`lipdp.weight_copies`). A loaded model remembered them only when it handed
+    them out, so variables read from it directly (``variable.assign``, a
+    `tf.train.Checkpoint` of its layers) brought no ledger: a fresh model given a loaded
+    run's 8 steps reported its own 4 for 12 (an audit, 2026-12-07). Values found under a
+    model of this process are left to it (a second ledger for them, naming the loading
+    model's own segment, counted the run twice). The model `looking_up` is not: Keras' loading
+    of a saved model looks the model's values up before every layer's are loaded."""
+    for model in loaded_models():
+        if model is looking_up or not model._recorded_steps:  # (made from a config, its
+            continue  # weights not loaded yet)
+        forget_loaded(model)
+        if not origins(model.trainable_variables, model._ledger_token):
+            model._remember_trained_values(look_up=False)
+
+
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_Sequential(_DPModelMixin, tf.keras.Sequential):
     """A `tf.keras.Sequential` of DP layers trained with Clipless DP-SGD.
@@ -2699,8 +2724,10 @@ class DP_Sequential(_DPModelMixin, tf.keras.Sequential):
         config, dp_parameters, metadata = cls._pop_dp_config(config)
         layers = [tf.keras.layers.deserialize(layer, custom_objects=custom_objects)
                   for layer in config["layers"]]
-        return cls(layers=layers, dp_parameters=dp_parameters, dataset_metadata=metadata,
-                   name=config.get("name"))
+        model = cls(layers=layers, dp_parameters=dp_parameters, dataset_metadata=metadata,
+                    name=config.get("name"))
+        note_loaded(model)  # its weights are loaded next (a saved model's)
+        return model
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -2733,8 +2760,10 @@ class DP_Model(_DPModelMixin, tf.keras.Model):
     def from_config(cls, config, custom_objects=None):
         config, dp_parameters, metadata = cls._pop_dp_config(config)
         functional = tf.keras.Model.from_config(config, custom_objects=custom_objects)
-        return cls(functional.inputs, functional.outputs, dp_parameters=dp_parameters,
-                   dataset_metadata=metadata, name=functional.name)
+        model = cls(functional.inputs, functional.outputs, dp_parameters=dp_parameters,
+                    dataset_metadata=metadata, name=functional.name)
+        note_loaded(model)  # its weights are loaded next (a saved model's)
+        return model
 
 
 # --------------------------------------------------------------------------- #

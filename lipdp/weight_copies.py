@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
@@ -63,6 +64,9 @@ _KEPT: Set[Tuple[_Key, int]] = set()
 #: token -> id of a variable -> the key of the value its last transient call left.
 _LATEST: Dict[int, Dict[int, _Key]] = collections.defaultdict(dict)
 
+
+#: DP models given a ledger from a file whose values are not remembered yet (`note_loaded`).
+_LOADED = weakref.WeakSet()
 
 #: The most entries of a value that its key (`_key`) reads.
 SAMPLED_ENTRIES = 4096
@@ -162,10 +166,28 @@ def origins(variables: Iterable, token: int) -> List[TrainedBy]:
     return list(found.values())
 
 
+def note_loaded(model) -> None:
+    """Note a DP model given a ledger from a file (`load_weights`, Keras' loading of a saved
+    model): its values are to be remembered before another model looks its own up
+    (`DP_Model._take_copied_values`), once loaded."""
+    _LOADED.add(model)
+
+
+def loaded_models() -> List:
+    """The models `note_loaded` noted and that have not remembered their values since."""
+    return list(_LOADED)
+
+
+def forget_loaded(model) -> None:
+    """`model`'s values are remembered (or left to another model's ledger)."""
+    _LOADED.discard(model)
+
+
 def clear() -> None:
-    """Forget every value remembered. For tests, each of which stands for a program of its
-    own: a seeded test suite trains models of different tests to the same values, which
-    one process would otherwise take for copies of each other."""
+    """Forget every value remembered, and every loaded model noted. For tests, each of which
+    stands for a program of its own: a seeded test suite trains models of different tests to
+    the same values, which one process would otherwise take for copies of each other."""
     for registry in (_TRAINED_BY, _TOKENS_BY_SHAPE, _LATEST):
         registry.clear()
     _KEPT.clear()
+    _LOADED.clear()

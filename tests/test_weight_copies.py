@@ -437,3 +437,42 @@ def test_a_validation_pipeline_copying_another_run_in_counts_it():
     with pytest.warns(UserWarning, match="copied"):
         b.fit(x, y, epochs=1, verbose=0, validation_data=validation)
     assert copied and b.dp_steps_taken == 12
+
+
+@pytest.mark.parametrize("how", ["assign", "checkpoint", "load_weights", "tf.keras"])
+def test_values_copied_from_a_model_loaded_from_a_file_bring_its_steps(how, tmp_path):
+    """A model of 8 steps saved, then (as in another process: the registry cleared) loaded
+    from its file, and its variables read directly into a fresh model (``assign``, a
+    `tf.train.Checkpoint` of its layers): the fresh model reported its own 4 steps for
+    weights of 12 (an audit, 2026-12-07): the loaded model remembered its values only when
+    it handed them out. A loaded model's values are now remembered before another model
+    looks its own up."""
+    x, y = _data(31)
+    a = _model()
+    a.fit(x, y, epochs=2, verbose=0)
+    path = str(tmp_path / {"load_weights": "a.h5"}.get(how, "a.keras"))
+    if how == "load_weights":
+        a.save_weights(path)
+    else:
+        a.save(path)
+    del a
+    weight_copies.clear()  # the registry of a new process
+    if how == "load_weights":
+        loaded = _model()
+        loaded.load_weights(path)
+    elif how == "tf.keras":
+        loaded = tf.keras.models.load_model(path)
+    else:
+        loaded = lipdp.load_model(path)
+    assert loaded.dp_steps_taken == 8
+    fresh = _model()
+    if how == "checkpoint":
+        tf.train.Checkpoint(layers=loaded.layers).write(str(tmp_path / "layers"))
+        tf.train.Checkpoint(layers=fresh.layers).read(str(tmp_path / "layers"))
+    else:
+        for to, source in zip(fresh.trainable_variables, loaded.trainable_variables):
+            to.assign(source)
+    with pytest.warns(UserWarning, match="copied"):
+        fresh.fit(x, y, epochs=1, verbose=0)
+    assert fresh.dp_steps_taken == 12
+    _assert_agrees(accounting.epsilon_spent(fresh), _reference([(S, Q, 12)]))
