@@ -652,7 +652,6 @@ class _DPModelMixin:
         """Keras' loading of the model's own variables (`.keras` and `.weights.h5` files);
         a file saved before ``poisson_draws_until`` existed, without it, loads the others
         and sets it to 0 (`_with_draws_until`)."""
-        note_loaded(self)
         own = self._trainable_weights + self._non_trainable_weights
         if self._lacks_draws_until(len(store.keys()), own):
             for index, variable in enumerate(own[:-1]):
