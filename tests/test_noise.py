@@ -23,6 +23,7 @@ import tensorflow as tf
 from scipy import stats
 
 from lipdp import kernels
+from lipdp.data import ShuffleSamplingWarning
 from lipdp.noise import (SeededNoiseWarning, add_gaussian_noise, drawing_at_step, gaussian_noise,
                          standard_normal)
 from tests._models import weights_of_the_run
@@ -347,26 +348,35 @@ def _trained_weights(unseed_before_training):
     """A small model built and trained (4 noisy steps) right after
     ``tf.keras.utils.set_random_seed(5)``, optionally unseeded before `fit`: ``(initial
     weights, trained weights, SeededNoiseWarnings of fit, model)``."""
+    tf.keras.utils.set_random_seed(5)
+    model = _small_model()
+    initial = model.get_weights()
+    if unseed_before_training:
+        tf.random.set_seed(None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.fit(*_small_data(), batch_size=8, epochs=1, verbose=0)
+    seeded = [w for w in record if issubclass(w.category, SeededNoiseWarning)]
+    return initial, weights_of_the_run(model), seeded, model
+
+
+def _small_model():
+    """A compiled 4-3 clipless model (sigma 1, shuffled batches of 8 of 32 examples)."""
     import lipdp
     from lipdp.layers import DP_BoundedInput, DP_QuickSpectralDense
     from lipdp.losses import DP_TauCategoricalCrossentropy
 
-    tf.keras.utils.set_random_seed(5)
     model = lipdp.DP_Sequential(
         [DP_BoundedInput(1.0, input_shape=(4,)), DP_QuickSpectralDense(3)],
         dp_parameters=lipdp.DPParameters(noise_multiplier=1.0, delta=1e-5),
         dataset_metadata=lipdp.DatasetMetadata((4,), 3, 32, 8, 8, 1.0, "shuffle"))
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
-    initial = model.get_weights()
-    if unseed_before_training:
-        tf.random.set_seed(None)
+    return model
+
+
+def _small_data():
     x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
-    y = np.eye(3, dtype=np.float32)[np.arange(32) % 3]
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    seeded = [w for w in record if issubclass(w.category, SeededNoiseWarning)]
-    return initial, weights_of_the_run(model), seeded, model
+    return x, np.eye(3, dtype=np.float32)[np.arange(32) % 3]
 
 
 def test_a_seeded_program_repeats_its_noise_and_fit_warns():
@@ -389,3 +399,31 @@ def test_a_seeded_program_repeats_its_noise_and_fit_warns():
     x, y = np.zeros((8, 4), np.float32), np.eye(3, dtype=np.float32)[np.arange(8) % 3]
     with pytest.warns(SeededNoiseWarning, match="global random seed is set"):
         model.train_on_batch(x, y)
+
+
+def _two_models_trained_after_one_seed():
+    """The trained variables of two models of one architecture, given the same initial weights
+    and trained in turn on the same batches after one ``tf.keras.utils.set_random_seed``."""
+    tf.keras.utils.set_random_seed(7)
+    models = [_small_model(), _small_model()]
+    models[1].set_weights(models[0].get_weights())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededNoiseWarning)
+        warnings.simplefilter("ignore", ShuffleSamplingWarning)  # fixed batches, on purpose
+        for model in models:  # the same batches
+            batches = tf.data.Dataset.from_tensor_slices(_small_data()).batch(8)
+            model.fit(batches, epochs=1, verbose=0)
+    return [[v.numpy() for v in model.trainable_variables] for model in models]
+
+
+def test_two_models_of_one_seeded_program_draw_their_own_noise():
+    """TensorFlow seeds a traced random op from the global seed and its place in the graph,
+    so two models of one architecture traced at the same step after one seeding drew the same
+    noise: an audit (2026-12-07) trained them on datasets differing in one record and the
+    difference of their releases was the noiseless one (to 5e-5, noise std 0.53). Each trace
+    now draws its own (`lipdp.noise.trace_salt`); the program seeded again repeats both."""
+    first, second = _two_models_trained_after_one_seed()
+    assert all(not np.array_equal(a, b) for a, b in zip(first, second))
+    again = _two_models_trained_after_one_seed()
+    for a, b in zip(first + second, again[0] + again[1]):
+        np.testing.assert_array_equal(a, b)
