@@ -99,5 +99,15 @@ AUGMENTATIONS = {"shift": random_shift, "shift_flip": random_shift_flip}
 
 def stack_views(images: tf.Tensor, augmentation: Callable, multiplicity: int) -> tf.Tensor:
     """``(B, *shape) -> (B, multiplicity, *shape)``: `multiplicity` independent views of each
-    image, those of example b in row b."""
-    return tf.stack([augmentation(images) for _ in range(multiplicity)], axis=1)
+    image, those of example b in row b.
+
+    One call of `augmentation` on the images repeated (example b's copies in rows ``k b`` to
+    ``k b + k - 1``), so each view is another draw of the augmentation's randomness. Called
+    once per view, a user's augmentation (mapped image by image, `each_image_alone`) drew
+    the same k views in a program that set TensorFlow's global seed: each call's loop body
+    is a graph of its own, whose random op the global seed seeds the same."""
+    views = augmentation(tf.repeat(images, multiplicity, axis=0))
+    stacked = tf.reshape(views, tf.concat([[-1, multiplicity], tf.shape(views)[1:]], axis=0))
+    stacked.set_shape(tf.TensorShape([images.shape[0], multiplicity]).concatenate(
+        views.shape[1:]))
+    return stacked
