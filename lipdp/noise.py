@@ -36,6 +36,7 @@ secure (README, sharp edges).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import secrets
 import warnings
@@ -59,9 +60,10 @@ def warn_if_seeded(stacklevel: int = 3) -> None:
     (``tf.random.set_seed``, ``tf.keras.utils.set_random_seed``): every random op, lipdp's
     noise included, then draws from that seed and its place in the program, so whoever
     knows the seed and the code regenerates the noise of every step and subtracts it from
-    what was released; and two runs of one seed (the program run again, on neighbouring data
-    or resumed twice from one checkpoint) draw the same noise, which the difference of their
-    releases cancels whether or not the seed is known. Read without drawing
+    what was released; and two runs of one seed (the program run again in another process, on
+    neighbouring data or resumed twice from one checkpoint) draw the same noise, which the
+    difference of their releases cancels whether or not the seed is known (within one
+    process no two private-step traces share noise: `trace_salt`). Read without drawing
     (``tf.compat.v1.random.get_seed`` would advance the program's op seeds)."""
     from tensorflow.python.eager import context  # the global seed, read without a draw
 
@@ -73,39 +75,33 @@ def warn_if_seeded(stacklevel: int = 3) -> None:
         "a function of this seed and of the program, so whoever knows both can regenerate "
         "the noise and subtract it, and the reported epsilon holds only while the seed stays "
         "secret (keep it out of published code and configs) and only one run of this seed "
-        "is released: the same program run again with it (on other data, or resumed again "
-        "from one checkpoint) draws the same noise, and the difference of the two runs' "
-        "releases cancels it, secret seed or not. To reproduce the weights' "
+        "is released: the same program run again with it in another process (on other data, "
+        "or resumed again from one checkpoint) draws the same noise, and the difference of "
+        "the two runs' releases cancels it, secret seed or not. To reproduce the weights' "
         "initialisation, seed before building the model and call tf.random.set_seed(None) "
         "before training; lipdp never seeds the noise."), stacklevel=stacklevel)
 
 
-# The private-step traces counted since the program last set its global seed: TensorFlow's
-# generator of that seed (a new object at every `tf.random.set_seed`) and their count.
-_SEEDED_TRACES = {"generator": None, "count": 0}
+# The private-step traces salted in this process (`trace_salt`), never reset.
+_TRACES_SALTED = itertools.count()
 
 
 def trace_salt(step: int) -> int:
     """The salt of the noise of a private step traced at `step` (its private step count) in a
-    seeded program: `step` and the number of private-step traces salted since the program
-    last set its global seed, one integer (``step * 1_000_003 + count``; distinct for
-    distinct pairs while fewer than 1_000_003 traces follow one seeding).
+    seeded program: `step` and the number of private-step traces salted before it in this
+    process, one integer (``step * 1_000_003 + count``; distinct for distinct pairs while the
+    process salts fewer than 1_000_003 traces).
 
     TensorFlow seeds a random op of a traced function from the global seed and the op's
     place in its graph, so two models of one architecture, traced at the same step after one
     ``tf.keras.utils.set_random_seed``, drew the same noise (an audit, 2026-12-07: two models
     of one seeded process, trained on datasets differing in one record, released updates
     whose difference was the noiseless one, to 5e-5 against a noise std of 0.53). With the
-    count, every trace of one seeding draws its own noise, and the program seeded again
-    draws it again (reproducible: the count restarts with the seed)."""
-    from tensorflow.python.eager import context  # the seed's generator, read without a draw
-
-    generator = getattr(context.context(), "_rng", None)
-    if _SEEDED_TRACES["generator"] is not generator:
-        _SEEDED_TRACES.update(generator=generator, count=0)
-    count = _SEEDED_TRACES["count"]
-    _SEEDED_TRACES["count"] = count + 1
-    return int(step) * 1_000_003 + count
+    count, no two traces of one process draw the same noise, also when the program seeds
+    again before each run (a sweep or the folds of a cross-validation, seeded run by run, drew
+    the same noise in every run while the count restarted with the seed); a program run
+    again in a new process draws its noise again (the runs of one seed: `warn_if_seeded`)."""
+    return int(step) * 1_000_003 + next(_TRACES_SALTED)
 
 
 def salted_seeds(salt=None):

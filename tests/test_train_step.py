@@ -520,8 +520,9 @@ def test_a_seeded_program_draws_new_noise_after_a_new_compile(monkeypatch, fused
     was a noiseless function of the data (within 1.5e-7; the noise std is 0.79). Now each
     trace salts its seeds with the step count: that combination keeps noise of the variance
     of both draws (correlation of the two segments' noise below 0.2, 40 coordinates x 3), and
-    the same program run again repeats its noise exactly (a seed still repeats a run). Both
-    with the fused kernel and with the TF-ops draw."""
+    the same program run again in the process, seeded again, draws other noise (each trace
+    of a process salts its seeds with its own count: `lipdp.noise.trace_salt`). Both with
+    the fused kernel and with the TF-ops draw."""
     from lipdp import kernels
     from tests._distributed import RecordingSGD
 
@@ -549,7 +550,8 @@ def test_a_seeded_program_draws_new_noise_after_a_new_compile(monkeypatch, fused
     first, second = noise[:3].ravel(), noise[3:].ravel()
     assert abs(np.corrcoef(first, second)[0, 1]) < 0.2
     np.testing.assert_allclose(np.std(second) / np.std(first), 2.0, rtol=0.35)
-    np.testing.assert_array_equal(run(), noise)
+    again = run()
+    assert np.abs(np.corrcoef(again.ravel(), noise.ravel())[0, 1]) < 0.2
 
 
 def test_train_on_batch_under_poisson_metadata_warns_once_that_its_batches_are_unchecked():
