@@ -68,8 +68,7 @@ from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, Step
 from lipdp.legacy_files import hdf5_with_draw_mark
 from lipdp.losses import DP_Loss
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
-from lipdp.noise import (add_gaussian_noise, drawing_at_step, gaussian_noise, trace_salt,
-                         warn_if_seeded)
+from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
 from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_ids_in_range, check_sparse_labels, class_index_classes,
@@ -1663,12 +1662,13 @@ class _DPModelMixin:
             log_clip, -120.0 * math.log(2.0), 120.0 * math.log(2.0))))
 
     def _noise_salt(self) -> int:
-        """The salt of a noise draw's seeds in a seeded program (`lipdp.noise.salted_seeds`):
-        `lipdp.noise.trace_salt` of the private step count when the step is traced, so that
-        a step traced again after a new `compile` (another ledger segment), or another
-        model's step, does not draw the noise of an earlier trace."""
+        """The private step count when the step is traced: the salt of its noise draws'
+        seeds in a seeded program (`lipdp.noise.salted_seeds`, which gives every salted draw
+        of the process seeds of its own), so that a step traced again after a new `compile`
+        (another ledger segment), or another model's step, does not draw the noise of an
+        earlier trace."""
         with tf.init_scope():
-            return trace_salt(int(self._dp_steps.numpy()))
+            return int(self._dp_steps.numpy())
 
     def _noise_stddevs(self, sensitivities):
         """Standard deviation of each variable's noise: ``sigma`` times its sensitivity (per

@@ -36,6 +36,7 @@ secure (README, sharp edges).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import math
 import secrets
@@ -47,7 +48,7 @@ import tensorflow as tf
 from lipdp import kernels
 
 __all__ = ["SeededNoiseWarning", "add_gaussian_noise", "drawing_at_step", "gaussian_noise",
-           "salted_seeds", "standard_normal", "trace_salt", "warn_if_seeded"]
+           "salted_seeds", "standard_normal", "warn_if_seeded"]
 
 
 class SeededNoiseWarning(UserWarning):
@@ -63,7 +64,7 @@ def warn_if_seeded(stacklevel: int = 3) -> None:
     what was released; and two runs of one seed (the program run again in another process, on
     neighbouring data or resumed twice from one checkpoint) draw the same noise, which the
     difference of their releases cancels whether or not the seed is known (within one
-    process no two private-step traces share noise: `trace_salt`). Read without drawing
+    process no two salted noise draws share seeds: `salted_seeds`). Read without drawing
     (``tf.compat.v1.random.get_seed`` would advance the program's op seeds)."""
     from tensorflow.python.eager import context  # the global seed, read without a draw
 
@@ -82,44 +83,48 @@ def warn_if_seeded(stacklevel: int = 3) -> None:
         "before training; lipdp never seeds the noise."), stacklevel=stacklevel)
 
 
-# The private-step traces salted in this process (`trace_salt`), never reset.
-_TRACES_SALTED = itertools.count()
+# Seeds of the noise draws salted in this process (`salted_seeds`): an offset fixed at the
+# first salted draw, and the count of salted draws, never reset.
+_SALTING = {"offset": None, "draws": itertools.count()}
+_SEED_RANGE = 2 ** 31 - 1  # TensorFlow truncates op seeds modulo this
 
 
-def trace_salt(step: int) -> int:
-    """The salt of the noise of a private step traced at `step` (its private step count) in a
-    seeded program: `step` and the number of private-step traces salted before it in this
-    process, one integer (``step * 1_000_003 + count``; distinct for distinct pairs while the
-    process salts fewer than 1_000_003 traces).
-
-    TensorFlow seeds a random op of a traced function from the global seed and the op's
-    place in its graph, so two models of one architecture, traced at the same step after one
-    ``tf.keras.utils.set_random_seed``, drew the same noise (an audit, 2026-12-07: two models
-    of one seeded process, trained on datasets differing in one record, released updates
-    whose difference was the noiseless one, to 5e-5 against a noise std of 0.53). With the
-    count, no two traces of one process draw the same noise, also when the program seeds
-    again before each run (a sweep or the folds of a cross-validation, seeded run by run, drew
-    the same noise in every run while the count restarted with the seed); a program run
-    again in a new process draws its noise again (the runs of one seed: `warn_if_seeded`)."""
-    return int(step) * 1_000_003 + next(_TRACES_SALTED)
+def _forget_salted_draws() -> None:
+    """Start counting salted draws again, as a new process would (for the test suite: each
+    test's noise then does not depend on the tests its process ran before it)."""
+    _SALTING.update(offset=None, draws=itertools.count())
 
 
 def salted_seeds(salt=None):
-    """``(seed, seed2)`` for a random op, as ``tf.compat.v1.random.get_seed(None)`` gives them,
-    with `salt` (an int: `trace_salt` of the private step being traced) mixed into the op's
-    seed when the program set a global seed.
+    """``(seed, seed2)`` for a noise draw, as ``tf.compat.v1.random.get_seed(None)`` gives
+    them, with the op seed replaced, when the program set a global seed and `salt` is given
+    (the private step count when the step is traced), by one no other salted draw of this
+    process has: ``1 + (offset + n) mod (2^31 - 2)``, n the count of salted draws before it
+    in the process, the offset a hash of the global seed and the `salt` of the process's
+    first salted draw. Distinct for the first 2^31 - 2 salted draws of a process, whatever
+    their graphs, steps and models.
 
     A seeded program seeds each random op from the global seed and the op's position in its
     graph, so a train step traced again (after a new `compile`), or another model's step of
-    the same graph, draws the very noise of the first trace: the noise of two segments or two
-    models would be the same draws, scaled, and a difference of two released gradients would
-    cancel it. With `trace_salt` as salt, each trace draws its own. Without a global seed
-    TensorFlow seeds every op at random: returned unchanged.
+    the same graph, drew the very noise of an earlier trace: the noise of two segments or two
+    models was the same draws, scaled, and a difference of two released gradients cancelled
+    it (two models traced at step 0 after one ``tf.keras.utils.set_random_seed``, trained on
+    datasets differing in one record, released updates whose difference was the noiseless
+    one, to 5e-5 against a noise std of 0.53: an audit, 2026-12-07). A salt made of the step
+    and a count of traces, added into the op seed, still let two traces collide (a count
+    gap of 2999 traces made up for a step gap of 94 489: a review); a count of draws cannot.
+    The offset separates a process resumed from a checkpoint at step k from the first run
+    (whose first draw had another salt); the program run again in a new process draws its
+    noise again (the runs of one seed: `warn_if_seeded`). Without a global seed TensorFlow
+    seeds every op at random: returned unchanged.
     """
     seed, seed2 = tf.compat.v1.random.get_seed(None)
     if seed is None or salt is None:
         return seed, seed2
-    return seed, (int(seed2) * 1_000_003 + int(salt) + 1) % (2 ** 31 - 1)
+    if _SALTING["offset"] is None:
+        digest = hashlib.sha256(f"lipdp noise {int(seed)} {int(salt)}".encode()).digest()
+        _SALTING["offset"] = int.from_bytes(digest[:8], "little") % (_SEED_RANGE - 1)
+    return seed, 1 + (_SALTING["offset"] + next(_SALTING["draws"])) % (_SEED_RANGE - 1)
 
 
 # The step counter of the private step being traced (`drawing_at_step`), for draws under XLA.

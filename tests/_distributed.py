@@ -203,7 +203,7 @@ def _warmed_state(strategy):
 
 def _adaptive_model(clipping, learning_rate, steps_per_epoch=4):
     """No gradient noise (sigma 0): the two runs compared noise-free draw no noise of their
-    own (a seeded program's two models draw different noise, `lipdp.noise.trace_salt`)."""
+    own (a seeded program's two models draw different noise, `lipdp.noise.salted_seeds`)."""
     from lipdp.metadata import AdaptiveClipping
 
     return _compiled_mlp(0.0, learning_rate, steps_per_epoch,

@@ -75,8 +75,6 @@ def _seed_everything():
     """Seed Python, NumPy and TensorFlow before every test, so that weight initialisers and
     every draw a test does not seed itself are the same on every run (tests that draw also
     use explicit seeds: `np.random.default_rng(k)`, `tf.keras.utils.set_random_seed(k)`)."""
-    import itertools
-
     import tensorflow as tf  # after TF_ENABLE_ONEDNN_OPTS is set above
 
     from lipdp import noise, weight_copies
@@ -85,7 +83,7 @@ def _seed_everything():
     # Seeded, the models of two tests train to the same values: each test starts with no
     # value remembered, as a program of its own would (`lipdp.weight_copies.clear`).
     weight_copies.clear()
-    # and with no private-step trace salted: a test's noise does not depend on the tests its
-    # worker ran before it (`lipdp.noise.trace_salt` counts the process's traces).
-    noise._TRACES_SALTED = itertools.count()
+    # and with no noise draw salted: a test's noise does not depend on the tests its worker
+    # ran before it (`lipdp.noise.salted_seeds` counts the process's draws).
+    noise._forget_salted_draws()
     yield

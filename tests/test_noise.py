@@ -25,7 +25,7 @@ from scipy import stats
 from lipdp import kernels
 from lipdp.data import ShuffleSamplingWarning
 from lipdp.noise import (SeededNoiseWarning, add_gaussian_noise, drawing_at_step, gaussian_noise,
-                         standard_normal)
+                         salted_seeds, standard_normal)
 from tests._models import weights_of_the_run
 from tests._stats import assert_gaussian_noise
 
@@ -425,10 +425,42 @@ def test_two_models_of_one_seeded_program_draw_their_own_noise():
     so two models of one architecture traced at the same step after one seeding drew the same
     noise: an audit (2026-12-07) trained them on datasets differing in one record and the
     difference of their releases was the noiseless one (to 5e-5, noise std 0.53). Each trace
-    of the process now draws its own (`lipdp.noise.trace_salt`), also when the program seeds
+    of the process now draws its own (`lipdp.noise.salted_seeds`), also when the program seeds
     again before a run (a sweep or cross-validation seeded run by run)."""
     first, second = _two_models_trained_after_one_seed()
     assert all(not np.array_equal(a, b) for a, b in zip(first, second))
     again = _two_models_trained_after_one_seed()  # the same seed again, the same process
     for a, b in zip(first + second, again[0] + again[1]):
         assert not np.array_equal(a, b)
+
+
+def _salted_seeds_of_traces(traces):
+    """The seeds `salted_seeds` gives for a salt of each step of `traces` (lists of steps,
+    each list in a traced function of its own: TensorFlow's own op seed counts the seeds a
+    graph took, from 0), in a program seeded 3, counted from a fresh process' first draw."""
+    import lipdp.noise
+
+    tf.random.set_seed(3)
+    lipdp.noise._forget_salted_draws()
+    seeds = []
+    for steps in traces:
+        def trace(steps=steps):
+            seeds.extend(salted_seeds(step) for step in steps)
+            return tf.constant(0)
+
+        tf.function(trace)()
+    return seeds
+
+
+def test_every_salted_draw_of_a_process_has_seeds_of_its_own():
+    """A salt made of the step and a count of traces, added into the op seed, let two
+    traces of one process take the same seeds: a first draw at step 94 489 and, 2999 draws
+    later, another graph's first draw at step 0 (a review, 2026-12-07). Each salted draw now
+    takes one plus a count of the process' draws from an offset: distinct within a process,
+    the same again in a new process (reproducible), and in TensorFlow's range of op seeds,
+    never (0, 0) (unseeded)."""
+    traces = [[94_489], [7] * 2998, [0], list(range(2000))]
+    seeds = _salted_seeds_of_traces(traces)
+    assert len(set(seeds)) == sum(len(steps) for steps in traces)
+    assert all(seed == 3 and 1 <= seed2 < 2 ** 31 - 1 for seed, seed2 in seeds)
+    assert _salted_seeds_of_traces(traces) == seeds

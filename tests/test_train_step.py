@@ -521,7 +521,7 @@ def test_a_seeded_program_draws_new_noise_after_a_new_compile(monkeypatch, fused
     trace salts its seeds with the step count: that combination keeps noise of the variance
     of both draws (correlation of the two segments' noise below 0.2, 40 coordinates x 3), and
     the same program run again in the process, seeded again, draws other noise (each trace
-    of a process salts its seeds with its own count: `lipdp.noise.trace_salt`). Both with
+    of a process salts its seeds with its own count: `lipdp.noise.salted_seeds`). Both with
     the fused kernel and with the TF-ops draw."""
     from lipdp import kernels
     from tests._distributed import RecordingSGD

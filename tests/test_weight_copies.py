@@ -7,7 +7,6 @@ counted only its own steps: a new model given every layer of a run of 8 steps re
 then 4 after its own 4 (README, pitfalls). Reference: dp_accounting (`tests/test_ledger`).
 """
 
-import itertools
 import math
 
 import numpy as np
@@ -381,14 +380,13 @@ def test_a_seeded_program_trains_two_models_to_the_same_values_each_with_its_own
     version that did not remember a fit's values at each step unless a callback could copy
     them had every lookup inside such a fit (the accountant reads the ledger after each
     step; an epoch's end) take the second model's values for copies of the first's (4 + 4
-    steps reported for 4). Each run starts with no private-step trace salted, as in a
-    process of its own (one process draws other noise for each trace:
-    `lipdp.noise.trace_salt`)."""
+    steps reported for 4). Each run starts with no noise draw salted, as in a process of
+    its own (one process draws other noise for each trace: `lipdp.noise.salted_seeds`)."""
     x, y = _data(34)
     models = []
     for _ in range(2):
         tf.keras.utils.set_random_seed(35)
-        lipdp.noise._TRACES_SALTED = itertools.count()
+        lipdp.noise._forget_salted_draws()
         model = _model()
         model.fit(x, y, epochs=1, verbose=0, callbacks=[c() for c in callbacks])
         models.append(model)
