@@ -113,10 +113,13 @@ def salted_seeds(salt=None):
     one, to 5e-5 against a noise std of 0.53: an audit, 2026-12-07). A salt made of the step
     and a count of traces, added into the op seed, still let two traces collide (a count
     gap of 2999 traces made up for a step gap of 94 489: a review); a count of draws cannot.
-    The offset separates a process resumed from a checkpoint at step k from the first run
-    (whose first draw had another salt); the program run again in a new process draws its
-    noise again (the runs of one seed: `warn_if_seeded`). Without a global seed TensorFlow
-    seeds every op at random: returned unchanged.
+    The offset separates a process resumed from a checkpoint at step k (its first draw at
+    step k) from the first run (its first draw at step 0); a seeded program run again in a
+    new process draws its noise again, and so does a resumed process that draws noise at
+    the first run's steps before it restores the checkpoint (a review: a `train_on_batch`
+    before `load_weights` repeated 8 of 9 noise vectors): the runs of one seed
+    (`warn_if_seeded`), which no seeded generator can tell apart. Without a global seed
+    TensorFlow seeds every op at random: returned unchanged.
     """
     seed, seed2 = tf.compat.v1.random.get_seed(None)
     if seed is None or salt is None:
