@@ -162,11 +162,20 @@ def _as_pair(data, argname) -> ArrayPair:
 # --------------------------------------------------------------------------- #
 def _scores_and_labels(scores, labels):
     scores = np.asarray(scores, np.float64).reshape(-1)
-    labels = np.asarray(labels).reshape(-1).astype(bool)
-    if len(scores) != len(labels):
-        raise ValueError(f"{len(scores)} scores but {len(labels)} labels.")
+    raw = np.asarray(labels).reshape(-1)
+    if len(scores) != len(raw):
+        raise ValueError(f"{len(scores)} scores but {len(raw)} labels.")
+    if raw.dtype != bool and not np.all((raw == 0) | (raw == 1)):
+        odd = np.unique(raw[(raw != 0) & (raw != 1)])[:5]
+        raise ValueError("Membership labels must be 1 (member) or 0 (non-member); received "
+                         f"other values, e.g. {odd.tolist()}.")
+    labels = raw.astype(bool)
     if not np.all(np.isfinite(scores)):
-        raise ValueError("The attack scores contain NaN or inf.")
+        bad = ~np.isfinite(scores)
+        raise ValueError(
+            f"The attack scores contain NaN or inf: {int(bad.sum())} of {len(scores)} "
+            f"({int((bad & labels).sum())} of members, {int((bad & ~labels).sum())} of "
+            "non-members).")
     if labels.all() or not labels.any():
         raise ValueError("ROC statistics need both members (label 1) and non-members (label 0).")
     return scores, labels
@@ -323,7 +332,8 @@ class AttackResult:
         return cls(name=name, auroc=roc_auc(scores, labels),
                    advantage=attacker_advantage(scores, labels),
                    tpr_at_fpr=tpr_at_fpr(scores, labels, fpr_levels),
-                   chance_interval=(0.5 - half_width, 0.5 + half_width), confidence=confidence,
+                   chance_interval=(max(0.0, 0.5 - half_width), min(1.0, 0.5 + half_width)),
+                   confidence=confidence,
                    nb_members=int(labels.sum()), nb_nonmembers=int((~labels).sum()),
                    scores=scores, labels=labels.astype(np.int64))
 
@@ -707,6 +717,16 @@ def canary_audit(
                          f"k_positive={k_pos}, k_negative={k_neg}")
     if delta is not None:
         _check_audit_delta(delta, m)
+    # Before training: guesses too few for any outcome to show epsilon > 0 (all right, with
+    # the audit's delta or, still unknown, 0) make the run an audit that cannot fail.
+    best = one_run_epsilon_lower_bound(k_pos + k_neg, k_pos + k_neg, m, confidence=confidence,
+                                       delta=delta or 0.0)
+    if best <= 0:
+        raise ValueError(
+            f"{k_pos + k_neg} guesses (k_positive={k_pos}, k_negative={k_neg}) cannot show "
+            f"epsilon > 0 at {confidence:.0%} confidence, even all right: the audit would "
+            "report epsilon >= 0 whatever the training leaks. Use more canaries or guesses "
+            "(the default guesses nb_canaries // 10 each way).")
 
     included = rng.random(m) < 0.5
     x = np.concatenate([x_train.astype(x_c.dtype, copy=False), x_c[included]]) \

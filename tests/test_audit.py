@@ -136,6 +136,37 @@ def test_refuses_what_the_theorem_does_not_cover():
         audit.one_run_epsilon_lower_bound(5, 10, 100, confidence=1.0)
 
 
+def test_an_audit_that_cannot_show_a_positive_epsilon_is_refused_before_training():
+    """20 canaries give 2 + 2 guesses by default: even all right, P = 2^-4 > 5%, so the
+    audit would report epsilon >= 0 whatever the training leaks (a review, 2026-12-07: it
+    trained and printed "2/2 correct ... epsilon >= 0"). Refused before `train_fn` runs; 3 + 3
+    guesses can show a positive epsilon (2^-6 < 5%)."""
+    def train(x, y):
+        raise AssertionError("trained")
+
+    x = np.ones((4, 3), np.float32)
+    y = np.array([0, 1, 0, 1])
+    with pytest.raises(ValueError, match="cannot show epsilon > 0 at 95% confidence"):
+        audit.canary_audit(train, x, y, nb_canaries=20, seed=0)
+    with pytest.raises(AssertionError, match="trained"):
+        audit.canary_audit(train, x, y, nb_canaries=20, seed=0, k_positive=3, k_negative=3)
+
+
+def test_attack_statistics_refuse_labels_other_than_0_and_1_and_count_non_finite_scores():
+    for labels in ([0, 1, 0.5, 1], [-1, 1, -1, 1]):
+        with pytest.raises(ValueError, match="must be 1 \\(member\\) or 0"):
+            audit.roc_curve_points([0.1, 0.2, 0.3, 0.4], labels)
+    with pytest.raises(ValueError, match="2 of 4 \\(1 of members, 1 of non-members\\)"):
+        audit.roc_curve_points([np.nan, 0.2, np.inf, 0.4], [1, 1, 0, 0])
+    fpr, tpr = audit.roc_curve_points([0.1, 0.2], [True, False])  # booleans are labels
+    assert fpr.tolist() == [0.0, 1.0, 1.0] and tpr.tolist() == [0.0, 0.0, 1.0]
+
+
+def test_chance_interval_stays_within_0_and_1():
+    result = audit.AttackResult.from_scores("tiny", [0.1, 0.2], [1, 0])
+    assert result.chance_interval == (0.0, 1.0)
+
+
 # --------------------------------------------------------------------------- #
 # Attack statistics against scikit-learn.
 # --------------------------------------------------------------------------- #
@@ -376,7 +407,7 @@ def test_canary_audit_labels_follow_the_training_format():
     x, y, _, _ = _digits()
     for labels in (y[:30], np.eye(10, dtype=np.float32)[y[:30]]):
         result = audit.canary_audit(train, x[:30], labels, nb_canaries=20, seed=0,
-                                    k_positive=2, k_negative=2)
+                                    k_positive=3, k_negative=3)
         assert seen["y"].shape[1:] == labels.shape[1:] and seen["y"].dtype == labels.dtype
         assert len(seen["y"]) == 30 + result.nb_included
         assert result.epsilon_lower_bound == 0.0  # untrained model: nothing to see
