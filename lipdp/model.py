@@ -423,6 +423,32 @@ _XLA_REFUSAL = (
     "breakdown tables.)")
 
 
+#: The methods lipdp's private step is made of: the noise, the bounds and the privacy ledger
+#: are those of these methods as lipdp defines them.
+_PRIVATE_STEP_METHODS = ("train_step", "make_train_function", "private_gradients",
+                         "per_example_step_loss", "sensitivities", "top_gradient_bound")
+
+
+def _refuse_replaced_step_methods(model) -> None:
+    """Raise ValueError when `model`'s class (a subclass) or the model object itself replaces
+    a method of the private step (`_PRIVATE_STEP_METHODS`). Whatever a replacement does is
+    outside the epsilon reported: an audit (2026-12-07) took ``super().train_step`` twice per
+    Poisson batch (92 steps recorded for 46 samples: epsilon 3.52 reported for 6.40), modified
+    the batch before it (one record's swap moved the update by 5.35x the sensitivity), and
+    scaled `per_example_step_loss` by 10 (per-example gradients 9.5x their bound)."""
+    replaced = [name for name in _PRIVATE_STEP_METHODS
+                if getattr(type(model), name) is not getattr(_DPModelMixin, name)
+                or name in vars(model)]
+    if replaced:
+        raise ValueError(
+            f"Model '{model.name}' ({type(model).__name__}) replaces "
+            f"{', '.join('`' + name + '`' for name in replaced)} of lipdp's private step: the "
+            "noise, the bounds and the privacy ledger are those of lipdp's step, so whatever "
+            "a replacement changes (a batch taken twice or modified, another loss) is outside "
+            "the epsilon reported. Customise training with callbacks, metrics, DP layers and "
+            "DP losses instead.")
+
+
 class _DPModelMixin:
     """Private training shared by `DP_Sequential` and `DP_Model`."""
 
@@ -1296,6 +1322,7 @@ class _DPModelMixin:
         (the temperature of the tau cross-entropy, which a schedule may move) passes."""
         if self._step_mechanism is None:
             raise RuntimeError("Compile the model with a DP loss before training.")
+        _refuse_replaced_step_methods(self)
         parameters, metadata, variables, configuration = self._compiled_state
         changed = [name for name, now, then in [
             ("dp_parameters", self.dp_parameters, parameters),
@@ -1357,7 +1384,13 @@ class _DPModelMixin:
                 not certified at all by the steps between refreshes.
             Other arguments: as for `tf.keras.Model.compile`; ``loss`` must be a DP
                 loss (`lipdp.losses`) in clipless mode.
+
+        Raises:
+            ValueError: a subclass (or the model object) replaces a method of the private
+                step (`train_step`, `per_example_step_loss`, ...: `_PRIVATE_STEP_METHODS`);
+                also checked before every `fit` and `train_on_batch`.
         """
+        _refuse_replaced_step_methods(self)
         if not isinstance(private_logs_only, bool):
             raise TypeError("`private_logs_only` must be a bool. "
                             f"Received: private_logs_only={private_logs_only!r}")

@@ -620,22 +620,78 @@ class _ExtraSteps(lipdp.DP_Sequential):
         return logs
 
 
-@pytest.mark.parametrize("cls", [_PlainSteps, _ExtraSteps])
-def test_updates_applied_outside_the_private_step_stop_fit(cls):
-    """A train_step override taking plain steps trained with an epsilon of 0 reported, and
-    one applying its own gradients after super().train_step had half its updates un-noised
-    (an audit): the optimizer's update count must follow the ledger's steps. fit stops at
+class _TwiceEachBatch(lipdp.DP_Sequential):
+    """Takes the private step twice on each batch (an audit, 2026-12-07: under Poisson
+    metadata, 92 steps recorded for 46 samples, epsilon 3.52 reported for 6.40)."""
+
+    def train_step(self, data):
+        super().train_step(data)
+        return super().train_step(data)
+
+
+class _ScaledLoss(lipdp.DP_Sequential):
+    """Scales the losses the step differentiates (the same audit: per-example gradients
+    9.5x their bound)."""
+
+    def per_example_step_loss(self, y_true, y_pred):
+        return 10.0 * super().per_example_step_loss(y_true, y_pred)
+
+
+@pytest.mark.parametrize("cls", [_PlainSteps, _ExtraSteps, _TwiceEachBatch, _ScaledLoss])
+def test_a_subclass_replacing_a_method_of_the_private_step_is_refused(cls):
+    """A train_step override taking plain steps trained with an epsilon of 0 reported, one
+    applying its own gradients after super().train_step had half its updates un-noised (an
+    audit; the optimizer's update count caught both at the end of the first epoch), one
+    taking the step twice per batch or modifying the batch, and a scaled
+    per_example_step_loss, trained outside the epsilon reported (an audit, 2026-12-07):
+    `compile` refuses a subclass replacing a method of the private step."""
+    metadata = lipdp.DatasetMetadata((DIM,), K, N, 8, 16, 2.0, "poisson")
+    model = cls(_model().layers, dp_parameters=lipdp.DPParameters(1.0, DELTA),
+                dataset_metadata=metadata)
+    with pytest.raises(ValueError, match="replaces `(train_step|per_example_step_loss)` of"):
+        _compile(model)
+
+
+def test_a_method_of_the_private_step_set_on_the_model_is_refused_before_training():
+    x, y = _data(9)
+    model = _model()
+    model.train_step = lambda data: {}
+    with pytest.raises(ValueError, match="replaces `train_step` of lipdp's private step"):
+        model.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="replaces `train_step` of lipdp's private step"):
+        model.train_on_batch(x[:16], y[:16])
+
+
+class _PlainUpdates(tf.keras.callbacks.Callback):
+    """After each step, applies a plain gradient through the model's optimizer."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def on_train_batch_end(self, batch, logs=None):
+        model = self.model
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model.dp_loss.call(self.y, model(self.x, training=True)))
+        model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                            model.trainable_variables))
+
+
+def test_updates_applied_outside_the_private_step_stop_fit():
+    """A callback applying its own gradients through the model's optimizer after each step
+    (as train_step overrides did before `compile` refused them) had half its updates
+    un-noised: the optimizer's update count must follow the ledger's steps. fit stops at
     the end of the first epoch, naming the difference (under Poisson metadata, where no
     count of the epoch's examples sees the plain steps)."""
     x, y = _data(9)
     metadata = lipdp.DatasetMetadata((DIM,), K, N, 8, 16, 2.0, "poisson")
-    model = cls(_model().layers, dp_parameters=lipdp.DPParameters(1.0, DELTA),
-                dataset_metadata=metadata)
+    model = lipdp.DP_Sequential(_model().layers, dp_parameters=lipdp.DPParameters(1.0, DELTA),
+                                dataset_metadata=metadata)
     _compile(model)
     with pytest.warns(UserWarning, match="arrays"), \
             pytest.raises(RuntimeError, match="By the end of epoch 1, the optimizer applied 4 "
                                               "more updates than the privacy ledger recorded"):
-        model.fit(x, y, epochs=3, verbose=0)
+        model.fit(x, y, epochs=3, verbose=0, callbacks=[_PlainUpdates(x[:16], y[:16])])
 
 
 def test_an_optimizer_arriving_with_updates_of_its_own_trains(tmp_path):
