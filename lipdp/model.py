@@ -427,26 +427,40 @@ _XLA_REFUSAL = (
 #: are those of these methods as lipdp defines them.
 _PRIVATE_STEP_METHODS = ("train_step", "make_train_function", "private_gradients",
                          "per_example_step_loss", "sensitivities", "top_gradient_bound")
+#: And what the step reads, which a subclass's class body must not define either (a review,
+#: 2026-12-07: a `layers` property showing a bounded input the forward pass never ran gave
+#: per-example gradients 100x the bound, a `dp_loss` property returning another loss while
+#: the step was traced 25.5x, a descriptor returning lipdp's `train_step` on the class and
+#: another on the instance passed a check made with `getattr`).
+_PRIVATE_STEP_READS = ("layers", "dp_loss", "trainable_variables", "trainable_weights",
+                       "__getattribute__", "__getattr__")
 
 
 def _refuse_replaced_step_methods(model) -> None:
-    """Raise ValueError when `model`'s class (a subclass) or the model object itself replaces
-    a method of the private step (`_PRIVATE_STEP_METHODS`). Whatever a replacement does is
-    outside the epsilon reported: an audit (2026-12-07) took ``super().train_step`` twice per
-    Poisson batch (92 steps recorded for 46 samples: epsilon 3.52 reported for 6.40), modified
-    the batch before it (one record's swap moved the update by 5.35x the sensitivity), and
-    scaled `per_example_step_loss` by 10 (per-example gradients 9.5x their bound)."""
-    replaced = [name for name in _PRIVATE_STEP_METHODS
-                if getattr(type(model), name) is not getattr(_DPModelMixin, name)
-                or name in vars(model)]
+    """Raise ValueError when a class of `model` above lipdp's (a subclass, or a mixin listed
+    before lipdp's class) defines a method of the private step (`_PRIVATE_STEP_METHODS`) or
+    what it reads (`_PRIVATE_STEP_READS`), or when the model object holds such a method of
+    its own. Whatever a replacement does is outside the epsilon reported: an audit
+    (2026-12-07) took ``super().train_step`` twice per Poisson batch (92 steps recorded for 46
+    samples: epsilon 3.52 reported for 6.40), modified the batch before it (one record's swap
+    moved the update by 5.35x the sensitivity), and scaled `per_example_step_loss` by 10
+    (per-example gradients 9.5x their bound). Class bodies are read directly (``vars``), so a
+    descriptor cannot show lipdp's method to the check and another to the step."""
+    mro = type(model).__mro__
+    user_classes = mro[:next(i for i, cls in enumerate(mro)
+                             if cls in (DP_Sequential, DP_Model, _DPModelMixin))]
+    names = _PRIVATE_STEP_METHODS + _PRIVATE_STEP_READS
+    replaced = [name for name in names if any(name in vars(cls) for cls in user_classes)]
+    replaced += [name for name in _PRIVATE_STEP_METHODS
+                 if name in vars(model) and name not in replaced]
     if replaced:
         raise ValueError(
             f"Model '{model.name}' ({type(model).__name__}) replaces "
             f"{', '.join('`' + name + '`' for name in replaced)} of lipdp's private step: the "
             "noise, the bounds and the privacy ledger are those of lipdp's step, so whatever "
-            "a replacement changes (a batch taken twice or modified, another loss) is outside "
-            "the epsilon reported. Customise training with callbacks, metrics, DP layers and "
-            "DP losses instead.")
+            "a replacement changes (a batch taken twice or modified, another loss, layers "
+            "the step does not see) is outside the epsilon reported. Customise training with "
+            "callbacks, metrics, DP layers and DP losses instead.")
 
 
 class _DPModelMixin:

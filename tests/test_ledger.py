@@ -637,18 +637,58 @@ class _ScaledLoss(lipdp.DP_Sequential):
         return 10.0 * super().per_example_step_loss(y_true, y_pred)
 
 
-@pytest.mark.parametrize("cls", [_PlainSteps, _ExtraSteps, _TwiceEachBatch, _ScaledLoss])
+class _HiddenLayers(lipdp.DP_Sequential):
+    """Shows the step layers of its own (a review, 2026-12-07: a bounded input the forward
+    pass never ran, per-example gradients 100x the bound)."""
+
+    @property
+    def layers(self):
+        return super().layers
+
+
+class _LossProperty(lipdp.DP_Sequential):
+    """Reads its DP loss through a property (the review's returned another loss while the
+    step was traced: 25.5x the bound)."""
+
+    @property
+    def dp_loss(self):
+        return self._loss_of_the_property
+
+    @dp_loss.setter
+    def dp_loss(self, loss):
+        self._loss_of_the_property = loss
+
+
+class _LipdpsOnTheClass:
+    """A descriptor showing lipdp's `train_step` on the class and another on the model (the
+    review's gave every row the first record's label: 9.52x the sensitivity)."""
+
+    def __get__(self, model, cls):
+        from lipdp.model import _DPModelMixin
+
+        return _DPModelMixin.train_step if model is None else (lambda data: {})
+
+
+class _Disguised(lipdp.DP_Sequential):
+    train_step = _LipdpsOnTheClass()
+
+
+@pytest.mark.parametrize("cls", [_PlainSteps, _ExtraSteps, _TwiceEachBatch, _ScaledLoss,
+                                 _HiddenLayers, _LossProperty, _Disguised])
 def test_a_subclass_replacing_a_method_of_the_private_step_is_refused(cls):
     """A train_step override taking plain steps trained with an epsilon of 0 reported, one
     applying its own gradients after super().train_step had half its updates un-noised (an
     audit; the optimizer's update count caught both at the end of the first epoch), one
     taking the step twice per batch or modifying the batch, and a scaled
-    per_example_step_loss, trained outside the epsilon reported (an audit, 2026-12-07):
-    `compile` refuses a subclass replacing a method of the private step."""
+    per_example_step_loss, trained outside the epsilon reported (an audit, 2026-12-07), and
+    so did subclasses showing the step other layers or another loss, or a descriptor hiding
+    a replaced train_step from a check made with getattr (a review): `compile` refuses a
+    subclass defining a method of the private step or what it reads."""
     metadata = lipdp.DatasetMetadata((DIM,), K, N, 8, 16, 2.0, "poisson")
     model = cls(_model().layers, dp_parameters=lipdp.DPParameters(1.0, DELTA),
                 dataset_metadata=metadata)
-    with pytest.raises(ValueError, match="replaces `(train_step|per_example_step_loss)` of"):
+    with pytest.raises(ValueError, match="replaces `(train_step|per_example_step_loss|layers|"
+                                         "dp_loss)` of lipdp's private step"):
         _compile(model)
 
 
