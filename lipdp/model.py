@@ -1401,8 +1401,9 @@ class _DPModelMixin:
 
         Raises:
             ValueError: a subclass (or the model object) replaces a method of the private
-                step (`train_step`, `per_example_step_loss`, ...: `_PRIVATE_STEP_METHODS`);
-                also checked before every `fit` and `train_on_batch`.
+                step (`train_step`, `per_example_step_loss`, ...: `_PRIVATE_STEP_METHODS`),
+                or a subclass defines what the step reads (`layers`, `dp_loss`, ...:
+                `_PRIVATE_STEP_READS`); also checked before every `fit` and `train_on_batch`.
         """
         _refuse_replaced_step_methods(self)
         if not isinstance(private_logs_only, bool):
