@@ -116,11 +116,17 @@ def _check_graph_call(model):
     """The bounds and certificates follow the model's layer graph: its `call` must be Keras'
     functional or Sequential call, which computes that graph and nothing else. A subclass
     whose own `call` divided the output by 0.01 compiled and trained with exact per-example
-    gradients 100x the bound (an audit, 2026-12-05)."""
+    gradients 100x the bound (an audit, 2026-12-05). The class bodies above Keras' graph class
+    are read too (``vars``): a descriptor shows a class look-up Keras' `call` and the model
+    another (as one hid a replaced `train_step`: `lipdp.model._refuse_replaced_step_methods`)."""
     from keras.src.engine.functional import Functional
 
+    mro = type(model).__mro__
+    graph = next((i for i, cls in enumerate(mro) if cls in (Functional, tf.keras.Sequential)),
+                 len(mro))
     if type(model).call not in (Functional.call, tf.keras.Sequential.call) \
-            or type(model).__call__ is not tf.keras.Model.__call__ or replaced_call(model):
+            or type(model).__call__ is not tf.keras.Model.__call__ or replaced_call(model) \
+            or any(name in vars(cls) for cls in mro[:graph] for name in ("call", "__call__")):
         raise ValueError(
             f"Model '{model.name}' ({type(model).__name__}) computes its outputs with a `call` "
             "of its own, but the bounds and certificates follow its layer graph (inputs to "

@@ -247,6 +247,30 @@ class _ScaledFunctionalOutputs(DP_Model):
         return super().call(inputs, training=training, mask=mask) / 0.01
 
 
+class _KerasCallOnTheClass:
+    """A descriptor showing Keras' Sequential `call` on the class and a scaled one on the
+    model: a check comparing ``type(model).call`` passed it."""
+
+    def __get__(self, model, cls):
+        if model is None:
+            return tf.keras.Sequential.call
+        return lambda inputs, training=None, mask=None: tf.keras.Sequential.call(
+            model, inputs, training=training, mask=mask) / 0.01
+
+
+class _DisguisedCall(DP_Sequential):
+    call = _KerasCallOnTheClass()
+
+
+def test_a_call_disguised_by_a_descriptor_is_refused():
+    """(The scaled `call` runs: outputs 100x those of the layers.)"""
+    model = _DisguisedCall([DP_BoundedInput(X0, input_shape=(10,)), DP_QuickSpectralDense(3)],
+                           dp_parameters=DPParameters(1.0, 1e-5),
+                           dataset_metadata=metadata((10,), 3))
+    with pytest.raises(ValueError, match=r"computes its outputs with a `call` of its own"):
+        model.compile(loss=DP_MulticlassKR(), optimizer=tf.keras.optimizers.SGD(0.1))
+
+
 @pytest.mark.parametrize("functional", [False, True])
 def test_a_model_whose_own_call_leaves_its_layer_graph_is_refused(functional):
     """The bound pass and the certificates walk the layer graph: a subclass whose `call`
