@@ -53,8 +53,8 @@ from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, defined_in_lipdp,
                                        leaf_layers, refuse_untracked_layers)
 from lipdp.data import (ShuffleSamplingWarning, derived_from, holds_repeat, pipeline_sampler,
-                        repeated_pass, reserved_draws, seeded_poisson_samplers,
-                        unshuffled_batching)
+                        repeat_inside_batches, repeated_pass, reserved_draws,
+                        seeded_poisson_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -2292,6 +2292,13 @@ class _DPModelMixin:
                 f"{md.steps_per_epoch}. Build the metadata from the data actually used "
                 "(lipdp.data.load_dataset does).")
         self._check_repeated_pass(dataset, allowed)
+        flaw = repeat_inside_batches(dataset, md.nb_samples_train)
+        if flaw is not None:
+            raise ValueError(
+                f"The dataset {flaw}, while the sensitivity the noise is calibrated to counts "
+                "each record once in a batch. Shuffle, batch, then repeat "
+                "(dataset.shuffle(nb_samples_train).batch(batch_size).repeat()), or train on "
+                "lipdp.data.load_dataset's pipeline.")
 
     def _check_repeated_pass(self, dataset, allowed_batches):
         """A repeated pipeline (``.repeat()``, trained with ``steps_per_epoch``) must go
