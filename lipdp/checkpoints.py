@@ -113,14 +113,22 @@ class FinishedTraining(tf.keras.callbacks.Callback):
 
 def finished_training(folder: str, model):
     """The training a `FinishedTraining` callback kept in `folder`: its weights (and privacy
-    ledger) loaded into `model` (built from the same config), and its History (``epoch``,
-    ``history``, and ``train_seconds``); None when `folder` holds no whole record."""
+    ledger) loaded into `model` (built and compiled from the same config), and its History
+    (``epoch``, ``history``, and ``train_seconds``); None when `folder` holds no whole record.
+
+    Raises:
+        LedgerMismatchError: the kept ledger ran another mechanism than `model` is compiled
+            with (`check_resume`): a run folder whose config was edited after its training
+            had finished was resumed without a step, and its report gave the edited noise
+            multiplier beside the epsilon of the one that ran (an audit, 2026-12-07).
+    """
     checkpoint = tf.train.latest_checkpoint(folder) if os.path.isdir(folder) else None
     if checkpoint is None:
         return None
     with open(os.path.join(folder, FinishedTraining.HISTORY)) as f:
         record = json.load(f)
     model.load_weights(checkpoint).expect_partial()
+    check_resume(model)
     history = tf.keras.callbacks.History()
     history.epoch, history.history = record["epoch"], record["history"]
     history.train_seconds = float(record["train_seconds"])

@@ -564,10 +564,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_DATA
     except ValueError as e:
         from lipdp.data import DatasetFormatError
+        from lipdp.ledger import LedgerMismatchError
 
         if isinstance(e, DatasetFormatError):
             print(f"lipdp: corrupt dataset: {e}", file=sys.stderr)
             return EXIT_DATA
+        if isinstance(e, LedgerMismatchError):  # a run folder's config edited before --resume
+            print(f"lipdp: invalid config: {args.resume}/{CONFIG_FILE} is not the config of "
+                  f"the run its checkpoint holds. {e}", file=sys.stderr)
+            return EXIT_CONFIG
         raise
     finally:
         logger.removeHandler(handler)

@@ -877,6 +877,21 @@ def test_a_run_killed_after_its_training_is_completed_by_resume_without_training
     assert "Epoch 2/2" in first and "logit_clip" in first and "[=" not in first
     privacy = first.split("privacy            : ")[1].split("\n")[0]
     monkeypatch.setattr(cli, "_write_run", write_run)
+    # Its config edited (sigma 3 -> 20): the report gave sigma 20 beside the ledger's epsilon
+    # of sigma 3 (an audit, 2026-12-07); refused as an invalid config, without a traceback.
+    config_path = os.path.join(run_dir, cli.CONFIG_FILE)
+    original = open(config_path).read()
+    edited = json.loads(original)
+    edited["privacy"]["noise_multiplier"] = 20.0
+    with open(config_path, "w") as f:
+        json.dump(edited, f)
+    assert cli.main(["train", "--resume", run_dir]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "is not the config of the run its checkpoint holds" in err
+    assert "noise_multiplier: 3.0 in the ledger, 20.0 now" in err
+    assert not os.path.exists(os.path.join(run_dir, "report.json"))
+    with open(config_path, "w") as f:
+        f.write(original)
     assert cli.main(["train", "--resume", run_dir]) == 0
     out = capsys.readouterr().out
     assert "training had finished (8 steps)" in out and "no step is taken again" in out
