@@ -895,6 +895,7 @@ def test_a_run_killed_after_its_training_is_completed_by_resume_without_training
     assert cli.main(["train", "--resume", run_dir]) == 0
     out = capsys.readouterr().out
     assert "training had finished (8 steps)" in out and "no step is taken again" in out
+    assert "(2 epochs, 8 steps; the time of the last process only: the run was resumed)" in out
     assert "Epoch 1/" not in out and f"privacy            : {privacy}" in out
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["results"]["steps"] == 8
