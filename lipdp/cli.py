@@ -304,6 +304,12 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
                                    save_model_atomically)
     from lipdp.config import build_from_config, certification_target
 
+    if not resume and any(os.path.isdir(os.path.join(run_dir, d))
+                          for d in (CHECKPOINT_DIR, TRAINED_DIR)):
+        # Its checkpoint would be restored into this run, and its config.json overwritten
+        # first (a review, 2026-12-07: an edited config started there lost the killed run's).
+        raise ConfigError(f"{run_dir} holds a killed run (its checkpoint): resume it with "
+                          f"'lipdp train --resume {run_dir}', or give another --run-dir.")
     _section("Data")
     model, ds_train, ds_test, metadata, fit_kwargs = build_from_config(cfg)
     if not resume:
@@ -571,8 +577,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"lipdp: corrupt dataset: {e}", file=sys.stderr)
             return EXIT_DATA
         if isinstance(e, LedgerMismatchError):  # a run folder's config edited before --resume
-            print(f"lipdp: invalid config: {args.resume}/{CONFIG_FILE} is not the config of "
-                  f"the run its checkpoint holds. {e}", file=sys.stderr)
+            print(f"lipdp: invalid config: {args.resume or args.run_dir}/{CONFIG_FILE} is not "
+                  f"the config of the run its checkpoint holds. {e}", file=sys.stderr)
             return EXIT_CONFIG
         raise
     finally:

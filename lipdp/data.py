@@ -139,12 +139,15 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     of at least `nb_records` records (when both are known) and without
     ``reshuffle_each_iteration=False``. A shuffle after batching only reorders fixed
     batches; a smaller buffer only swaps each record with its neighbours in the input
-    order (``shuffle(1)`` keeps it), so its batch is largely known in advance; a shuffle
+    order (``shuffle(1)`` keeps it), so its batch is largely known in advance; a shuffle of
+    whole batches that are then unbatched and batched again only reorders the same batches
+    (an audit, 2026-12-07: ``batch(8).shuffle(64).unbatch().batch(8)``); a shuffle
     that replays its order holds the same batches every epoch, and so does one followed by
     a ``cache`` or ``snapshot``, which replay the first epoch's records in their first
     order (an audit, 2026-12-06: ``shuffle(N).batch(B).cache()`` trained on one epoch's
     batches three times, silently). Randomness of another kind
-    (a random ``filter``, sampling from datasets) is not seen.
+    (a random ``filter``, sampling from datasets) is not seen, nor batches that no batching
+    step makes (a ``map`` or a generator yielding them).
     """
     from tensorflow.core.framework import graph_pb2
 
@@ -169,7 +172,18 @@ def unshuffled_batching(dataset: tf.data.Dataset,
         size = int(tf.make_ndarray(const.attr["value"].tensor))
         return size if size > 0 else None
 
-    def flaw(shuffle):
+    def shuffles_batches(shuffle, batch):  # batches made above it, unbatched below it
+        below = {n.name for n in _upstream(batch, node_of)}
+        return any(n.op.startswith("UnbatchDataset") and n.name in below and
+                   shuffle.name in {u.name for u in _upstream(n, node_of)}
+                   for n in path) and any(n.name in unbatched and _batching_op(n.op)
+                                          for n in _upstream(shuffle, node_of))
+
+    def flaw(shuffle, batch):
+        if shuffles_batches(shuffle, batch):
+            return ("shuffles whole batches, which are unbatched and batched again "
+                    "(batch, shuffle, unbatch, batch): every epoch holds the same batches, "
+                    "reordered")
         if "reshuffle_each_iteration" in shuffle.attr and \
                 not shuffle.attr["reshuffle_each_iteration"].b:
             return ("shuffles with reshuffle_each_iteration=False: every epoch holds the "
@@ -191,17 +205,21 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     # Batches an `unbatch` undoes downstream are not the training batches.
     unbatched = {n.name for node in path if node.op.startswith("UnbatchDataset")
                  for n in [node, *_upstream(node, node_of)]}
-    batches = [n for n in path if n.op.startswith(("BatchDataset", "PaddedBatchDataset"))
-               and n.name not in unbatched]
+    batches = [n for n in path if _batching_op(n.op) and n.name not in unbatched]
     if not batches:
         return None
     for batch in batches:
-        flaws = [flaw(shuffle) for shuffle in shuffles_upstream(batch)]
+        flaws = [flaw(shuffle, batch) for shuffle in shuffles_upstream(batch)]
         if not flaws:
             return "batches its records without shuffling them first"
         if None not in flaws:
             return flaws[0]
     return None
+
+
+def _batching_op(op: str) -> bool:
+    """Whether a serialized tf.data op batches records."""
+    return op.startswith(("BatchDataset", "PaddedBatchDataset", "ParallelBatchDataset"))
 
 
 def _upstream(node, node_of, seen=None):
@@ -291,60 +309,123 @@ def holds_repeat(dataset: tf.data.Dataset) -> bool:
 
 
 def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optional[str]:
-    """Why a batch of `dataset` may hold one of its records twice through a ``repeat`` that
-    comes before its batching; None when none can (or no verdict). Read from tf.data's
-    dataset objects, from the output down to the first ``repeat`` below a batching step
-    (a `load_dataset` pipeline below ends the search: its sampler draws the batches).
+    """Why a ``repeat`` of `dataset` may put one of its records twice in a batch, or in an
+    epoch more often than its passes allow; None when none can (or no verdict). Read from
+    tf.data's dataset objects (a `load_dataset` pipeline below ends the search: its sampler
+    draws the batches); repeats inside a ``flat_map`` or ``interleave`` function are not
+    seen. A repeat of one pass (``repeat(1)``) is no repeat. Refused (audits, 2026-12-07):
 
-    - A ``shuffle`` between that batching and the repeat mixes two passes in one buffer,
-      so a batch may hold a record of both: ``repeat().shuffle(N).batch(D)`` put some record
-      in 69% of its batches more than once (up to 3 times), and one record moved the noiseless
-      update by 2.01 times the sensitivity the noise was calibrated to (an audit,
-      2026-12-07);
-    - without one, a pass of R records, R not a multiple of the batch size, makes batches
-      that straddle two passes: ``shuffle(60).repeat().batch(16)`` held a record twice in
-      15% of its batches. R is read from the pipeline when tf.data does not know it
+    - a shuffle applied after a repeat, which mixes two passes in one buffer:
+      ``repeat().shuffle(N).batch(D)`` put some record in 69% of its batches more than once
+      (up to 3 times), and one record moved the noiseless update by 2.01 times the
+      sensitivity the noise was calibrated to; ``batch(D).repeat().shuffle(k)`` gave one
+      record 4 draws in an epoch;
+    - a repeat inside a ``zip``, ``concatenate``, ``sample_from_datasets`` or
+      ``choose_from_datasets`` (or ``enumerate``, a zip): the repeated input comes round
+      at its own pace, so ``zip((xs.repeat(), ys.repeat())).shuffle(N).batch(D)`` and a
+      repeated class in ``sample_from_datasets`` held a record twice in a batch, and a
+      repeated second input of a ``concatenate`` made every later epoch of 8 records;
+    - a repeat before a batching step with anything but element-wise steps (``map``,
+      ``prefetch``, options) between them: a ``take``, ``filter``, ``unbatch`` or another
+      repeat there cuts passes unevenly;
+    - a pass of R records, R not a multiple of the batch size, repeated before batching:
+      batches straddle two passes (``shuffle(60).repeat().batch(16)`` held a record twice
+      in 15% of its batches). R is read from the pipeline when tf.data does not know it
       (no verdict beyond `count_limit` records).
     """
-    batch_size, shuffled = None, False
-    for d in _chain(dataset):
+    chain = list(_main_chain(dataset))
+    on_chain = {id(d) for d in chain}
+    sampled = lambda d: getattr(d, "lipdp_sampler", None) is not None  # noqa: E731
+    if any(_repeats(d) and id(d) not in on_chain for d in _datasets_below(dataset, sampled)):
+        return ("repeats a dataset it zips, concatenates or samples from: the repeated input "
+                "comes round at its own pace, so a batch or an epoch may hold a record twice")
+    batch_size, batched, between, shuffled = None, False, None, False
+    for d in chain:
         name = type(d).__name__
-        if getattr(d, "lipdp_sampler", None) is not None:
-            return None
-        if batch_size is None:
-            if _batches(name):
-                batch_size = _static_batch_size(d)
-            continue
-        if "Shuffle" in name:
-            shuffled = True
-        elif "Repeat" in name:
+        if _repeats(d):
             if shuffled:
-                return ("shuffles the records of a repeat before batching them: one shuffle "
-                        "buffer mixes two passes over the data, so a batch may hold a record "
-                        "twice")
+                return ("shuffles after a repeat: one shuffle buffer mixes two passes over the "
+                        "data, so a batch (or an epoch) may hold a record twice")
+            if not batched:
+                continue
+            if between is not None:
+                return (f"repeats its records before batching them with a step that is not "
+                        f"element-wise between them ({between}): its passes are cut unevenly, "
+                        "so a batch may hold a record twice")
             inner = d._input_dataset
             records = int(inner.cardinality())
             batched_pass = _batched_elements(inner)
             if records < 0 or batched_pass:
                 records = _records_in_pass(inner, batched_pass, count_limit)
-            if records is None or batch_size in (None, 0) or records % batch_size == 0:
-                return None
-            return (f"batches a repeat of {records} records in batches of {batch_size}: a "
-                    "batch straddles two passes over the data, so it may hold a record twice")
+            if records is not None and batch_size not in (None, 0) and records % batch_size:
+                return (f"batches a repeat of {records} records in batches of {batch_size}: a "
+                        "batch straddles two passes over the data, so it may hold a record "
+                        "twice")
+            between = name  # a repeat below this one is cut by this one's passes
+        elif "Shuffle" in name:
+            shuffled = True
+        elif _batches(name) and not batched:
+            batch_size, batched = _static_batch_size(d), True
+        elif batched and between is None and not _element_wise(name):
+            between = name  # another batching step, an unbatch, a take, a filter...
     return None
 
 
+def repeated_pass_batches(dataset: tf.data.Dataset) -> Optional[tf.data.Dataset]:
+    """The pass a ``repeat`` of `dataset` goes through again and again, as batches (records
+    batched by 1024): the input of the outermost repeat on its main chain whose input is
+    not infinite; None without one. `fit` counts its copies of records, as it counts an
+    epoch's when the dataset holds no repeat (an audit, 2026-12-07: a trailing ``repeat()``
+    switched the count off, and 32 records concatenated with themselves trained silently
+    where they warn without it)."""
+    for d in _main_chain(dataset):
+        if not _repeats(d):
+            continue
+        inner = d._input_dataset
+        if int(inner.cardinality()) != tf.data.INFINITE_CARDINALITY:
+            return inner if _batched_elements(inner) else inner.batch(1024)
+    return None
+
+
+def _main_chain(dataset: tf.data.Dataset):
+    """`dataset` and the datasets below it while each has one input (a ``zip``,
+    ``concatenate`` or sampling from datasets ends it, as does a `load_dataset`
+    pipeline)."""
+    while dataset is not None and getattr(dataset, "lipdp_sampler", None) is None:
+        yield dataset
+        inputs = _inputs_of(dataset)
+        dataset = inputs[0] if len(inputs) == 1 else None
+
+
+def _repeats(dataset) -> bool:
+    """Whether `dataset` is a ``repeat`` of more than one pass."""
+    if "Repeat" not in type(dataset).__name__:
+        return False
+    count = tf.get_static_value(getattr(dataset, "_count", None))
+    return count is None or int(count) != 1
+
+
+def _element_wise(name: str) -> bool:
+    """Whether a tf.data dataset class of this name yields one element per input element, in
+    order (a ``map``, ``prefetch``, options): what may sit between a repeat and a batching
+    step."""
+    return "FlatMap" not in name and any(part in name for part in (
+        "Map", "Prefetch", "Options", "ThreadPool", "IntraOp", "ModelDataset"))
+
+
 def _batches(name: str) -> bool:
-    """Whether a tf.data dataset class of this name batches records (``unbatch`` does not;
-    ``rebatch`` re-cuts the batches of a batching step below it)."""
-    return "Batch" in name and "Unbatch" not in name and "Rebatch" not in name
+    """Whether a tf.data dataset class of this name groups records into batches or windows
+    (``unbatch`` does not; ``rebatch`` re-cuts the batches of a batching step below it)."""
+    return ("Batch" in name and "Unbatch" not in name) or "Window" in name
 
 
 def _static_batch_size(dataset) -> Optional[int]:
-    """A batching dataset's batch size, when it is a known number."""
+    """A batching dataset's batch size, when it is a known number (``map_and_batch`` keeps it
+    as ``_batch_size_t``)."""
+    size = getattr(dataset, "_batch_size", getattr(dataset, "_batch_size_t", None))
     try:
-        return int(tf.get_static_value(dataset._batch_size))
-    except (AttributeError, TypeError, ValueError):
+        return int(tf.get_static_value(size))
+    except (TypeError, ValueError):
         return None
 
 

@@ -53,8 +53,8 @@ from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, defined_in_lipdp,
                                        leaf_layers, refuse_untracked_layers)
 from lipdp.data import (ShuffleSamplingWarning, derived_from, holds_repeat, pipeline_sampler,
-                        repeat_inside_batches, repeated_pass, reserved_draws,
-                        seeded_poisson_samplers, unshuffled_batching)
+                        repeat_inside_batches, repeated_pass, repeated_pass_batches,
+                        reserved_draws, seeded_poisson_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -2118,15 +2118,20 @@ class _DPModelMixin:
             self._check_pipeline_sampler(x)
             if validate_data:
                 batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
-                # Copies counted in the same pass, under shuffle sampling; a repeated
-                # pipeline's pass is counted instead (`_check_repeated_pass`): a shuffle after
-                # the repeat mixes two passes in one epoch's batches.
-                count = md.sampling == Sampling.SHUFFLE and \
-                    getattr(x, "lipdp_sampler", None) is None and not holds_repeat(x)
+                # Copies counted in the same pass, under shuffle sampling; for a repeated
+                # pipeline, in the pass its repeat goes through (an epoch's steps may take
+                # the end of one pass and the start of the next).
+                shuffled = md.sampling == Sampling.SHUFFLE and \
+                    getattr(x, "lipdp_sampler", None) is None
                 counted = check_finite_dataset(x, batches, dtype=self.compute_dtype,
-                                               count_records=count)
+                                               count_records=shuffled and not holds_repeat(x))
                 self._warn_on_repeated_records(counted,
                                                f"One epoch of the dataset ({batches} batches)")
+                repeated = repeated_pass_batches(x) if shuffled and holds_repeat(x) else None
+                if repeated is not None:  # a pass of at most N records (`_check_dataset`)
+                    self._warn_on_repeated_records(check_finite_dataset(
+                        repeated, md.nb_samples_train + 1, dtype=self.compute_dtype,
+                        count_records=True), "One pass of the repeated dataset")
                 if counted is not None and counted.complete:
                     self._check_records_in_pass(counted.records)
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names, batches)

@@ -843,6 +843,44 @@ def test_scattering_padding_reaches_every_scattering_layer_and_its_constant():
         load_config(None, ["model.scattering_padding=circular"])
 
 
+def test_a_new_run_in_the_folder_of_a_killed_run_is_refused(fake_fashion, tmp_path,
+                                                             monkeypatch, capsys):
+    """`lipdp train EDITED.yaml --run-dir RUN` where RUN holds a killed run's checkpoint wrote
+    its config over the killed run's, then stopped on the restored ledger's mismatch,
+    naming "None/config.json" (a review, 2026-12-07). Refused before anything is written,
+    pointing to --resume; the killed run then resumes."""
+    from lipdp import checkpoints
+
+    cfg = {"dataset": {"name": "fashion_mnist", "batch_size": 10, "nb_samples_train": 40,
+                       "input_bound": 10.0, "seed": 0},
+           "model": {"architecture": "mlp", "widths": [8]},
+           "privacy": {"noise_multiplier": 3.0, "delta": 1e-5, "epsilon_budget": None},
+           "training": {"epochs": 2}, "certification": {"radii": [0.0]}}
+    first = write_yaml(tmp_path / "first.yaml", cfg)
+    cfg["privacy"]["noise_multiplier"] = 20.0
+    edited = write_yaml(tmp_path / "edited.yaml", cfg)
+    run_dir = str(tmp_path / "run")
+    backup = checkpoints.BackupAndRestore.on_epoch_end
+
+    def killed(self, epoch, logs=None):
+        backup(self, epoch, logs)
+        raise KeyboardInterrupt("killed after the first epoch's checkpoint")
+
+    monkeypatch.setattr(checkpoints.BackupAndRestore, "on_epoch_end", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["train", first, "--run-dir", run_dir])
+    monkeypatch.setattr(checkpoints.BackupAndRestore, "on_epoch_end", backup)
+    config_path = os.path.join(run_dir, cli.CONFIG_FILE)
+    original = open(config_path).read()
+    capsys.readouterr()
+    assert cli.main(["train", edited, "--run-dir", run_dir]) == cli.EXIT_CONFIG
+    assert f"holds a killed run (its checkpoint): resume it with 'lipdp train --resume " \
+        f"{run_dir}'" in capsys.readouterr().err
+    assert open(config_path).read() == original
+    assert cli.main(["train", "--resume", run_dir]) == 0
+    assert "(2 epochs, 8 steps; the time of the last process only" in capsys.readouterr().out
+
+
 def test_a_run_killed_after_its_training_is_completed_by_resume_without_training(
         fake_fashion, tmp_path, monkeypatch, capsys):
     """A run killed after its training ended -- while it certified, saved or wrote its

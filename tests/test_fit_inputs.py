@@ -677,7 +677,11 @@ def test_arrays_are_refused_without_shuffling(shuffle):
     (lambda d: d.shuffle(N).batch(BATCH).cache().unbatch().shuffle(N).batch(BATCH), None),
     (lambda d: d.batch(BATCH).unbatch().shuffle(N).batch(BATCH), None),
     (lambda d: d.shuffle(N).batch(BATCH).unbatch().batch(BATCH), None),
-    (lambda d: d.batch(BATCH).shuffle(4).unbatch().batch(BATCH), "a buffer of 4 records"),
+    # a shuffle of whole batches, unbatched and batched again (an audit, 2026-12-07)
+    (lambda d: d.batch(BATCH).shuffle(4).unbatch().batch(BATCH), "shuffles whole batches"),
+    (lambda d: d.batch(BATCH).shuffle(N).unbatch().batch(BATCH), "shuffles whole batches"),
+    (lambda d: d.batch(BATCH, num_parallel_calls=2), "without shuffling them first"),
+    (lambda d: d.shuffle(N).batch(BATCH, num_parallel_calls=2), None),
     (lambda d: d.shuffle(N, seed=0).map(lambda x, y: (x, y)).batch(BATCH).prefetch(1), None),
     (lambda d: d.shuffle(N).shuffle(4).batch(BATCH), None),  # one shuffle of every record
     (lambda d: d.shuffle(4).shuffle(2 * N).batch(BATCH), None),
@@ -895,19 +899,32 @@ def _most_copies_in_a_batch(dataset, batches):
     return most
 
 
-@pytest.mark.parametrize("pipeline", [
-    "repeat, shuffle, batch", "repeat, map, shuffle, batch, prefetch",
-    "shuffled batches of a repeat re-cut", "pass of 60 in batches of 8",
-    "filtered pass of 60 in batches of 8",
-    "shuffle, repeat, batch", "shuffle, batch, repeat", "pass of 60, batch, repeat"])
+_REPEATS = {  # what each refused pipeline is refused for
+    "shuffles after a repeat": [
+        "repeat, shuffle, batch", "repeat, map, shuffle, batch, prefetch",
+        "shuffled batches of a repeat re-cut", "repeat, shuffle, repeat, batch",
+        "repeat, shuffle, map_and_batch"],
+    "repeats a dataset it zips, concatenates or samples from": [
+        "zip of repeats, shuffle, batch", "sample_from_datasets of repeats, batch"],
+    "batches a repeat of 60 records in batches of 8": [
+        "pass of 60 in batches of 8", "filtered pass of 60 in batches of 8"],
+    "repeats its records before batching them with a step that is not element-wise": [
+        "shuffle, repeat, take, batch"],
+}
+
+
+@pytest.mark.parametrize("pipeline", [p for refused in _REPEATS.values() for p in refused] + [
+    "shuffle, repeat, batch", "shuffle, batch, repeat", "pass of 60, batch, repeat",
+    "pass of 60, repeat(1), batch"])
 def test_a_repeat_that_puts_a_record_twice_in_a_batch_is_refused(pipeline):
     """A repeat before the batching, with a shuffle between them (``repeat().shuffle(N)``, a
     common idiom) or a pass that is not a whole number of batches, puts some record twice in
     one batch, while the sensitivity counts each record once: an audit's
     ``repeat().shuffle(64).batch(16)`` held a record more than once in 69% of its batches
     (up to 3 times) and one record moved the noiseless update by 2.01 times the sensitivity,
-    trained silently. Refused before the first step (the copies are shown to be there);
-    shuffling, then repeating, trains (and holds none)."""
+    trained silently; so did repeats inside a ``zip`` or ``sample_from_datasets`` (a review).
+    Refused before the first step (the copies are shown to be there); shuffling, then
+    repeating, trains (and holds none)."""
     n = 60 if "60" in pipeline else N
     x, y = _arrays(np.random.default_rng(23), n=n)
     records = tf.data.Dataset.from_tensor_slices((x, y))
@@ -924,9 +941,22 @@ def test_a_repeat_that_puts_a_record_twice_in_a_batch_is_refused(pipeline):
         "pass of 60 in batches of 8": lambda: records.shuffle(n).repeat().batch(BATCH),
         "filtered pass of 60 in batches of 8": lambda: records.shuffle(n).repeat().batch(
             BATCH),
+        "repeat, shuffle, repeat, batch": lambda: records.repeat().shuffle(n).repeat().batch(
+            BATCH),
+        "repeat, shuffle, map_and_batch": lambda: records.repeat().shuffle(n).apply(
+            tf.data.experimental.map_and_batch(lambda a, b: (a, b), BATCH)),
+        "zip of repeats, shuffle, batch": lambda: tf.data.Dataset.zip((
+            tf.data.Dataset.from_tensor_slices(x).repeat(),
+            tf.data.Dataset.from_tensor_slices(y).repeat())).shuffle(n).batch(BATCH),
+        "sample_from_datasets of repeats, batch": lambda: tf.data.Dataset.sample_from_datasets(
+            [records.take(8).shuffle(8).repeat(), records.skip(8).shuffle(n).repeat()],
+            seed=0).batch(BATCH),
+        "shuffle, repeat, take, batch": lambda: records.shuffle(n).repeat().take(
+            100 * n).batch(BATCH),
         "shuffle, repeat, batch": lambda: records.shuffle(n).repeat().batch(BATCH),
         "shuffle, batch, repeat": lambda: records.shuffle(n).batch(BATCH).repeat(),
         "pass of 60, batch, repeat": lambda: records.shuffle(n).batch(BATCH).repeat(),
+        "pass of 60, repeat(1), batch": lambda: records.shuffle(n).repeat(1).batch(BATCH),
     }[pipeline]()
     metadata = lipdp.DatasetMetadata((DIM,), 3, n, 8, BATCH, X0, "shuffle")
     model = lipdp.DP_Sequential(
@@ -934,17 +964,16 @@ def test_a_repeat_that_puts_a_record_twice_in_a_batch_is_refused(pipeline):
         dp_parameters=lipdp.DPParameters(1.0, 1e-5), dataset_metadata=metadata)
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
     steps = -(-n // BATCH)
-    refused = pipeline not in ("shuffle, repeat, batch", "shuffle, batch, repeat",
-                               "pass of 60, batch, repeat")
+    reason = next((r for r, refused in _REPEATS.items() if pipeline in refused), None)
     copies = _most_copies_in_a_batch(dataset, 20 * steps)
-    assert (copies > 1) == refused, copies
-    if not refused:
-        model.fit(dataset, epochs=1, verbose=0, steps_per_epoch=steps)
+    assert (copies > 1) == (reason is not None and "take" not in pipeline), copies
+    if reason is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", lipdp.data.ShuffleSamplingWarning)
+            model.fit(dataset, epochs=1, verbose=0, steps_per_epoch=steps)
         assert model.dp_steps_taken == steps
         return
-    match = ("shuffles the records of a repeat before batching" if "60" not in pipeline
-             else f"batches a repeat of {n} records in batches of {BATCH}")
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=f"The dataset {reason}"):
         model.fit(dataset, epochs=1, verbose=0, steps_per_epoch=steps)
     assert model.dp_steps_taken == 0
 
@@ -1084,14 +1113,16 @@ def test_monitors_of_data_made_from_the_training_set_are_refused_or_warned():
 
 @pytest.mark.parametrize("pipeline", ["concatenated with itself", "copies by flat_map",
                                       "the declared records", "arrays concatenated",
-                                      "the declared arrays"])
+                                      "the declared arrays", "concatenated with itself, repeated",
+                                      "the declared records, repeated"])
 def test_an_epoch_holding_copies_of_records_warns(pipeline):
     """The accountant counts each record once an epoch: 32 records concatenated with
     themselves under metadata of 64 (a dataset, or arrays) ran silently at twice its rate
     (audits: epsilon 1.67 reported for 3.40, 7.39 for 13.16). fit warns with the counts;
-    the declared records once each, no warning. (A repeat before the shuffle, which mixes two
-    passes in an epoch's batches, is refused: `test_a_repeat_that_puts_a_record_twice_in_a_
-    batch_is_refused`.)"""
+    the declared records once each, no warning. A trailing ``repeat()`` switched the count
+    off (an audit, 2026-12-07): the pass it repeats is counted. (A repeat before the shuffle,
+    which mixes two passes in an epoch's batches, is refused: `test_a_repeat_that_puts_a_
+    record_twice_in_a_batch_is_refused`.)"""
     x, y = _arrays(np.random.default_rng(19))
     half = tf.data.Dataset.from_tensor_slices((x[:N // 2], y[:N // 2]))
     data = {
@@ -1102,17 +1133,24 @@ def test_an_epoch_holding_copies_of_records_warns(pipeline):
         "arrays concatenated": (np.concatenate([x[:N // 2]] * 2),
                                 np.concatenate([y[:N // 2]] * 2)),
         "the declared arrays": (x, y),
+        "concatenated with itself, repeated": half.concatenate(half),
+        "the declared records, repeated": tf.data.Dataset.from_tensor_slices((x, y)),
     }[pipeline]
     arrays = isinstance(data, tuple)
     fit = dict(epochs=1, verbose=0) if arrays else dict(epochs=1, verbose=0,
                                                         steps_per_epoch=N // BATCH)
     model = _model(3, sigma=1.0)
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    if not arrays:
+        data = data.shuffle(N).batch(BATCH)
+        data = data.repeat() if pipeline.endswith("repeated") else data
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        model.fit(*(data if arrays else (data.shuffle(N).batch(BATCH),)), **fit)
+        model.fit(*(data if arrays else (data,)), **fit)
     repeated = [str(w.message) for w in record if "distinct ones" in str(w.message)]
     assert len(repeated) == ("declared" not in pipeline)
-    source = "The training arrays" if arrays else f"One epoch of the dataset ({N // BATCH} batches)"
+    source = ("The training arrays" if arrays else "One pass of the repeated dataset"
+              if pipeline.endswith("repeated") else
+              f"One epoch of the dataset ({N // BATCH} batches)")
     assert all(m.startswith(f"{source} holds {N} records but only {N // 2} distinct ones")
                for m in repeated)
