@@ -149,18 +149,10 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     (a random ``filter``, sampling from datasets) is not seen, nor batches that no batching
     step makes (a ``map`` or a generator yielding them).
     """
-    from tensorflow.core.framework import graph_pb2
-
-    try:
-        graph = graph_pb2.GraphDef()
-        graph.ParseFromString(tf.raw_ops.DatasetToGraphV2(
-            input_dataset=dataset._variant_tensor).numpy())
-    except Exception:  # pylint: disable=broad-except  (an uninspectable pipeline: no verdict)
+    read = _pipeline_graph(dataset)
+    if read is None:
         return None
-    nodes = {node.name: node for node in graph.node}
-
-    def node_of(name):
-        return nodes.get(name.split(":")[0].lstrip("^"))
+    graph, node_of = read
 
     def shuffles_upstream(node):
         return [n for n in _upstream(node, node_of) if "Shuffle" in n.op]
@@ -215,6 +207,42 @@ def unshuffled_batching(dataset: tf.data.Dataset,
         if None not in flaws:
             return flaws[0]
     return None
+
+
+def batches_made_unseen(dataset: tf.data.Dataset) -> bool:
+    """Whether `dataset` yields batches that no batching step of its pipeline makes (a
+    ``map`` cutting rows, a generator, pre-batched tensors): `unshuffled_batching` has no
+    verdict on them, and ``range(8).shuffle(64).map(rows 8k..8k+7)`` gave the same 8
+    batches every epoch, silently (an audit, 2026-12-07). False when the graph cannot be read,
+    or for a `load_dataset` pipeline (its sampler draws the batches)."""
+    if pipeline_sampler(dataset) is not None:
+        return False
+    read = _pipeline_graph(dataset)
+    if read is None:
+        return False
+    graph, node_of = read
+    return not any(_batching_op(n.op) or n.op.startswith((
+        "MapAndBatchDataset", "ExperimentalMapAndBatchDataset", "GroupByWindowDataset",
+        "WindowDataset", "RebatchDataset")) for n in _data_path(graph, node_of))
+
+
+def _pipeline_graph(dataset: tf.data.Dataset):
+    """``(GraphDef, node_of)`` of `dataset`'s pipeline, serialized by tf.data (``node_of``
+    maps an input name to its node); None when it cannot be serialized."""
+    from tensorflow.core.framework import graph_pb2
+
+    try:
+        graph = graph_pb2.GraphDef()
+        graph.ParseFromString(tf.raw_ops.DatasetToGraphV2(
+            input_dataset=dataset._variant_tensor).numpy())
+    except Exception:  # pylint: disable=broad-except  (an uninspectable pipeline: no verdict)
+        return None
+    nodes = {node.name: node for node in graph.node}
+
+    def node_of(name):
+        return nodes.get(name.split(":")[0].lstrip("^"))
+
+    return graph, node_of
 
 
 def _batching_op(op: str) -> bool:
@@ -299,8 +327,19 @@ def _chain(dataset: tf.data.Dataset):
     """`dataset`, then the dataset it was built from (tf.data's ``_input_dataset``), and so
     on down to the source."""
     while dataset is not None:
+        dataset = _unwrapped(dataset)
         yield dataset
         dataset = getattr(dataset, "_input_dataset", None)
+
+
+def _unwrapped(dataset):
+    """The dataset a ``tf.compat.v1.data`` dataset wraps (a ``DatasetV1Adapter``), else
+    `dataset` itself: a v1 pipeline's chain was read as adapters only, and its repeat not
+    seen (a review, 2026-12-07)."""
+    while type(dataset).__name__ == "DatasetV1Adapter" and \
+            getattr(dataset, "_dataset", None) is not None:
+        dataset = dataset._dataset
+    return dataset
 
 
 def holds_repeat(dataset: tf.data.Dataset) -> bool:
@@ -325,9 +364,12 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
       at its own pace, so ``zip((xs.repeat(), ys.repeat())).shuffle(N).batch(D)`` and a
       repeated class in ``sample_from_datasets`` held a record twice in a batch, and a
       repeated second input of a ``concatenate`` made every later epoch of 8 records;
-    - a repeat before a batching step with anything but element-wise steps (``map``,
-      ``prefetch``, options) between them: a ``take``, ``filter``, ``unbatch`` or another
-      repeat there cuts passes unevenly;
+    - a repeat before a batching step with anything but steps keeping the records one for
+      one and in order (``map``, ``prefetch``, options) between them: a ``take``,
+      ``filter``, ``unbatch``, another repeat or a non-deterministic parallel ``map`` there
+      cuts or mixes the passes;
+    - a repeat before a batching step whose batch size cannot be read (``window``,
+      ``group_by_window``, ``bucket_by_sequence_length``);
     - a pass of R records, R not a multiple of the batch size, repeated before batching:
       batches straddle two passes (``shuffle(60).repeat().batch(16)`` held a record twice
       in 15% of its batches). R is read from the pipeline when tf.data does not know it
@@ -340,6 +382,7 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
         return ("repeats a dataset it zips, concatenates or samples from: the repeated input "
                 "comes round at its own pace, so a batch or an epoch may hold a record twice")
     batch_size, batched, between, shuffled = None, False, None, False
+    deterministic = dataset.options().deterministic is not False
     for d in chain:
         name = type(d).__name__
         if _repeats(d):
@@ -349,15 +392,19 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
             if not batched:
                 continue
             if between is not None:
-                return (f"repeats its records before batching them with a step that is not "
-                        f"element-wise between them ({between}): its passes are cut unevenly, "
-                        "so a batch may hold a record twice")
+                return (f"repeats its records before batching them with a step between them "
+                        f"that does not keep them one for one and in order ({between}): it "
+                        "cuts or mixes the passes, so a batch may hold a record twice")
             inner = d._input_dataset
             records = int(inner.cardinality())
             batched_pass = _batched_elements(inner)
             if records < 0 or batched_pass:
                 records = _records_in_pass(inner, batched_pass, count_limit)
-            if records is not None and batch_size not in (None, 0) and records % batch_size:
+            if batch_size is None:
+                return ("repeats its records before batching them in batches whose size "
+                        "lipdp cannot read (a window or a group by window): a batch may "
+                        "straddle two passes over the data, and hold a record twice")
+            if records is not None and batch_size and records % batch_size:
                 return (f"batches a repeat of {records} records in batches of {batch_size}: a "
                         "batch straddles two passes over the data, so it may hold a record "
                         "twice")
@@ -366,7 +413,7 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
             shuffled = True
         elif _batches(name) and not batched:
             batch_size, batched = _static_batch_size(d), True
-        elif batched and between is None and not _element_wise(name):
+        elif batched and between is None and not _keeps_order(d, deterministic):
             between = name  # another batching step, an unbatch, a take, a filter...
     return None
 
@@ -391,10 +438,11 @@ def _main_chain(dataset: tf.data.Dataset):
     """`dataset` and the datasets below it while each has one input (a ``zip``,
     ``concatenate`` or sampling from datasets ends it, as does a `load_dataset`
     pipeline)."""
+    dataset = _unwrapped(dataset) if dataset is not None else None
     while dataset is not None and getattr(dataset, "lipdp_sampler", None) is None:
         yield dataset
         inputs = _inputs_of(dataset)
-        dataset = inputs[0] if len(inputs) == 1 else None
+        dataset = _unwrapped(inputs[0]) if len(inputs) == 1 else None
 
 
 def _repeats(dataset) -> bool:
@@ -405,12 +453,21 @@ def _repeats(dataset) -> bool:
     return count is None or int(count) != 1
 
 
-def _element_wise(name: str) -> bool:
-    """Whether a tf.data dataset class of this name yields one element per input element, in
-    order (a ``map``, ``prefetch``, options): what may sit between a repeat and a batching
-    step."""
-    return "FlatMap" not in name and any(part in name for part in (
-        "Map", "Prefetch", "Options", "ThreadPool", "IntraOp", "ModelDataset"))
+def _keeps_order(dataset, deterministic: bool) -> bool:
+    """Whether `dataset` yields one element per input element, in their order (a ``map``,
+    ``prefetch``, options): what may sit between a repeat and a batching step. A parallel
+    ``map`` with ``deterministic=False`` (or under options that make the pipeline
+    non-deterministic, `deterministic` False) reorders: ``shuffle(16).repeat().map(f,
+    num_parallel_calls=16, deterministic=False).prefetch(1).batch(8)`` held a record twice in
+    61% of its batches (a review, 2026-12-07)."""
+    name = type(dataset).__name__
+    if "FlatMap" in name or not any(part in name for part in (
+            "Map", "Prefetch", "Options", "ThreadPool", "IntraOp", "ModelDataset")):
+        return False
+    if "ParallelMap" in name:
+        order = str(getattr(dataset, "_deterministic", "default")).lower()
+        return order == "true" or (order == "default" and deterministic)
+    return True
 
 
 def _batches(name: str) -> bool:
@@ -1183,14 +1240,15 @@ def reserved_draws() -> int:
 
 def _inputs_of(dataset: tf.data.Dataset) -> list:
     """The tf.data datasets `dataset` was built from (each dataset object holds its inputs)."""
-    return [d for d in dataset._inputs() if isinstance(d, tf.data.Dataset)]
+    return [_unwrapped(d) for d in _unwrapped(dataset)._inputs()
+            if isinstance(d, tf.data.Dataset)]
 
 
 def _datasets_below(dataset, stop=lambda d: False):
     """`dataset` and every tf.data dataset it was built from, each once (through every input
     of a ``zip`` or ``concatenate``, not only `_chain`'s first); the inputs of a dataset
     for which `stop` holds are not walked."""
-    stack, seen = [dataset], set()
+    stack, seen = [_unwrapped(dataset)], set()
     while stack:
         current = stack.pop()
         if id(current) in seen or not isinstance(current, tf.data.Dataset):
@@ -1217,6 +1275,7 @@ def derived_from(data: tf.data.Dataset, source: tf.data.Dataset) -> Optional[boo
     None when it is one of several (a ``concatenate``, a ``zip`` with another dataset),
     False when it is none."""
     found = other = False
+    source = _unwrapped(source)
     for d in _datasets_below(data, stop=lambda d: d is source):
         found = found or d is source
         other = other or (d is not source and not _inputs_of(d))

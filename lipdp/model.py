@@ -52,9 +52,10 @@ from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, defined_in_lipdp,
                                        leaf_layers, refuse_untracked_layers)
-from lipdp.data import (ShuffleSamplingWarning, derived_from, holds_repeat, pipeline_sampler,
-                        repeat_inside_batches, repeated_pass, repeated_pass_batches,
-                        reserved_draws, seeded_poisson_samplers, unshuffled_batching)
+from lipdp.data import (ShuffleSamplingWarning, batches_made_unseen, derived_from,
+                        holds_repeat, pipeline_sampler, repeat_inside_batches, repeated_pass,
+                        repeated_pass_batches, reserved_draws, seeded_poisson_samplers,
+                        unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -2429,6 +2430,15 @@ class _DPModelMixin:
                 f"fit received a tf.data.Dataset that {flaw}: a record's batch is not random, "
                 "while the accountant's epsilon assumes random batches. Shuffle every record "
                 "afresh each epoch before .batch() (dataset.shuffle(nb_samples_train)), or "
+                "train on lipdp.data.load_dataset's pipeline."), stacklevel=3)
+        elif sampler is None and md.sampling == Sampling.SHUFFLE and \
+                batches_made_unseen(dataset):
+            warnings.warn(ShuffleSamplingWarning(
+                "fit received a tf.data.Dataset whose batches no batching step makes (a map, "
+                "a generator or pre-batched tensors yield them): lipdp cannot see whether they "
+                "are random batches, which the accountant's epsilon assumes (a map cutting the "
+                "same rows every epoch trained silently: an audit). Batch shuffled records "
+                "with .batch() (dataset.shuffle(nb_samples_train).batch(batch_size)), or "
                 "train on lipdp.data.load_dataset's pipeline."), stacklevel=3)
         if md.sampling != Sampling.POISSON or \
                 getattr(sampler, "sampling", None) is Sampling.POISSON:

@@ -848,7 +848,8 @@ def test_a_new_run_in_the_folder_of_a_killed_run_is_refused(fake_fashion, tmp_pa
     """`lipdp train EDITED.yaml --run-dir RUN` where RUN holds a killed run's checkpoint wrote
     its config over the killed run's, then stopped on the restored ledger's mismatch,
     naming "None/config.json" (a review, 2026-12-07). Refused before anything is written,
-    pointing to --resume; the killed run then resumes."""
+    pointing to --resume; the killed run then resumes. A finished run's folder is not
+    refused."""
     from lipdp import checkpoints
 
     cfg = {"dataset": {"name": "fashion_mnist", "batch_size": 10, "nb_samples_train": 40,
@@ -879,6 +880,11 @@ def test_a_new_run_in_the_folder_of_a_killed_run_is_refused(fake_fashion, tmp_pa
     assert open(config_path).read() == original
     assert cli.main(["train", "--resume", run_dir]) == 0
     assert "(2 epochs, 8 steps; the time of the last process only" in capsys.readouterr().out
+    # A kill between report.json and the removal of trained/ leaves a finished run, which
+    # --resume declines: a new run there is not refused (a review).
+    os.makedirs(os.path.join(run_dir, cli.TRAINED_DIR))
+    assert cli.main(["train", "--resume", run_dir]) == cli.EXIT_CONFIG
+    assert cli.main(["train", first, "--run-dir", run_dir]) == 0
 
 
 def test_a_run_killed_after_its_training_is_completed_by_resume_without_training(
