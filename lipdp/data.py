@@ -343,8 +343,9 @@ def _unwrapped(dataset):
 
 
 def holds_repeat(dataset: tf.data.Dataset) -> bool:
-    """Whether a ``repeat`` is on `dataset`'s chain of tf.data datasets (`repeated_pass`)."""
-    return any("Repeat" in type(d).__name__ for d in _chain(dataset))
+    """Whether a ``repeat`` of more than one pass is on `dataset`'s chain of tf.data datasets
+    (`repeated_pass`)."""
+    return any(_repeats(d) for d in _chain(dataset))
 
 
 def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optional[str]:

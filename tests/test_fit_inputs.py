@@ -1158,7 +1158,8 @@ def test_monitors_of_data_made_from_the_training_set_are_refused_or_warned():
 @pytest.mark.parametrize("pipeline", ["concatenated with itself", "copies by flat_map",
                                       "the declared records", "arrays concatenated",
                                       "the declared arrays", "concatenated with itself, repeated",
-                                      "the declared records, repeated"])
+                                      "the declared records, repeated",
+                                      "concatenated with itself, repeat(1)"])
 def test_an_epoch_holding_copies_of_records_warns(pipeline):
     """The accountant counts each record once an epoch: 32 records concatenated with
     themselves under metadata of 64 (a dataset, or arrays) ran silently at twice its rate
@@ -1178,6 +1179,7 @@ def test_an_epoch_holding_copies_of_records_warns(pipeline):
                                 np.concatenate([y[:N // 2]] * 2)),
         "the declared arrays": (x, y),
         "concatenated with itself, repeated": half.concatenate(half),
+        "concatenated with itself, repeat(1)": half.concatenate(half),
         "the declared records, repeated": tf.data.Dataset.from_tensor_slices((x, y)),
     }[pipeline]
     arrays = isinstance(data, tuple)
@@ -1188,6 +1190,7 @@ def test_an_epoch_holding_copies_of_records_warns(pipeline):
     if not arrays:
         data = data.shuffle(N).batch(BATCH)
         data = data.repeat() if pipeline.endswith("repeated") else data
+        data = data.repeat(1) if pipeline.endswith("repeat(1)") else data  # no repeat
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         model.fit(*(data if arrays else (data,)), **fit)
