@@ -1153,11 +1153,48 @@ def _features(feature_map, x_train, x_test, key):
         key = (key, _fingerprint(x_train, x_test))
         if key in _FEATURE_CACHE:
             return _FEATURE_CACHE[key]
+    _refuse_state_writes(feature_map, x_train.shape[1:], "feature_map")
     mapped = _mapped(feature_map, x_train, check=True), _mapped(feature_map, x_test)
     if key is not None:
         _FEATURE_CACHE.clear()  # one entry: features can take gigabytes
         _FEATURE_CACHE[key] = mapped
     return mapped
+
+
+#: TensorFlow ops that write state a later call reads: a variable's value, a table's entries.
+#: (A random generator's state is not among them: `StatefulUniform` and the like advance it
+#: whatever the data.)
+_STATE_WRITES = frozenset({
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "Assign", "AssignAdd",
+    "AssignSub", "ResourceStridedSliceAssign", "StridedSliceAssign", "ScatterUpdate",
+    "ScatterAdd", "ScatterSub", "ScatterMul", "ScatterDiv", "ScatterMin", "ScatterMax",
+    "ScatterNdUpdate", "ScatterNdAdd", "ScatterNdSub", "LookupTableInsert",
+    "LookupTableInsertV2", "LookupTableRemoveV2", "LookupTableImport", "LookupTableImportV2"})
+
+
+def _refuse_state_writes(function, example_shape, what: str) -> None:
+    """Refuse a user's `augmentation` or `feature_map` whose traced graph (its functions
+    included: loops, conditions) writes a variable or a table: called on one image after
+    another, such state carries one record into another's view or features, beyond what the
+    privacy analysis covers (a `tf.Variable` keeping a running mean of the images it saw
+    passed every other check). Traced on a batch of `example_shape`; a function that cannot
+    be traced so is not judged."""
+    try:
+        traced = tf.function(function).get_concrete_function(
+            tf.TensorSpec((None,) + tuple(example_shape), tf.float32))
+    except Exception:  # pylint: disable=broad-except  (not traceable here: no verdict)
+        return
+    graph = traced.graph.as_graph_def()
+    ops = [node.op for node in graph.node] + [
+        node.op for function_def in graph.library.function for node in function_def.node_def]
+    writes = sorted({op for op in ops if op in _STATE_WRITES or op.startswith("ResourceScatter")})
+    if writes:
+        raise ValueError(
+            f"`{what}` writes state that its next call reads ({', '.join(writes)}: a "
+            "tf.Variable or a table). Called on one record after another, such state carries "
+            "one record into the next one's " + ("view" if what == "augmentation" else
+                                                  "features") +
+            ", beyond what the privacy analysis covers. Compute from each record alone.")
 
 
 def _check_augmentation_per_example(augmentation, images: np.ndarray, tries: int = 32) -> None:
@@ -1580,6 +1617,7 @@ def load_dataset(
                          f"{raw.input_shape}.")
     x_train, y_train = raw.x_train, raw.y_train
     if augmentation is not None:
+        _refuse_state_writes(augmentation, x_train.shape[1:], "augmentation")
         # Also at the batch size (up to 1024): an augmentation that mixes only batches above
         # 16 images passed the first probe alone (an audit).
         _check_augmentation_per_example(augmentation, x_train[:16])

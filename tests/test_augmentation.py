@@ -194,6 +194,38 @@ def test_an_augmentation_mixing_the_images_of_a_batch_is_refused(fashion_dir, au
             _load(fashion_dir, **options)
 
 
+class _CarriesTheLastImage:
+    """An augmentation adding a tenth of the last image of its previous call, kept in a
+    tf.Variable (NaN-free, so the NaN probe does not see it): called image by image, each
+    view carries the image before it."""
+
+    def __init__(self):
+        self.last = tf.Variable(tf.zeros([1, 28, 28, 1]))
+
+    def __call__(self, images):
+        views = images + 0.1 * self.last
+        self.last.assign(tf.where(tf.math.is_finite(images[-1:]), images[-1:], 0.0))
+        return views
+
+
+@pytest.mark.parametrize("option", ["augmentation", "feature_map"])
+def test_an_augmentation_or_feature_map_writing_state_is_refused(fashion_dir, option):
+    """`each_image_alone` keeps an augmentation of yours from seeing other images of a batch,
+    but not from keeping state across its calls: the last image kept in a tf.Variable carried
+    one record into the next one's view, and passed every check. `load_dataset` refuses a
+    function whose graph writes a variable or a table, a feature_map alike (this one's state
+    was also seen by its probe); the state is shown to carry a record."""
+    state = _CarriesTheLastImage()
+    first, second = np.ones([1, 28, 28, 1], np.float32), np.zeros([1, 28, 28, 1], np.float32)
+    state(first)
+    assert float(tf.reduce_max(tf.abs(state(second)))) > 0  # the first image moved the second
+    with pytest.raises(ValueError, match=rf"`{option}` writes state that its next call reads "
+                                         r"\(AssignVariableOp"):
+        _load(fashion_dir, **{option: _CarriesTheLastImage()}, **(
+            {"augmentation": None, "augmentation_multiplicity": 1}
+            if option == "feature_map" else {}))
+
+
 def test_an_augmentation_mixing_only_large_batches_is_refused(fashion_dir):
     """A mixup of batches above 16 images passed the probe batch of 16 (an audit): the
     augmentation is also probed at the batch size (up to 1024)."""
