@@ -1153,7 +1153,7 @@ def _features(feature_map, x_train, x_test, key):
         key = (key, _fingerprint(x_train, x_test))
         if key in _FEATURE_CACHE:
             return _FEATURE_CACHE[key]
-    _refuse_state_writes(feature_map, x_train.shape[1:], "feature_map")
+    _refuse_state(feature_map, x_train.shape[1:], "feature_map")
     mapped = _mapped(feature_map, x_train, check=True), _mapped(feature_map, x_test)
     if key is not None:
         _FEATURE_CACHE.clear()  # one entry: features can take gigabytes
@@ -1161,40 +1161,88 @@ def _features(feature_map, x_train, x_test, key):
     return mapped
 
 
-#: TensorFlow ops that write state a later call reads: a variable's value, a table's entries.
-#: (A random generator's state is not among them: `StatefulUniform` and the like advance it
-#: whatever the data.)
-_STATE_WRITES = frozenset({
-    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "Assign", "AssignAdd",
-    "AssignSub", "ResourceStridedSliceAssign", "StridedSliceAssign", "ScatterUpdate",
-    "ScatterAdd", "ScatterSub", "ScatterMul", "ScatterDiv", "ScatterMin", "ScatterMax",
-    "ScatterNdUpdate", "ScatterNdAdd", "ScatterNdSub", "LookupTableInsert",
-    "LookupTableInsertV2", "LookupTableRemoveV2", "LookupTableImport", "LookupTableImportV2"})
+#: Stateful TensorFlow ops a user's augmentation or feature map may hold (`_refuse_state`):
+#: random draws (a generator advanced by a count of draws its shapes fix: `_RNG_SKIPS`),
+#: reads, control flow (whose bodies are read too), assertions, numeric checks and prints,
+#: per-call tensor arrays, table look-ups and Python functions (whose state, in Python, is not
+#: seen).
+_STATE_READS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "RandomShuffle", "RandomGamma", "RandomPoisson", "RandomPoissonV2", "Multinomial",
+    "ParameterizedTruncatedNormal", "StatefulUniform", "StatefulUniformInt",
+    "StatefulUniformFullInt", "StatefulStandardNormal", "StatefulStandardNormalV2",
+    "StatefulTruncatedNormal", "StatefulRandomBinomial", "NonDeterministicInts",
+    "ReadVariableOp", "VarHandleOp", "VariableShape", "ResourceGather", "ResourceGatherNd",
+    "DestroyResourceOp", "If", "While", "Case", "StatefulPartitionedCall", "PartitionedCall",
+    "Assert", "Print", "PrintV2", "CheckNumerics", "CheckNumericsV2", "DebugIdentityV2",
+    "DebugIdentityV3", "Timestamp", "RandomCrop", "StatelessRandomGetAlg",
+    "EagerPyFunc", "PyFunc", "HashTable", "HashTableV2",
+    "MutableHashTable", "MutableHashTableV2", "MutableHashTableOfTensorsV2",
+    "MutableDenseHashTableV2", "LookupTableFind", "LookupTableFindV2", "LookupTableSize",
+    "LookupTableSizeV2", "LookupTableExportV2"})
+#: Ops that advance a random generator by a count of draws: allowed when the count comes from
+#: constants and shapes only (Keras' random layers), not from the data (``g.skip(sum(x))``
+#: carried an image's value into the next call's draws: a review, 2026-12-07).
+_RNG_SKIPS = frozenset({"RngReadAndSkip", "RngSkip"})
+_SHAPE_OPS = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
 
 
-def _refuse_state_writes(function, example_shape, what: str) -> None:
+def _refuse_state(function, example_shape, what: str) -> None:
     """Refuse a user's `augmentation` or `feature_map` whose traced graph (its functions
-    included: loops, conditions) writes a variable or a table: called on one image after
-    another, such state carries one record into another's view or features, beyond what the
-    privacy analysis covers (a `tf.Variable` keeping a running mean of the images it saw
-    passed every other check). Traced on a batch of `example_shape`; a function that cannot
-    be traced so is not judged."""
-    try:
-        traced = tf.function(function).get_concrete_function(
-            tf.TensorSpec((None,) + tuple(example_shape), tf.float32))
-    except Exception:  # pylint: disable=broad-except  (not traceable here: no verdict)
-        return
-    graph = traced.graph.as_graph_def()
-    ops = [node.op for node in graph.node] + [
-        node.op for function_def in graph.library.function for node in function_def.node_def]
-    writes = sorted({op for op in ops if op in _STATE_WRITES or op.startswith("ResourceScatter")})
-    if writes:
-        raise ValueError(
-            f"`{what}` writes state that its next call reads ({', '.join(writes)}: a "
-            "tf.Variable or a table). Called on one record after another, such state carries "
-            "one record into the next one's " + ("view" if what == "augmentation" else
-                                                  "features") +
-            ", beyond what the privacy analysis covers. Compute from each record alone.")
+    included: loops, conditions) holds a stateful op other than `_STATE_READS` (a variable
+    or table written, a queue, an optimizer's update, a generator skipped by a count computed
+    from the data): called on one image after another, such state carries one record into
+    another's view or features, beyond what the privacy analysis covers (an augmentation
+    adding a tenth of the previous call's last image, kept in a tf.Variable, passed every
+    other check; a review then carried state through an optimizer op, a queue, a generator's
+    skip, and a write only traced for batches of one). Traced on batches of `example_shape`
+    of unknown size and of one image (how `each_image_alone` calls it); a function that
+    cannot be traced so is not judged."""
+    from tensorflow.python.framework import op_def_registry
+
+    for batch in (None, 1):
+        try:
+            traced = tf.function(function).get_concrete_function(
+                tf.TensorSpec((batch,) + tuple(example_shape), tf.float32))
+        except Exception:  # pylint: disable=broad-except  (not traceable here: no verdict)
+            continue
+        graph = traced.graph.as_graph_def()
+        found = set()
+        for nodes in [graph.node] + [f.node_def for f in graph.library.function]:
+            by_name = {node.name: node for node in nodes}
+            for node in nodes:
+                op_def = op_def_registry.get(node.op)
+                if op_def is None or not op_def.is_stateful or node.op in _STATE_READS or \
+                        node.op.startswith("TensorArray"):  # created by each call
+                    continue
+                if node.op in _RNG_SKIPS and len(node.input) > 2 and \
+                        _from_shapes(node.input[2], by_name):
+                    continue
+                found.add(node.op)
+        if found:
+            raise ValueError(
+                f"`{what}` holds stateful operations ({', '.join(sorted(found))}) that can "
+                "carry one call's input into the next: called on one record after another, "
+                "such state moves one record into the next one's " +
+                ("view" if what == "augmentation" else "features") + ", beyond what the "
+                "privacy analysis covers. Compute from each record alone (random draws are "
+                "fine; variables, tables and queues written, and counts of draws computed "
+                "from the data, are not).")
+
+
+def _from_shapes(name: str, by_name) -> bool:
+    """Whether the tensor `name` of a function body is computed from constants and shapes
+    only (never from a tensor's values, nor from an input of the body)."""
+    stack, seen = [name], set()
+    while stack:
+        node = by_name.get(stack.pop().split(":")[0].lstrip("^"))
+        if node is None or node.op == "Placeholder":
+            return False  # an input of the body, or of the function
+        if node.name in seen or node.op in _SHAPE_OPS:
+            continue
+        seen.add(node.name)
+        stack.extend(node.input)
+    return True
 
 
 def _check_augmentation_per_example(augmentation, images: np.ndarray, tries: int = 32) -> None:
@@ -1617,7 +1665,7 @@ def load_dataset(
                          f"{raw.input_shape}.")
     x_train, y_train = raw.x_train, raw.y_train
     if augmentation is not None:
-        _refuse_state_writes(augmentation, x_train.shape[1:], "augmentation")
+        _refuse_state(augmentation, x_train.shape[1:], "augmentation")
         # Also at the batch size (up to 1024): an augmentation that mixes only batches above
         # 16 images passed the first probe alone (an audit).
         _check_augmentation_per_example(augmentation, x_train[:16])

@@ -208,6 +208,52 @@ class _CarriesTheLastImage:
         return views
 
 
+class _QueuesTheLastImage(_CarriesTheLastImage):
+    """The same state, kept in a queue (a review, 2026-12-07)."""
+
+    def __init__(self):
+        self.queue = tf.queue.FIFOQueue(2, tf.float32, shapes=[[1, 28, 28, 1]])
+        self.queue.enqueue(tf.zeros([1, 28, 28, 1]))
+
+    def __call__(self, images):
+        views = images + 0.1 * self.queue.dequeue()
+        self.queue.enqueue(tf.where(tf.math.is_finite(images[-1:]), images[-1:], 0.0))
+        return views
+
+
+class _SkipsByTheImage:
+    """Noise from a generator advanced by a count of draws computed from the image: the next
+    call's noise depends on this call's image (a review, 2026-12-07)."""
+
+    def __init__(self):
+        self.generator = tf.random.Generator.from_seed(0)
+
+    def __call__(self, images):
+        views = images + self.generator.normal(tf.shape(images))
+        count = tf.cast(tf.reduce_sum(tf.where(tf.math.is_finite(images), images, 0.0)), tf.int64)
+        with tf.control_dependencies([views]):
+            self.generator.skip(count)
+        return tf.identity(views)
+
+
+@pytest.mark.parametrize("stateful,op", [(_CarriesTheLastImage, "AssignVariableOp"),
+                                         (_QueuesTheLastImage, "QueueDequeueV2"),
+                                         (_SkipsByTheImage, "RngReadAndSkip")])
+def test_an_augmentation_holding_state_is_refused(fashion_dir, stateful, op):
+    """The state an augmentation keeps from one call to the next, in a tf.Variable, a queue
+    or a random generator skipped by a count of the data: each carries one image into the
+    next call's view (shown), and each is refused by the op that holds it."""
+    ones, zeros = np.ones([1, 28, 28, 1], np.float32), np.zeros([1, 28, 28, 1], np.float32)
+    after = {}
+    for first in (ones, zeros):  # the same second image, after another first one
+        carrier = stateful()
+        carrier(first)
+        after[float(first.max())] = carrier(zeros).numpy()
+    assert np.abs(after[1.0] - after[0.0]).max() > 0.05
+    with pytest.raises(ValueError, match=f"`augmentation` holds stateful operations .*{op}"):
+        _load(fashion_dir, augmentation=stateful())
+
+
 @pytest.mark.parametrize("option", ["augmentation", "feature_map"])
 def test_an_augmentation_or_feature_map_writing_state_is_refused(fashion_dir, option):
     """`each_image_alone` keeps an augmentation of yours from seeing other images of a batch,
@@ -219,8 +265,8 @@ def test_an_augmentation_or_feature_map_writing_state_is_refused(fashion_dir, op
     first, second = np.ones([1, 28, 28, 1], np.float32), np.zeros([1, 28, 28, 1], np.float32)
     state(first)
     assert float(tf.reduce_max(tf.abs(state(second)))) > 0  # the first image moved the second
-    with pytest.raises(ValueError, match=rf"`{option}` writes state that its next call reads "
-                                         r"\(AssignVariableOp"):
+    with pytest.raises(ValueError, match=rf"`{option}` holds stateful operations "
+                                         r"\(AssignVariableOp\) that can carry"):
         _load(fashion_dir, **{option: _CarriesTheLastImage()}, **(
             {"augmentation": None, "augmentation_multiplicity": 1}
             if option == "feature_map" else {}))
