@@ -193,6 +193,10 @@ def test_config_round_trip_and_argument_errors():
         DP_Scattering(max_order=3)
     with pytest.raises(ValueError, match="padding"):
         DP_Scattering(padding="circular")
+    # A reflection wider than the image failed in TensorFlow's MirrorPad at the first call.
+    with pytest.raises(ValueError, match=r"more than a reflection can fill: use padding='zero'"):
+        DP_Scattering(J=3, angles=2)(tf.zeros((1, 8, 8, 1)))
+    assert DP_Scattering(J=3, angles=2, padding="zero")(tf.zeros((1, 8, 8, 1))).shape[1:3] == (1, 1)
     assert clone.padding == "zero"
 
 

@@ -268,6 +268,14 @@ class DP_Scattering(tf.keras.layers.Layer, _ComputedLipschitzMap):
                              f"{step}. Received: input_shape={input_shape}")
         self._scattering = _kymatio_scattering((height, width), self.J, self.angles,
                                                self.max_order, self.padding)
+        top, bottom, left, right = self._scattering.pad.pad_size
+        if self.padding == "reflect" and max(top, bottom) >= height or \
+                self.padding == "reflect" and max(left, right) >= width:
+            # TensorFlow's MirrorPad failed at the first call (an audit, 2026-12-07).
+            raise ValueError(
+                f"DP_Scattering with J={self.J} pads each side of a {height}x{width} image by "
+                f"({top}, {bottom}, {left}, {right}) pixels, more than a reflection can fill: "
+                "use padding='zero' or a smaller J.")
         orders = _order_of_paths(self.J, self.angles, self.max_order)
         self._weights = tf.constant(np.asarray(self.order_weights)[orders], tf.float64)
         self._paths = len(orders)
