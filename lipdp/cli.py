@@ -387,7 +387,8 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
 
     _section("Summary")
     print(f"training wall time : {wall:.1f} s ({epochs_run} epochs, {model.dp_steps_taken} steps"
-          + ("; the time of the last process only: the run was resumed)" if resume else ")"))
+          + ("; the time of the last process that trained: the run was resumed)" if resume
+             else ")"))
     print(f"privacy            : (epsilon={eps_final:.4g}, delta={delta:g})-DP"
           + ("" if budget is None else f"  [budget {budget:g}]"))
     for line in model.privacy_ledger.describe(delta).splitlines()[:-1]:

@@ -174,8 +174,8 @@ def unshuffled_batching(dataset: tf.data.Dataset,
     def flaw(shuffle, batch):
         if shuffles_batches(shuffle, batch):
             return ("shuffles whole batches, which are unbatched and batched again "
-                    "(batch, shuffle, unbatch, batch): every epoch holds the same batches, "
-                    "reordered")
+                    "(batch, shuffle, unbatch, batch): every epoch keeps the records in the "
+                    "blocks of their first batching")
         if "reshuffle_each_iteration" in shuffle.attr and \
                 not shuffle.attr["reshuffle_each_iteration"].b:
             return ("shuffles with reshuffle_each_iteration=False: every epoch holds the "
@@ -361,7 +361,8 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
       sensitivity the noise was calibrated to; ``batch(D).repeat().shuffle(k)`` gave one
       record 4 draws in an epoch;
     - a repeat inside a ``zip``, ``concatenate``, ``sample_from_datasets`` or
-      ``choose_from_datasets`` (or ``enumerate``, a zip): the repeated input comes round
+      ``choose_from_datasets`` (or ``enumerate``, a zip), unless it repeats scalars only
+      (``Dataset.counter()``'s seeds): the repeated input comes round
       at its own pace, so ``zip((xs.repeat(), ys.repeat())).shuffle(N).batch(D)`` and a
       repeated class in ``sample_from_datasets`` held a record twice in a batch, and a
       repeated second input of a ``concatenate`` made every later epoch of 8 records;
@@ -379,7 +380,8 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
     chain = list(_main_chain(dataset))
     on_chain = {id(d) for d in chain}
     sampled = lambda d: getattr(d, "lipdp_sampler", None) is not None  # noqa: E731
-    if any(_repeats(d) and id(d) not in on_chain for d in _datasets_below(dataset, sampled)):
+    if any(_repeats(d) and id(d) not in on_chain and not _scalars(d)
+           for d in _datasets_below(dataset, sampled)):
         return ("repeats a dataset it zips, concatenates or samples from: the repeated input "
                 "comes round at its own pace, so a batch or an epoch may hold a record twice")
     batch_size, batched, between, shuffled = None, False, None, False
@@ -419,20 +421,41 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
     return None
 
 
-def repeated_pass_batches(dataset: tf.data.Dataset) -> Optional[tf.data.Dataset]:
-    """The pass a ``repeat`` of `dataset` goes through again and again, as batches (records
-    batched by 1024): the input of the outermost repeat on its main chain whose input is
-    not infinite; None without one. `fit` counts its copies of records, as it counts an
-    epoch's when the dataset holds no repeat (an audit, 2026-12-07: a trailing ``repeat()``
-    switched the count off, and 32 records concatenated with themselves trained silently
-    where they warn without it)."""
+def batches_in_repeated_pass(dataset: tf.data.Dataset, count_limit: int) -> Optional[int]:
+    """How many batches `dataset` yields in one pass of its outermost repeat whose input is
+    finite (on its main chain), from the start of an iterator: the pass `fit` counts copies
+    of records in, reading `dataset` itself (the records as the model gets them, after any
+    ``map`` behind the repeat), as it counts an epoch's when the dataset holds no repeat (an
+    audit, 2026-12-07: a trailing ``repeat()`` switched the count off, and 32 records
+    concatenated with themselves trained silently). None without such a repeat, or when the
+    pass is not a whole number of batches or holds more than `count_limit` elements (no
+    verdict). The pass's elements are counted when tf.data does not know their number."""
+    batch_size = None
     for d in _main_chain(dataset):
+        if _batches(type(d).__name__) and batch_size is None:
+            batch_size = _static_batch_size(d)
         if not _repeats(d):
             continue
         inner = d._input_dataset
-        if int(inner.cardinality()) != tf.data.INFINITE_CARDINALITY:
-            return inner if _batched_elements(inner) else inner.batch(1024)
+        size = int(inner.cardinality())
+        if size == tf.data.INFINITE_CARDINALITY:
+            continue
+        if size < 0:
+            size = sum(1 for _ in inner.take(count_limit + 1))
+            if size > count_limit:
+                return None
+        if _batched_elements(inner):
+            return size  # a repeat of batches
+        return size // batch_size if batch_size and size % batch_size == 0 else None
     return None
+
+
+def _scalars(dataset: tf.data.Dataset) -> bool:
+    """Whether `dataset` yields scalars only: no record of a model's inputs (a
+    ``Dataset.counter()`` of seeds zipped with the records repeats one: a review found it
+    refused)."""
+    return all(getattr(spec, "shape", None) is not None and spec.shape.rank == 0
+               for spec in tf.nest.flatten(dataset.element_spec))
 
 
 def _main_chain(dataset: tf.data.Dataset):
@@ -1162,41 +1185,47 @@ def _features(feature_map, x_train, x_test, key):
 
 
 #: Stateful TensorFlow ops a user's augmentation or feature map may hold (`_refuse_state`):
-#: random draws (a generator advanced by a count of draws its shapes fix: `_RNG_SKIPS`),
-#: reads, control flow (whose bodies are read too), assertions, numeric checks and prints,
-#: per-call tensor arrays, table look-ups and Python functions (whose state, in Python, is not
-#: seen).
+#: random draws (`_DRAWS`), reads, control flow (whose bodies are read too), assertions,
+#: numeric checks and prints, per-call tensor arrays, table look-ups and Python functions
+#: (whose state, in Python, is not seen).
 _STATE_READS = frozenset({
-    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
-    "RandomShuffle", "RandomGamma", "RandomPoisson", "RandomPoissonV2", "Multinomial",
-    "ParameterizedTruncatedNormal", "StatefulUniform", "StatefulUniformInt",
-    "StatefulUniformFullInt", "StatefulStandardNormal", "StatefulStandardNormalV2",
-    "StatefulTruncatedNormal", "StatefulRandomBinomial", "NonDeterministicInts",
     "ReadVariableOp", "VarHandleOp", "VariableShape", "ResourceGather", "ResourceGatherNd",
     "DestroyResourceOp", "If", "While", "Case", "StatefulPartitionedCall", "PartitionedCall",
     "Assert", "Print", "PrintV2", "CheckNumerics", "CheckNumericsV2", "DebugIdentityV2",
-    "DebugIdentityV3", "Timestamp", "RandomCrop", "StatelessRandomGetAlg",
+    "DebugIdentityV3", "Timestamp", "StatelessRandomGetAlg",
+    "RandomShuffle",  # its count of draws, its input's length, is not checked
     "EagerPyFunc", "PyFunc", "HashTable", "HashTableV2",
     "MutableHashTable", "MutableHashTableV2", "MutableHashTableOfTensorsV2",
     "MutableDenseHashTableV2", "LookupTableFind", "LookupTableFindV2", "LookupTableSize",
     "LookupTableSizeV2", "LookupTableExportV2"})
-#: Ops that advance a random generator by a count of draws: allowed when the count comes from
-#: constants and shapes only (Keras' random layers), not from the data (``g.skip(sum(x))``
-#: carried an image's value into the next call's draws: a review, 2026-12-07).
-_RNG_SKIPS = frozenset({"RngReadAndSkip", "RngSkip"})
-_SHAPE_OPS = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
+#: Random draws, and skips of a generator: each advances a random state by a count of draws
+#: (its input of this name), which must not depend on the data: ``g.skip(sum(x))``, a skip
+#: by the size of ``tf.where(x > 0.5)`` or noise drawn on the bright pixels only carried an
+#: image into the next call's draws (reviews, 2026-12-07).
+_DRAWS = {op: count for count, ops in [
+    ("shape", ("RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+               "ParameterizedTruncatedNormal", "RandomGamma", "RandomPoisson",
+               "RandomPoissonV2", "StatefulUniform", "StatefulUniformInt",
+               "StatefulUniformFullInt", "StatefulStandardNormal", "StatefulStandardNormalV2",
+               "StatefulTruncatedNormal", "StatefulRandomBinomial", "NonDeterministicInts")),
+    ("num_samples", ("Multinomial",)), ("delta", ("RngReadAndSkip", "RngSkip"))]
+    for op in ops}
 
 
 def _refuse_state(function, example_shape, what: str) -> None:
     """Refuse a user's `augmentation` or `feature_map` whose traced graph (its functions
-    included: loops, conditions) holds a stateful op other than `_STATE_READS` (a variable
-    or table written, a queue, an optimizer's update, a generator skipped by a count computed
-    from the data): called on one image after another, such state carries one record into
-    another's view or features, beyond what the privacy analysis covers (an augmentation
-    adding a tenth of the previous call's last image, kept in a tf.Variable, passed every
-    other check; a review then carried state through an optimizer op, a queue, a generator's
-    skip, and a write only traced for batches of one). Traced on batches of `example_shape`
-    of unknown size and of one image (how `each_image_alone` calls it); a function that
+    included: loops, conditions) holds a stateful op other than `_STATE_READS` and `_DRAWS`
+    (a variable, table or queue written, an optimizer's update), or draws a count of random
+    numbers that depends on the data: called on one image after another, such state carries
+    one record into another's view or features, beyond what the privacy analysis covers (an
+    augmentation adding a tenth of the previous call's last image, kept in a tf.Variable,
+    passed every other check; reviews then carried state through an optimizer op, a queue,
+    a generator skipped by a count of the data, a write only traced for batches of one, and
+    draws sized by the data).
+
+    Traced on batches of `example_shape` of unknown size, then of one image (how
+    `each_image_alone` calls it), where every shape is static, so that a count of draws
+    computed from constants and shapes is a constant (Keras' random layers); a function that
     cannot be traced so is not judged."""
     from tensorflow.python.framework import op_def_registry
 
@@ -1215,8 +1244,13 @@ def _refuse_state(function, example_shape, what: str) -> None:
                 if op_def is None or not op_def.is_stateful or node.op in _STATE_READS or \
                         node.op.startswith("TensorArray"):  # created by each call
                     continue
-                if node.op in _RNG_SKIPS and len(node.input) > 2 and \
-                        _from_shapes(node.input[2], by_name):
+                if node.op in _DRAWS:
+                    names = [arg.name for arg in op_def.input_arg]
+                    count = names.index(_DRAWS[node.op])
+                    if batch is None or (count < len(node.input) and
+                                         _from_constants(node.input[count], by_name)):
+                        continue
+                    found.add(f"{node.op} of a count computed from the data")
                     continue
                 found.add(node.op)
         if found:
@@ -1225,20 +1259,20 @@ def _refuse_state(function, example_shape, what: str) -> None:
                 "carry one call's input into the next: called on one record after another, "
                 "such state moves one record into the next one's " +
                 ("view" if what == "augmentation" else "features") + ", beyond what the "
-                "privacy analysis covers. Compute from each record alone (random draws are "
-                "fine; variables, tables and queues written, and counts of draws computed "
-                "from the data, are not).")
+                "privacy analysis covers. Compute from each record alone (random draws of "
+                "fixed sizes are fine; variables, tables and queues written, and counts of "
+                "draws computed from the data, are not).")
 
 
-def _from_shapes(name: str, by_name) -> bool:
-    """Whether the tensor `name` of a function body is computed from constants and shapes
-    only (never from a tensor's values, nor from an input of the body)."""
+def _from_constants(name: str, by_name) -> bool:
+    """Whether the tensor `name` of a function body is computed from constants only (never
+    from an input of the body, nor from a shape TensorFlow did not know when tracing)."""
     stack, seen = [name], set()
     while stack:
         node = by_name.get(stack.pop().split(":")[0].lstrip("^"))
-        if node is None or node.op == "Placeholder":
-            return False  # an input of the body, or of the function
-        if node.name in seen or node.op in _SHAPE_OPS:
+        if node is None or node.op in ("Placeholder", "Shape", "ShapeN", "Size", "Rank"):
+            return False  # an input of the body or of the function, or a dynamic shape
+        if node.name in seen or node.op == "Const":
             continue
         seen.add(node.name)
         stack.extend(node.input)

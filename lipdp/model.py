@@ -52,9 +52,9 @@ from lipdp.clipping import ClippedDPSGD
 from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, defined_in_lipdp,
                                        leaf_layers, refuse_untracked_layers)
-from lipdp.data import (ShuffleSamplingWarning, batches_made_unseen, derived_from,
-                        holds_repeat, pipeline_sampler, repeat_inside_batches, repeated_pass,
-                        repeated_pass_batches, reserved_draws, seeded_poisson_samplers,
+from lipdp.data import (ShuffleSamplingWarning, batches_in_repeated_pass, batches_made_unseen,
+                        derived_from, holds_repeat, pipeline_sampler, repeat_inside_batches,
+                        repeated_pass, reserved_draws, seeded_poisson_samplers,
                         unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
@@ -2124,15 +2124,18 @@ class _DPModelMixin:
                 # the end of one pass and the start of the next).
                 shuffled = md.sampling == Sampling.SHUFFLE and \
                     getattr(x, "lipdp_sampler", None) is None
-                counted = check_finite_dataset(x, batches, dtype=self.compute_dtype,
-                                               count_records=shuffled and not holds_repeat(x))
-                self._warn_on_repeated_records(counted,
-                                               f"One epoch of the dataset ({batches} batches)")
-                repeated = repeated_pass_batches(x) if shuffled and holds_repeat(x) else None
-                if repeated is not None:  # a pass of at most N records (`_check_dataset`)
+                repeated = shuffled and holds_repeat(x)
+                passes = batches_in_repeated_pass(x, md.nb_samples_train) if repeated else None
+                counted = check_finite_dataset(
+                    x, batches, dtype=self.compute_dtype,
+                    count_records=shuffled and (not repeated or passes == batches))
+                self._warn_on_repeated_records(counted, (
+                    f"One pass of the repeated dataset ({batches} batches)" if repeated else
+                    f"One epoch of the dataset ({batches} batches)"))
+                if passes is not None and passes != batches:
                     self._warn_on_repeated_records(check_finite_dataset(
-                        repeated, md.nb_samples_train + 1, dtype=self.compute_dtype,
-                        count_records=True), "One pass of the repeated dataset")
+                        x, passes, dtype=self.compute_dtype, count_records=True),
+                        f"One pass of the repeated dataset ({passes} batches)")
                 if counted is not None and counted.complete:
                     self._check_records_in_pass(counted.records)
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names, batches)

@@ -879,7 +879,8 @@ def test_a_new_run_in_the_folder_of_a_killed_run_is_refused(fake_fashion, tmp_pa
         f"{run_dir}'" in capsys.readouterr().err
     assert open(config_path).read() == original
     assert cli.main(["train", "--resume", run_dir]) == 0
-    assert "(2 epochs, 8 steps; the time of the last process only" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(2 epochs, 8 steps; the time of the last process that trained" in out
     # A kill between report.json and the removal of trained/ leaves a finished run, which
     # --resume declines: a new run there is not refused (a review).
     os.makedirs(os.path.join(run_dir, cli.TRAINED_DIR))
@@ -939,7 +940,8 @@ def test_a_run_killed_after_its_training_is_completed_by_resume_without_training
     assert cli.main(["train", "--resume", run_dir]) == 0
     out = capsys.readouterr().out
     assert "training had finished (8 steps)" in out and "no step is taken again" in out
-    assert "(2 epochs, 8 steps; the time of the last process only: the run was resumed)" in out
+    assert "(2 epochs, 8 steps; the time of the last process that trained: the run was " \
+        "resumed)" in out
     assert "Epoch 1/" not in out and f"privacy            : {privacy}" in out
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["results"]["steps"] == 8

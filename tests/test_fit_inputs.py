@@ -949,7 +949,7 @@ _REPEATS = {  # what each refused pipeline is refused for
 
 @pytest.mark.parametrize("pipeline", [p for refused in _REPEATS.values() for p in refused] + [
     "shuffle, repeat, batch", "shuffle, batch, repeat", "pass of 60, batch, repeat",
-    "pass of 60, repeat(1), batch"])
+    "pass of 60, repeat(1), batch", "zip with counter seeds, shuffle, batch"])
 def test_a_repeat_that_puts_a_record_twice_in_a_batch_is_refused(pipeline):
     """A repeat before the batching, with a shuffle between them (``repeat().shuffle(N)``, a
     common idiom) or a pass that is not a whole number of batches, puts some record twice in
@@ -999,6 +999,8 @@ def test_a_repeat_that_puts_a_record_twice_in_a_batch_is_refused(pipeline):
         "shuffle, batch, repeat": lambda: records.shuffle(n).batch(BATCH).repeat(),
         "pass of 60, batch, repeat": lambda: records.shuffle(n).batch(BATCH).repeat(),
         "pass of 60, repeat(1), batch": lambda: records.shuffle(n).repeat(1).batch(BATCH),
+        "zip with counter seeds, shuffle, batch": lambda: tf.data.Dataset.zip((
+            records.shuffle(n), tf.data.Dataset.counter())).map(lambda r, s: r).batch(BATCH),
     }[pipeline]()
     metadata = lipdp.DatasetMetadata((DIM,), 3, n, 8, BATCH, X0, "shuffle")
     model = lipdp.DP_Sequential(
@@ -1196,7 +1198,8 @@ def test_an_epoch_holding_copies_of_records_warns(pipeline):
         model.fit(*(data if arrays else (data,)), **fit)
     repeated = [str(w.message) for w in record if "distinct ones" in str(w.message)]
     assert len(repeated) == ("declared" not in pipeline)
-    source = ("The training arrays" if arrays else "One pass of the repeated dataset"
+    source = ("The training arrays" if arrays else
+              f"One pass of the repeated dataset ({N // BATCH} batches)"
               if pipeline.endswith("repeated") else
               f"One epoch of the dataset ({N // BATCH} batches)")
     assert all(m.startswith(f"{source} holds {N} records but only {N // 2} distinct ones")
