@@ -2094,7 +2094,9 @@ class _DPModelMixin:
                 first step; without the pass, at the epoch's end, after its steps ran at
                 another rate than the accountant's) and byte-identical copies of a record
                 (a warning; without the pass, not counted: copies raise the rate at which
-                their record is drawn, an audit, 2026-12-07).
+                their record is drawn, an audit, 2026-12-07), in one pass of a repeat for a
+                repeated dataset. Whatever it is, `fit` refuses a dataset whose repeat can
+                put a record twice in one batch (`lipdp.data.repeat_inside_batches`).
             Other arguments: as for `tf.keras.Model.fit`.
         """
         self._check_compiled()
