@@ -304,7 +304,7 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
                                    save_model_atomically)
     from lipdp.config import build_from_config, certification_target
 
-    if not resume and not os.path.exists(os.path.join(run_dir, "report.json")) and any(
+    if not resume and not os.path.exists(os.path.join(run_dir, reports.REPORT_FILE)) and any(
             os.path.isdir(os.path.join(run_dir, d)) for d in (CHECKPOINT_DIR, TRAINED_DIR)):
         # Its checkpoint would be restored into this run, and its config.json overwritten
         # first (a review, 2026-12-07: an edited config started there lost the killed run's).

@@ -398,15 +398,15 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
                 return (f"repeats its records before batching them with a step between them "
                         f"that does not keep them one for one and in order ({between}): it "
                         "cuts or mixes the passes, so a batch may hold a record twice")
+            if batch_size is None:
+                return ("repeats its records before batching them in batches whose size "
+                        "lipdp cannot read (a window or a group by window): a batch may "
+                        "straddle two passes over the data, and hold a record twice")
             inner = d._input_dataset
             records = int(inner.cardinality())
             batched_pass = _batched_elements(inner)
             if records < 0 or batched_pass:
                 records = _records_in_pass(inner, batched_pass, count_limit)
-            if batch_size is None:
-                return ("repeats its records before batching them in batches whose size "
-                        "lipdp cannot read (a window or a group by window): a batch may "
-                        "straddle two passes over the data, and hold a record twice")
             if records is not None and batch_size and records % batch_size:
                 return (f"batches a repeat of {records} records in batches of {batch_size}: a "
                         "batch straddles two passes over the data, so it may hold a record "
