@@ -72,9 +72,9 @@ from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
 from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
-                           check_ids_in_range, check_sparse_labels, class_index_classes,
-                           embedding_id_limits, into_range, realigned, records_in_arrays,
-                           row_fingerprints, sparse_label_classes)
+                           check_finite_epochs, check_ids_in_range, check_sparse_labels,
+                           class_index_classes, embedding_id_limits, into_range, realigned,
+                           records_in_arrays, row_fingerprints, sparse_label_classes)
 from lipdp.state_guard import StateGuard, run_guarded
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
 from lipdp.weight_copies import (TrainedBy, forget_loaded, keys_of, loaded_models, note_loaded,
@@ -177,6 +177,17 @@ def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
 
 def _numeric(array) -> bool:
     return np.issubdtype(array.dtype, np.number) or array.dtype == bool
+
+
+def _read_as_one_stream(dataset: tf.data.Dataset, steps_per_epoch: Optional[int]) -> bool:
+    """Whether Keras' `fit` reads `dataset` from one iterator across epochs while no
+    ``repeat`` on it makes its passes (`lipdp.data.repeat_inside_batches` checks those):
+    given a ``steps_per_epoch`` other than its length, Keras does not start a new pass at
+    each epoch (its DataHandler's ``should_recreate_iterator``). A `load_dataset` pipeline
+    draws its own batches."""
+    return steps_per_epoch is not None and not holds_repeat(dataset) and \
+        getattr(dataset, "lipdp_sampler", None) is None and \
+        int(dataset.cardinality()) != steps_per_epoch
 
 
 _MAX_VALIDATION_ROWS = 1_000_000  # read to compare with the training arrays, at most
@@ -2095,8 +2106,12 @@ class _DPModelMixin:
                 another rate than the accountant's) and byte-identical copies of a record
                 (a warning; without the pass, not counted: copies raise the rate at which
                 their record is drawn, an audit, 2026-12-07), in one pass of a repeat for a
-                repeated dataset. Whatever it is, `fit` refuses a dataset whose repeat can
-                put a record twice in one batch (`lipdp.data.repeat_inside_batches`).
+                repeated dataset. A dataset without a repeat given a ``steps_per_epoch``
+                other than its length, which Keras reads as one stream across epochs, is
+                read for every epoch of the fit, each epoch's records counted apart (one
+                must hold ``nb_samples_train``). Whatever it is, `fit` refuses a dataset
+                whose repeat can put a record twice in one batch
+                (`lipdp.data.repeat_inside_batches`).
             Other arguments: as for `tf.keras.Model.fit`.
         """
         self._check_compiled()
@@ -2120,30 +2135,8 @@ class _DPModelMixin:
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
             self._check_pipeline_sampler(x)
             if validate_data:
-                batches = kwargs.get("steps_per_epoch") or md.steps_per_epoch
-                # Copies counted in the same pass, under shuffle sampling; for a repeated
-                # pipeline, in the pass its repeat goes through (an epoch's steps may take
-                # the end of one pass and the start of the next).
-                shuffled = md.sampling == Sampling.SHUFFLE and \
-                    getattr(x, "lipdp_sampler", None) is None
-                repeated = shuffled and holds_repeat(x)
-                passes = batches_in_repeated_pass(x, md.nb_samples_train) if repeated else None
-                counted = check_finite_dataset(
-                    x, batches, dtype=self.compute_dtype,
-                    count_records=shuffled and (not repeated or passes == batches))
-                self._warn_on_repeated_records(counted, (
-                    f"One pass of the repeated dataset ({batches} batches)" if repeated else
-                    f"One epoch of the dataset ({batches} batches)"))
-                if passes is not None and passes != batches:
-                    self._warn_on_repeated_records(check_finite_dataset(
-                        x, passes, dtype=self.compute_dtype, count_records=True),
-                        f"One pass of the repeated dataset ({passes} batches)")
-                if counted is not None and counted.complete:
-                    self._check_records_in_pass(counted.records)
-                check_ids_in_range(x, embedding_id_limits(self), self.input_names, batches)
-                check_sparse_labels(x, None, sparse_label_classes(self, self.dp_loss), batches)
-                check_sparse_labels(x, None, class_index_classes(self, self.dp_loss, labels),
-                                    batches, dp_loss=True)
+                self._validate_dataset(x, labels, kwargs.get("steps_per_epoch"),
+                                       range(kwargs.get("initial_epoch", 0), epochs))
         elif x is not None:
             _refuse_batch_iterators(x)
             if shuffle is not True:
@@ -2287,6 +2280,61 @@ class _DPModelMixin:
         gathered = strategy.gather(strategy.run(lambda: tf.constant([digest], tf.int64)), axis=0)
         return [int(d) for d in gathered.numpy()]
 
+    def _validate_dataset(self, dataset, labels, steps_per_epoch, epochs: range):
+        """`fit`'s ``validate_data`` pass over a dataset (its docstring), for the `epochs`
+        it trains. Copies are counted under shuffle sampling, in the same pass: for a
+        repeated pipeline, in the pass its repeat goes through (an epoch's steps may take
+        the end of one pass and the start of the next); for a dataset Keras reads as one
+        stream (`_read_as_one_stream`), epoch by epoch over every epoch of the fit."""
+        md = self.dataset_metadata
+        batches = steps_per_epoch or md.steps_per_epoch
+        shuffled = md.sampling == Sampling.SHUFFLE and \
+            getattr(dataset, "lipdp_sampler", None) is None
+        repeated = shuffled and holds_repeat(dataset)
+        if _read_as_one_stream(dataset, steps_per_epoch):
+            batches = steps_per_epoch * len(epochs)
+            self._check_stream_epochs(check_finite_epochs(
+                dataset, steps_per_epoch, len(epochs), dtype=self.compute_dtype,
+                count_records=shuffled), epochs, steps_per_epoch)
+        else:
+            passes = batches_in_repeated_pass(dataset, md.nb_samples_train) if repeated \
+                else None
+            counted = check_finite_dataset(
+                dataset, batches, dtype=self.compute_dtype,
+                count_records=shuffled and (not repeated or passes == batches))
+            self._warn_on_repeated_records(counted, (
+                f"One pass of the repeated dataset ({batches} batches)" if repeated else
+                f"One epoch of the dataset ({batches} batches)"), stacklevel=4)
+            if passes is not None and passes != batches:
+                self._warn_on_repeated_records(check_finite_dataset(
+                    dataset, passes, dtype=self.compute_dtype, count_records=True),
+                    f"One pass of the repeated dataset ({passes} batches)", stacklevel=4)
+            if counted is not None and counted.complete:
+                self._check_records_in_pass(counted.records)
+        check_ids_in_range(dataset, embedding_id_limits(self), self.input_names, batches)
+        check_sparse_labels(dataset, None, sparse_label_classes(self, self.dp_loss), batches)
+        check_sparse_labels(dataset, None, class_index_classes(self, self.dp_loss, labels),
+                            batches, dp_loss=True)
+
+    def _check_stream_epochs(self, counts, epochs: range, steps_per_epoch: int):
+        """The epochs of a dataset read as one stream (`lipdp.records.check_finite_epochs`'
+        `counts`, None when not counted): each one read whole must hold the declared
+        records, and the first holding copies of a record warns. Such a stream's epochs
+        were checked as its first: a second epoch of 32 records twice, or passes of 60
+        records cut into epochs of 56 (a batch straddling two passes held a record twice in
+        23% of draws), trained silently (an audit, 2026-12-07)."""
+        source = (f"the dataset read as one stream ({steps_per_epoch} batches an epoch: "
+                  "steps_per_epoch without a repeat)")
+        counted = list(zip(epochs, counts or []))
+        for epoch, count in counted:
+            if count.complete:
+                self._check_records_in_pass(count.records, f"Epoch {epoch + 1} of {source}")
+        for epoch, count in counted:
+            if count.distinct < count.records:
+                self._warn_on_repeated_records(count, f"Epoch {epoch + 1} of {source}",
+                                               stacklevel=5)
+                return
+
     def _check_dataset(self, dataset, steps_per_epoch):
         md = self.dataset_metadata
         spec = tf.nest.flatten(dataset.element_spec)[0]
@@ -2370,7 +2418,7 @@ class _DPModelMixin:
             raise ValueError(f"The training labels (shape {labels.shape}) do not fit the "
                              f"model's outputs ({outputs}) under its DP loss: {error}") from None
 
-    def _check_records_in_pass(self, records: int):
+    def _check_records_in_pass(self, records: int, source: str = "One pass over the dataset"):
         """Under shuffle sampling one pass over the dataset is an epoch, which must hold the
         declared N records (or ``floor(N / D) D``), as `_EpochSizeCheck` checks at each
         epoch's end. A pass whose size tf.data does not know (a ``filter``, a generator)
@@ -2381,13 +2429,13 @@ class _DPModelMixin:
         if records not in (md.nb_samples_train, md.nb_samples_train // md.batch_size
                            * md.batch_size):
             raise ValueError(
-                f"One pass over the dataset holds {records} records, but dataset_metadata "
+                f"{source} holds {records} records, but dataset_metadata "
                 f"declares nb_samples_train={md.nb_samples_train}: each record would be drawn "
                 "at another rate than the accountant's q = batch_size / nb_samples_train. "
                 "Build the metadata from the data actually used (lipdp.data.load_dataset "
                 "does).")
 
-    def _warn_on_repeated_records(self, counted, source: str):
+    def _warn_on_repeated_records(self, counted, source: str, stacklevel: int = 3):
         """Each record enters one batch an epoch under shuffle sampling (and Keras' cut of
         arrays), which the accountant assumes: warn when one epoch holds some record more
         than once (``counted = (records, distinct)``: `lipdp.records.check_finite_dataset`,
@@ -2406,7 +2454,7 @@ class _DPModelMixin:
             "copies, a repeat before the shuffle), it is drawn more often than q = "
             "batch_size / nb_samples_train and the reported epsilon under-states its privacy "
             "loss. Identical records of different people are each their own record: then "
-            "nothing is wrong."), stacklevel=3)
+            "nothing is wrong."), stacklevel=stacklevel)
 
     def _check_pipeline_sampler(self, dataset):
         """Refuse a `lipdp.data.load_dataset` pipeline (its ``lipdp_sampler`` attribute) that

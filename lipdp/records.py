@@ -20,7 +20,8 @@ indices outside ``[0, K)`` given to Keras' sparse categorical cross-entropy
 label onto their domain (their bounds hold for any label), but class indices outside
 ``[0, K)`` are still refused (`class_index_classes`): they would train on wrong classes.
 
-A pass over a dataset reads at most one epoch of its batches: a Poisson pipeline's pass
+A pass over a dataset reads at most one epoch of its batches (all the epochs of a `fit`
+for a dataset Keras reads as one stream: `check_finite_epochs`): a Poisson pipeline's pass
 samples about 63% of the records. The private step itself covers the others: an example
 with a NaN or inf feature or label contributes zero in both modes, and in classic DP-SGD
 the ids and class indices above are mapped into their ranges (`into_range`).
@@ -37,9 +38,9 @@ import tensorflow as tf
 from lipdp.clipping.engine import finite_rows
 
 __all__ = ["NonFiniteRecordError", "OutOfRangeIdError", "check_finite_arrays",
-           "check_finite_dataset", "check_ids_in_range", "check_sparse_labels",
-           "class_index_classes", "embedding_id_limits", "into_range", "records_in_arrays",
-           "row_fingerprints", "sparse_label_classes"]
+           "check_finite_dataset", "check_finite_epochs", "check_ids_in_range",
+           "check_sparse_labels", "class_index_classes", "embedding_id_limits", "into_range",
+           "records_in_arrays", "row_fingerprints", "sparse_label_classes"]
 
 _SHOWN = 10  # positions listed in the error message
 
@@ -85,8 +86,9 @@ def _check_dataset_rows(checked, max_batches, refuse, fingerprinted=False):
     """`refuse` the rows that are False in one pass over `checked` (a dataset of per-row
     flags, at most `max_batches` batches, and one more read to tell whether the pass ends
     there); with `fingerprinted`, of ``(flags, row fingerprints)`` pairs. Returns
-    ``(fingerprints, complete)``: the pass's fingerprints (None without `fingerprinted`) and
-    whether the whole pass was read (it ended within `max_batches` batches)."""
+    ``(fingerprints, complete)``: the pass's fingerprints, one array a batch (None without
+    `fingerprinted`), and whether the whole pass was read (it ended within `max_batches`
+    batches)."""
     if max_batches is not None:
         checked = checked.take(max_batches + 1)
     bad, total, fingerprints, complete = [], 0, [], True
@@ -101,9 +103,7 @@ def _check_dataset_rows(checked, max_batches, refuse, fingerprinted=False):
         total += len(good)
     if bad:
         refuse("by position in one pass over the dataset", bad, total)
-    if not fingerprinted:
-        return None, complete
-    return (np.concatenate(fingerprints) if fingerprints else np.zeros(0, np.int64)), complete
+    return (fingerprints if fingerprinted else None), complete
 
 
 def _refuse(where: str, bad: List[str], total: int):
@@ -151,6 +151,34 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
     Raises:
         NonFiniteRecordError: listing ``batch b, row r`` of the records that are not.
     """
+    batches, complete = _read_checked(dataset, max_batches, dtype, count_records)
+    return None if batches is None else _record_count(batches, complete)
+
+
+def check_finite_epochs(dataset: tf.data.Dataset, batches_per_epoch: int, epochs: int,
+                        dtype="float32", count_records: bool = False
+                        ) -> Optional[List["RecordCount"]]:
+    """`check_finite_dataset` over the `epochs` epochs of `batches_per_epoch` batches that
+    Keras' `fit` reads from one iterator of `dataset`: it does so for a dataset without a
+    repeat given a ``steps_per_epoch`` other than its length, and epochs then cut across
+    its passes. Every record of these epochs is checked.
+
+    Returns:
+        With `count_records`, one `RecordCount` an epoch read, its records counted apart
+        (``complete``: all of its batches were there); None as `check_finite_dataset`.
+    """
+    batches, _ = _read_checked(dataset, batches_per_epoch * epochs, dtype, count_records)
+    if batches is None:
+        return None
+    epochs_read = [batches[i:i + batches_per_epoch]
+                   for i in range(0, len(batches), batches_per_epoch)]
+    return [_record_count(epoch, len(epoch) == batches_per_epoch) for epoch in epochs_read]
+
+
+def _read_checked(dataset, max_batches, dtype, count_records):
+    """One read of `dataset` (at most `max_batches` batches), every record checked finite
+    in `dtype`: ``(fingerprints, complete)`` as `_check_dataset_rows` returns them,
+    fingerprints only with `count_records` and dense batches."""
     def row_flags(*element):  # the private step's own test (`finite_rows`), scalars aside
         tensors = tf.nest.flatten(element)
         flags = finite_rows([t for t in tensors if t.shape.rank != 0], dtype)
@@ -162,8 +190,13 @@ def check_finite_dataset(dataset: tf.data.Dataset, max_batches: Optional[int] = 
     checked = dataset.map(
         (lambda *element: (row_flags(*element), row_fingerprints(tf.nest.flatten(element))))
         if counted else row_flags)
-    values, complete = _check_dataset_rows(checked, max_batches, _refuse, fingerprinted=counted)
-    return RecordCount(len(values), len(np.unique(values)), complete) if counted else None
+    return _check_dataset_rows(checked, max_batches, _refuse, fingerprinted=counted)
+
+
+def _record_count(batches: List[np.ndarray], complete: bool) -> "RecordCount":
+    """The `RecordCount` of the records whose fingerprints `batches` holds."""
+    values = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+    return RecordCount(len(values), len(np.unique(values)), complete)
 
 
 class RecordCount(NamedTuple):

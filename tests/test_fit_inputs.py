@@ -1157,6 +1157,65 @@ def test_monitors_of_data_made_from_the_training_set_are_refused_or_warned():
     assert model.dp_steps_taken == 2 * N // BATCH
 
 
+@pytest.mark.parametrize("pipeline", ["a second epoch of copies", "passes straddling epochs",
+                                      "two shuffled passes", "a NaN in the second epoch",
+                                      "epochs of half the records", "two passes in one epoch"])
+def test_a_dataset_read_as_one_stream_is_checked_epoch_by_epoch(pipeline):
+    """Given a ``steps_per_epoch`` other than its length, Keras reads a dataset without a
+    repeat as one stream across epochs. fit checked the stream's first epoch only: a second
+    epoch holding 32 records twice, or passes of 60 records read in epochs of 56 (a batch
+    straddling two passes held a record twice in 23% of draws), trained silently (an audit,
+    2026-12-07). Every epoch the fit will read is checked now, before the first step: its
+    copies warn, a record that is not finite or an epoch of other than N records is
+    refused (that one was stopped at the epoch's end, after its steps). Two shuffled passes
+    written out, one an epoch, train silently."""
+    n = 60 if pipeline == "passes straddling epochs" else N
+    x, y = _arrays(np.random.default_rng(29), n=n)
+    records = tf.data.Dataset.from_tensor_slices((x, y))
+    x_nan = x.copy()
+    x_nan[n - 3, 1] = np.nan  # read in the second epoch only, at batch 15 row 5
+    half = records.take(N // 2)
+    data, steps, epochs = {
+        "a second epoch of copies": (
+            records.shuffle(N).concatenate(half.concatenate(half).shuffle(N)), N // BATCH, 2),
+        "passes straddling epochs": (
+            records.shuffle(n).concatenate(records.shuffle(n)).concatenate(records.shuffle(n)),
+            n // BATCH, 3),
+        "two shuffled passes": (records.shuffle(N).concatenate(records.shuffle(N)),
+                                N // BATCH, 2),
+        "a NaN in the second epoch": (
+            records.shuffle(N).concatenate(tf.data.Dataset.from_tensor_slices((x_nan, y))),
+            N // BATCH, 2),
+        "epochs of half the records": (records.shuffle(N), N // BATCH // 2, 2),
+        "two passes in one epoch": (records.shuffle(N).concatenate(records.shuffle(N)),
+                                    2 * N // BATCH, 1),
+    }[pipeline]
+    metadata = lipdp.DatasetMetadata((DIM,), 3, n, 8, BATCH, X0, "shuffle")
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(X0, input_shape=(DIM,)), DP_QuickSpectralDense(3)],
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5), dataset_metadata=metadata)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    fit = dict(steps_per_epoch=steps, epochs=epochs, verbose=0)
+    if pipeline == "a NaN in the second epoch":
+        with pytest.raises(NonFiniteRecordError, match=f"batch {2 * N // BATCH - 1} row 5"):
+            model.fit(data.batch(BATCH), **fit)
+    elif pipeline in ("epochs of half the records", "two passes in one epoch"):
+        with pytest.raises(ValueError, match=f"holds {N * steps * BATCH // N} records, but "):
+            model.fit(data.batch(BATCH), **fit)
+    else:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            model.fit(data.batch(BATCH), **fit)
+        copies = [str(w.message) for w in record if "distinct ones" in str(w.message)]
+        if pipeline == "two shuffled passes":
+            assert copies == [] and model.dp_steps_taken == steps * epochs
+        else:  # the first epoch holds no copies: the second does
+            assert copies and all(m.startswith("Epoch 2 of the dataset read as one stream")
+                                  for m in copies[:1]), copies
+        return
+    assert model.dp_steps_taken == 0
+
+
 @pytest.mark.parametrize("pipeline", ["concatenated with itself", "copies by flat_map",
                                       "the declared records", "arrays concatenated",
                                       "the declared arrays", "concatenated with itself, repeated",
@@ -1201,6 +1260,9 @@ def test_an_epoch_holding_copies_of_records_warns(pipeline):
     source = ("The training arrays" if arrays else
               f"One pass of the repeated dataset ({N // BATCH} batches)"
               if pipeline.endswith("repeated") else
+              # tf.data does not know the flat_map's length: Keras reads it as one stream
+              f"Epoch 1 of the dataset read as one stream ({N // BATCH} batches an epoch: "
+              "steps_per_epoch without a repeat)" if pipeline == "copies by flat_map" else
               f"One epoch of the dataset ({N // BATCH} batches)")
     assert all(m.startswith(f"{source} holds {N} records but only {N // 2} distinct ones")
                for m in repeated)
