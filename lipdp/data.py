@@ -221,9 +221,7 @@ def batches_made_unseen(dataset: tf.data.Dataset) -> bool:
     if read is None:
         return False
     graph, node_of = read
-    return not any(_batching_op(n.op) or n.op.startswith((
-        "MapAndBatchDataset", "ExperimentalMapAndBatchDataset", "GroupByWindowDataset",
-        "WindowDataset", "RebatchDataset")) for n in _data_path(graph, node_of))
+    return not any(_makes_batches(n.op) for n in _data_path(graph, node_of))
 
 
 def _pipeline_graph(dataset: tf.data.Dataset):
@@ -246,8 +244,17 @@ def _pipeline_graph(dataset: tf.data.Dataset):
 
 
 def _batching_op(op: str) -> bool:
-    """Whether a serialized tf.data op batches records."""
+    """Whether a serialized tf.data op batches records (`unshuffled_batching` reads the
+    shuffles upstream of these)."""
     return op.startswith(("BatchDataset", "PaddedBatchDataset", "ParallelBatchDataset"))
+
+
+def _makes_batches(op: str) -> bool:
+    """Whether a serialized tf.data op makes batches: `_batching_op`, and the ops that batch
+    what they map, window or rebatch."""
+    return _batching_op(op) or op.startswith((
+        "MapAndBatchDataset", "ExperimentalMapAndBatchDataset", "GroupByWindowDataset",
+        "WindowDataset", "RebatchDataset"))
 
 
 def _upstream(node, node_of, seen=None):
@@ -288,7 +295,7 @@ def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,
                   count_limit: Optional[int] = None) -> Optional[Tuple[str, Optional[int]]]:
     """What a repeated pipeline goes through again and again: ``("records", R)`` when its
     last ``repeat`` comes before its batching (R records a pass), ``("batches", B)`` when
-    after it; None without a repeat. Read from tf.data's dataset objects (each holds its
+    after it; None without a repeat (a ``repeat(1)`` is none: `_repeats`). Read from tf.data's dataset objects (each holds its
     ``_input_dataset``), from the output down to the first repeat met.
 
     With `example_rank` (the rank of one example's first input tensor) and `count_limit`,
@@ -300,7 +307,7 @@ def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,
     holding a `load_dataset` Poisson pipeline (random sizes: its sampler keeps the rate),
     or without `count_limit` a pass of unknown size."""
     for d in _chain(dataset):
-        if "Repeat" not in type(d).__name__:
+        if not _repeats(d):
             continue
         inner = getattr(d, "_input_dataset", None)
         if inner is None or any(getattr(below, "lipdp_sampler", None) is not None
@@ -557,7 +564,14 @@ class InputBound:
     The norm is the L2 norm over all features of one example. Calling the object
     treats its argument as **one** example (usable in `tf.data` maps);
     `apply_batch` treats the first axis as the batch axis. Both are exact up to
-    float32 rounding (relative error about 1e-6 on the resulting norm).
+    float32 rounding (relative error about 1e-6 on the resulting norm) for every finite
+    input: the norm is taken as ``m ||x / m||``, m the largest ``|x_i|``, since the squares
+    of entries below about 1e-19 underflow in float32 (``sqrt(sum x_i^2)`` of inputs near
+    1e-19 came out too small: normalized images up to 3.9 X0, clipped ones up to 412 X0 for
+    a small X0, an audit, 2026-12-07) and those above about 1e19 overflow (clipped to 0,
+    now onto the sphere). An example whose largest entry is subnormal comes out 0; one
+    holding a NaN or an infinity comes out NaN (`fit` refuses it). Half-precision inputs are
+    bounded in float32 and returned in their dtype.
     """
 
     def __init__(self, mode: str, max_norm: float):
@@ -568,20 +582,23 @@ class InputBound:
 
     def _apply(self, x, batched: bool):
         x = tf.convert_to_tensor(x)
-        if not x.dtype.is_floating:
+        dtype = x.dtype if x.dtype.is_floating else tf.float32
+        if x.dtype not in (tf.float32, tf.float64):
             x = tf.cast(x, tf.float32)
-        if batched:
-            axis = tf.range(1, tf.rank(x))
-        else:
-            axis = tf.range(tf.rank(x))
-        norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=axis, keepdims=True))
+        axis = tf.range(1, tf.rank(x)) if batched else tf.range(tf.rank(x))
+        largest = tf.reduce_max(tf.abs(x), axis=axis, keepdims=True)
+        largest = tf.where(largest >= np.finfo(x.dtype.as_numpy_dtype).tiny, largest, 0)
+        unit = tf.math.divide_no_nan(x, largest)  # entries in [-1, 1], one of them +-1
+        unit_norm = tf.sqrt(tf.reduce_sum(tf.square(unit), axis=axis, keepdims=True))
         x0 = tf.constant(self.max_norm, dtype=x.dtype)
-        if self.mode == "clip":
-            # X0 / max(||x||, X0) == min(1, X0/||x||), and never divides by 0.
-            scale = x0 / tf.maximum(norm, x0)
+        on_sphere = unit * tf.math.divide_no_nan(x0, unit_norm)
+        if self.mode == "clip":  # ||x|| = largest * unit_norm, inf when it overflows
+            bounded = tf.where(largest * unit_norm > x0, on_sphere,
+                               x * tf.cast(largest > 0, x.dtype))
         else:
-            scale = tf.math.divide_no_nan(x0, norm)
-        return x * scale
+            bounded = on_sphere
+        finite = tf.reduce_all(tf.math.is_finite(x), axis=axis, keepdims=True)
+        return tf.cast(tf.where(finite, bounded, tf.constant(np.nan, x.dtype)), dtype)
 
     def __call__(self, x):
         """Bounds one example ``x`` (any shape; the norm is over all of it)."""

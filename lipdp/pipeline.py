@@ -236,9 +236,23 @@ def load_and_prepare_data(
         dataset_name, batch_size, sampling="poisson", feature_map=colour_map,
         **bound_fct.load_dataset_keyword(), **load_dataset_kwargs)
     if augmentation_fct is not None:
+        _refuse_state(augmentation_fct, metadata)
         _check_per_example(augmentation_fct, ds_test)
         ds_train = _augmented(ds_train, augmentation_fct, bound_fct)
     return ds_train, ds_test, metadata
+
+
+def _refuse_state(augmentation_fct, metadata):
+    """`lipdp.data`'s refusal of augmentations that keep state from one call to the next,
+    on `augmentation_fct` applied example by example (`_each_example`, with one-hot labels):
+    `load_and_prepare_data` skipped it, and one returning the previous call's image (kept
+    in a tf.Variable) made each training view another record, the first one a test image
+    its probe had left there (an audit, 2026-12-07)."""
+    def on_images(images):
+        labels = tf.zeros([tf.shape(images)[0], metadata.nb_classes], tf.float32)
+        return _each_example(augmentation_fct, images, labels)[0]
+
+    data._refuse_state(on_images, metadata.input_shape, "augmentation_fct")
 
 
 def _check_per_example(augmentation_fct, ds_test):

@@ -292,21 +292,50 @@ def test_a_paper_augmentation_mixing_examples_through_its_state_is_refused(mnist
     """`augmentation_fct` is applied example by example, but one keeping the previous image
     in a variable averaged it into the next: 198 of 199 outputs mixed two training records,
     and the pipeline kept its Poisson sampler, so fit saw nothing (an audit). Probed as
-    `load_dataset` probes its augmentations; a stateless one passes."""
+    `load_dataset` probes its augmentations; a stateless one passes. (State in a graph is
+    refused before the probe: `test_a_paper_augmentation_keeping_state_is_refused`; this one
+    keeps it in Python, which only the probe sees.)"""
     from lipdp.pipeline import bound_clip_value, load_and_prepare_data
 
-    previous = tf.Variable(tf.zeros((28, 28, 1)))
+    previous = [np.zeros((28, 28, 1), np.float32)]
+
+    def average_with_the_previous(x):
+        mixed, previous[0] = 0.5 * x.numpy() + 0.5 * previous[0], x.numpy()
+        return mixed
 
     def with_the_previous_image(x, y):
-        mixed = 0.5 * x + 0.5 * previous
-        with tf.control_dependencies([mixed]):
-            previous.assign(x)
-        return mixed, y
+        mixed = tf.py_function(average_with_the_previous, [x], tf.float32)
+        return tf.ensure_shape(mixed, x.shape), y
 
     options = dict(bound_fct=bound_clip_value(2.0), nb_samples_train=100, seed=0)
     with pytest.raises(ValueError, match="does not transform each image on its own"):
         load_and_prepare_data("mnist", 50, augmentation_fct=with_the_previous_image, **options)
     load_and_prepare_data("mnist", 50, augmentation_fct=lambda x, y: (1.0 - x, y), **options)
+
+
+def test_a_paper_augmentation_keeping_state_is_refused(mnist):
+    """`load_and_prepare_data` did not run `load_dataset`'s refusal of stateful
+    augmentations: one returning the previous call's image (kept in a tf.Variable, its
+    probe's NaN replaced) passed, each training view was another record and the first a
+    test image its probe had left (an audit, 2026-12-07). The carried image is shown."""
+    from lipdp.pipeline import bound_clip_value, load_and_prepare_data
+
+    previous = tf.Variable(tf.zeros((28, 28, 1)))
+
+    def the_previous_image(x, y):
+        out = tf.where(tf.math.is_finite(previous), previous, tf.zeros_like(previous))
+        with tf.control_dependencies([out]):
+            kept = previous.assign(x)
+        with tf.control_dependencies([kept]):
+            return tf.identity(out), y
+
+    first = tf.ones((28, 28, 1))
+    the_previous_image(first, None)
+    assert float(tf.reduce_min(the_previous_image(tf.zeros((28, 28, 1)), None)[0])) == 1.0
+    with pytest.raises(ValueError, match=r"`augmentation_fct` holds stateful operations "
+                                         r"\(AssignVariableOp\)"):
+        load_and_prepare_data("mnist", 50, augmentation_fct=the_previous_image,
+                              bound_fct=bound_clip_value(2.0), nb_samples_train=100, seed=0)
 
 
 def test_warnings_are_one_time(mnist):

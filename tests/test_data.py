@@ -135,6 +135,38 @@ def test_bounds_in_tf_data_map_and_batches():
     np.testing.assert_allclose(norms(batched), 1.0, rtol=RTOL)
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1.1e-19, 1.0, 1e20, 1e37])
+def test_bounds_hold_for_tiny_and_huge_inputs(scale):
+    """The squares of float32 entries below about 1e-19 underflow: the norm taken as
+    ``sqrt(sum x^2)`` came out too small, normalized images of about 1.1e-19 reached 3.9 X0
+    and clipped ones 412 X0 under X0 = 1e-21 (an audit, 2026-12-07); above about 1e19 they
+    overflow, and clipped images came out 0. Every bound lands its outputs in the ball
+    (float64 norms), on the sphere where its mode says so, in a map and in batches."""
+    x = np.random.RandomState(3).uniform(0.0, 1.0, size=(6, 28, 28, 1)).astype(np.float32)
+    x = x * np.float32(scale)
+    for bound in (data.bound_clip_value(2.0), data.bound_clip_value(1e-21),
+                  data.bound_normalize(1.0)):
+        batched = norms(bound.apply_batch(tf.constant(x)).numpy().astype(np.float64))
+        alone = norms(np.stack([bound(tf.constant(image)).numpy() for image in x])
+                      .astype(np.float64))
+        for out in (batched, alone):
+            assert np.all(out <= bound.max_norm * (1 + RTOL)), (bound, out / bound.max_norm)
+            if bound.mode == "normalize" or np.linalg.norm(x[0].astype(np.float64)) > \
+                    bound.max_norm:
+                np.testing.assert_allclose(out, bound.max_norm, rtol=RTOL)
+
+
+def test_bounds_of_non_finite_or_subnormal_examples():
+    """An example holding a NaN or an infinity comes out NaN (fit refuses it), one of
+    subnormal entries (read as 0 by TensorFlow's kernels) comes out 0; the others of the
+    batch are bounded as alone."""
+    x = np.array([[np.nan, 1.0], [np.inf, 0.0], [1e-40, -1e-41], [3.0, 4.0]], np.float32)
+    for bound in (data.bound_clip_value(2.0), data.bound_normalize(2.0)):
+        out = bound.apply_batch(tf.constant(x)).numpy()
+        assert np.isnan(out[:2]).all() and (out[2] == 0).all()
+        np.testing.assert_allclose(out[3], [1.2, 1.6], rtol=RTOL)
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1"])
 def test_bound_validation(bad):
     with pytest.raises(ValueError, match="max_norm"):
