@@ -825,7 +825,13 @@ def _check_image_arrays(spec: _ImageSpec, where: str, arrays: Dict[str, np.ndarr
     h, w, c = spec.image_shape
     out = {}
     for split in ("train", "test"):
-        x, y = np.asarray(arrays[f"x_{split}"]), np.asarray(arrays[f"y_{split}"]).reshape(-1)
+        x, y = np.asarray(arrays[f"x_{split}"]), np.asarray(arrays[f"y_{split}"])
+        if y.ndim == 2 and y.shape[1] == 1:
+            y = y[:, 0]
+        if y.ndim != 1:  # (20, 2) labels of 40 images were flattened, paired at random
+            raise DatasetFormatError(
+                f"{where}: {split} labels have shape {y.shape}; expected one class index an "
+                "image, of shape (n,) or (n, 1).")
         if x.ndim == 3 and c == 1:
             x = x[..., None]
         if x.dtype != np.uint8 or x.shape[1:] != (h, w, c):
@@ -1101,12 +1107,30 @@ def _as_float(x) -> tf.Tensor:
 def _mapped(feature_map, x: np.ndarray, batch_size: int = 1000, check: bool = False
             ) -> np.ndarray:
     """``feature_map`` of every example of ``x``, in batches, as one float32 array; with
-    `check`, first `_check_per_example` on the first batch."""
+    `check` (the training examples), first refused when a feature is not finite, then
+    `_check_per_example` on the first batch (whose probes read non-finite features as a
+    mixing map: a map taking the log of a zero pixel was refused for not treating each
+    example on its own, an audit, 2026-12-07)."""
     mapped = [np.asarray(feature_map(_as_float(x[i:i + batch_size])), np.float32)
               for i in range(0, len(x), batch_size)]
     if check:
+        _refuse_non_finite_features(mapped)
         _check_per_example(feature_map, x[:batch_size], mapped[0])
     return np.concatenate(mapped)
+
+
+def _refuse_non_finite_features(mapped: List[np.ndarray]) -> None:
+    """Refuse training features (`mapped`, batch by batch) holding a NaN or an infinity,
+    with the indices of their examples: no step can train on them (the input bound maps
+    them to NaN), and found by `fit` they would be refused there or skipped by the step."""
+    finite = np.concatenate([np.isfinite(m.reshape(len(m), -1)).all(axis=1) for m in mapped])
+    bad = np.flatnonzero(~finite)
+    if bad.size:
+        shown = ", ".join(map(str, bad[:10])) + (", ..." if bad.size > 10 else "")
+        raise ValueError(
+            f"feature_map gives features that are not finite (NaN or inf) to {bad.size} of "
+            f"the {len(finite)} training examples (indices {shown}): no step can train on "
+            "them. Repair the map (a logarithm or a division reaching 0, an overflow).")
 
 
 #: Relative change of another example's features that `_check_per_example` refuses (far above
@@ -1638,7 +1662,8 @@ def load_dataset(
             feature vector is then a function of its example alone, and the privacy
             analysis of the model trained on the features is unchanged (a map whose
             features of one example change with another, or holding Keras layers adapted
-            on data, is refused: `_check_per_example`).
+            on data, is refused: `_check_per_example`; so is one giving a training example
+            features that are not finite, with their indices).
         feature_cache_key: a hashable naming `feature_map` (e.g. its configuration). The
             features of the most recent call with the same key, dataset, ``data_dir``,
             ``nb_samples_train`` and data (a digest of the raw inputs) are reused (one entry,

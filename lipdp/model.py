@@ -179,6 +179,22 @@ def _numeric(array) -> bool:
     return np.issubdtype(array.dtype, np.number) or array.dtype == bool
 
 
+def _check_steps_per_epoch(steps_per_epoch, metadata: DatasetMetadata) -> None:
+    """A DP model's epochs are counted steps: Keras' ``steps_per_epoch=-1`` (one epoch
+    until the data runs out) let an epoch hold any number of records, and made the checks
+    before the first step read nothing (a review, 2026-12-07: copies and a NaN record
+    trained unseen)."""
+    if steps_per_epoch is None:
+        return
+    if isinstance(steps_per_epoch, (bool, np.bool_)) or \
+            not isinstance(steps_per_epoch, (int, np.integer)) or steps_per_epoch < 1:
+        raise ValueError(
+            f"steps_per_epoch={steps_per_epoch!r}: a DP model trains epochs of a given "
+            f"number of steps ({metadata.steps_per_epoch} for one pass over the declared "
+            "nb_samples_train records), which lipdp checks against the data before the first "
+            "step. Pass a positive integer, or leave it out for one pass of a finite dataset.")
+
+
 def _read_as_one_stream(dataset: tf.data.Dataset, steps_per_epoch: Optional[int]) -> bool:
     """Whether Keras' `fit` reads `dataset` from one iterator across epochs while no
     ``repeat`` on it makes its passes (`lipdp.data.repeat_inside_batches` checks those):
@@ -2126,6 +2142,7 @@ class _DPModelMixin:
         if class_weight is not None or sample_weight is not None:
             raise ValueError("class_weight / sample_weight are not supported by DP models: they "
                              "rescale per-example gradients beyond their bounds.")
+        _check_steps_per_epoch(kwargs.get("steps_per_epoch"), md)
         start_sampler = _StartSampler(
             pipeline_sampler(x) if isinstance(x, tf.data.Dataset) else None)
         self._check_workers_agree(x)
@@ -2318,18 +2335,28 @@ class _DPModelMixin:
 
     def _check_stream_epochs(self, counts, epochs: range, steps_per_epoch: int):
         """The epochs of a dataset read as one stream (`lipdp.records.check_finite_epochs`'
-        `counts`, None when not counted): each one read whole must hold the declared
-        records, and the first holding copies of a record warns. Such a stream's epochs
-        were checked as its first: a second epoch of 32 records twice, or passes of 60
-        records cut into epochs of 56 (a batch straddling two passes held a record twice in
-        23% of draws), trained silently (an audit, 2026-12-07)."""
+        `counts`, None when not counted): each one must hold the declared records, also
+        one the data runs out in (Keras trains its batches, then `_EpochSizeCheck` stopped
+        the fit at its end: a review, 2026-12-07; Keras trains no epoch after it), and the
+        first holding copies of a record warns. Such a stream's epochs were checked as its
+        first: a second epoch of 32 records twice, or passes of 60 records cut into epochs of
+        56 (a batch straddling two passes held a record twice in 23% of draws), trained
+        silently (an audit, 2026-12-07)."""
+        if counts is None:
+            return
         source = (f"the dataset read as one stream ({steps_per_epoch} batches an epoch: "
                   "steps_per_epoch without a repeat)")
-        counted = list(zip(epochs, counts or []))
-        for epoch, count in counted:
-            if count.complete:
-                self._check_records_in_pass(count.records, f"Epoch {epoch + 1} of {source}")
-        for epoch, count in counted:
+        for index, epoch in enumerate(epochs):
+            if index == len(counts):  # the data ended with the epoch before
+                raise ValueError(
+                    f"Epoch {epoch + 1} of {source} holds no records: the data runs out "
+                    f"after {index} of this fit's {len(epochs)} epochs (Keras would train an "
+                    "empty epoch). Repeat the dataset (dataset.shuffle(nb_samples_train)"
+                    ".batch(batch_size).repeat()) or train fewer epochs.")
+            self._check_records_in_pass(counts[index].records, f"Epoch {epoch + 1} of {source}")
+            if not counts[index].complete:
+                break  # the data runs out in this epoch: Keras ends the fit with it
+        for epoch, count in zip(epochs, counts):
             if count.distinct < count.records:
                 self._warn_on_repeated_records(count, f"Epoch {epoch + 1} of {source}",
                                                stacklevel=5)

@@ -384,6 +384,21 @@ def test_mismatched_counts(idx_dir):
         data.load_arrays("mnist", data_dir=str(d), download=False)
 
 
+def test_labels_not_one_an_image_are_refused(tmp_path):
+    """Labels of shape (20, 2) for 40 images were flattened and paired with the images at
+    random (an audit, 2026-12-07); (n, 1) labels are one an image and pass."""
+    x = np.zeros((40, 28, 28), np.uint8)
+    y = np.arange(40, dtype=np.int64) % 10
+    for labels, refused in [(y.reshape(20, 2), True), (y.reshape(40, 1), False)]:
+        np.savez(tmp_path / "fashion_mnist.npz", x_train=x, y_train=labels, x_test=x, y_test=y)
+        if refused:
+            with pytest.raises(data.DatasetFormatError, match=r"train labels have shape \(20, 2\)"):
+                data.load_arrays("fashion_mnist", data_dir=str(tmp_path), download=False)
+        else:
+            raw = data.load_arrays("fashion_mnist", data_dir=str(tmp_path), download=False)
+            np.testing.assert_array_equal(raw.y_train, y)
+
+
 def test_cifar10_pickle_batches(isolated, monkeypatch):
     root = isolated / "env"
     d = root / "cifar-10-batches-py"
@@ -766,6 +781,25 @@ def test_a_feature_map_mixing_the_examples_or_adapted_on_data_is_refused():
         else:
             _, _, metadata = load()
             assert metadata.input_shape == (64,)
+
+
+def test_a_feature_map_giving_non_finite_features_is_refused_as_such():
+    """A map taking the logarithm of the digits' zero pixels gives -inf features: it was
+    refused for "not treating each example on its own" (its probes read the infinities as
+    mixing: an audit, 2026-12-07), and one whose features are not finite on some examples
+    only was accepted, those examples NaN after the bound. Both are refused for what they
+    are, with the count of examples (checked against the raw digits)."""
+    def flat(x):
+        return tf.reshape(x, (tf.shape(x)[0], -1))
+
+    centre = data.load_arrays("digits").x_train[:1400].reshape(1400, -1)[:, 36]
+    for feature_map, count in [(lambda x: tf.math.log(flat(x)), 1400),
+                               (lambda x: flat(x) / flat(x)[:, 36:37], int((centre == 0).sum()))]:
+        assert 0 < count <= 1400
+        with pytest.raises(ValueError, match="feature_map gives features that are not finite "
+                                             rf"\(NaN or inf\) to {count} of the 1400"):
+            data.load_dataset("digits", 50, bound_clip_value=1e6, seed=0,
+                              nb_samples_train=1400, feature_map=feature_map)
 
 
 def test_feature_cache_maps_changed_files_again_and_rows_match_labels(tmp_path):

@@ -1157,18 +1157,31 @@ def test_monitors_of_data_made_from_the_training_set_are_refused_or_warned():
     assert model.dp_steps_taken == 2 * N // BATCH
 
 
-@pytest.mark.parametrize("pipeline", ["a second epoch of copies", "passes straddling epochs",
-                                      "two shuffled passes", "a NaN in the second epoch",
-                                      "epochs of half the records", "two passes in one epoch"])
+_STREAMS = {  # pipeline: what fit does (a warning, a refusal's message, or silence)
+    "a second epoch of copies": "Epoch 2 of the dataset read as one stream",
+    "passes straddling epochs": "Epoch 2 of the dataset read as one stream",
+    "two shuffled passes": None,
+    "more steps than one pass holds, one epoch": None,
+    "a NaN in the second epoch": f"batch {2 * N // BATCH - 1} row 5",
+    "epochs of half the records": "Epoch 1 of the dataset read as one stream .* holds 32 records",
+    "two passes in one epoch": "One pass over the dataset holds 128 records",
+    "the data running out in an epoch": "Epoch 1 of .* holds 32 records, but",
+    "no data for the last epoch": "Epoch 2 of .* holds no records: the data runs out after 1",
+}
+
+
+@pytest.mark.parametrize("pipeline", list(_STREAMS))
 def test_a_dataset_read_as_one_stream_is_checked_epoch_by_epoch(pipeline):
     """Given a ``steps_per_epoch`` other than its length, Keras reads a dataset without a
     repeat as one stream across epochs. fit checked the stream's first epoch only: a second
     epoch holding 32 records twice, or passes of 60 records read in epochs of 56 (a batch
     straddling two passes held a record twice in 23% of draws), trained silently (an audit,
     2026-12-07). Every epoch the fit will read is checked now, before the first step: its
-    copies warn, a record that is not finite or an epoch of other than N records is
-    refused (that one was stopped at the epoch's end, after its steps). Two shuffled passes
-    written out, one an epoch, train silently."""
+    copies warn, a record that is not finite, an epoch of other than N records, or one
+    the data runs out in, is refused (each was stopped at its epoch's end, after its steps;
+    the first version of the check missed the last: a review). Two shuffled passes written
+    out, one an epoch, train silently, and so does one pass given more steps than it holds
+    (Keras stops when it runs out)."""
     n = 60 if pipeline == "passes straddling epochs" else N
     x, y = _arrays(np.random.default_rng(29), n=n)
     records = tf.data.Dataset.from_tensor_slices((x, y))
@@ -1183,12 +1196,16 @@ def test_a_dataset_read_as_one_stream_is_checked_epoch_by_epoch(pipeline):
             n // BATCH, 3),
         "two shuffled passes": (records.shuffle(N).concatenate(records.shuffle(N)),
                                 N // BATCH, 2),
+        "more steps than one pass holds, one epoch": (records.shuffle(N), N // BATCH + 1, 1),
         "a NaN in the second epoch": (
             records.shuffle(N).concatenate(tf.data.Dataset.from_tensor_slices((x_nan, y))),
             N // BATCH, 2),
         "epochs of half the records": (records.shuffle(N), N // BATCH // 2, 2),
         "two passes in one epoch": (records.shuffle(N).concatenate(records.shuffle(N)),
                                     2 * N // BATCH, 1),
+        "the data running out in an epoch": (half.shuffle(N), N // BATCH, 1),
+        "no data for the last epoch": (  # a filter: tf.data does not know its length
+            records.shuffle(N).filter(lambda a, b: True), N // BATCH, 2),
     }[pipeline]
     metadata = lipdp.DatasetMetadata((DIM,), 3, n, 8, BATCH, X0, "shuffle")
     model = lipdp.DP_Sequential(
@@ -1196,23 +1213,35 @@ def test_a_dataset_read_as_one_stream_is_checked_epoch_by_epoch(pipeline):
         dp_parameters=lipdp.DPParameters(1.0, 1e-5), dataset_metadata=metadata)
     model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
     fit = dict(steps_per_epoch=steps, epochs=epochs, verbose=0)
-    if pipeline == "a NaN in the second epoch":
-        with pytest.raises(NonFiniteRecordError, match=f"batch {2 * N // BATCH - 1} row 5"):
-            model.fit(data.batch(BATCH), **fit)
-    elif pipeline in ("epochs of half the records", "two passes in one epoch"):
-        with pytest.raises(ValueError, match=f"holds {N * steps * BATCH // N} records, but "):
-            model.fit(data.batch(BATCH), **fit)
-    else:
+    expected = _STREAMS[pipeline]
+    if expected is None or expected.startswith("Epoch 2 of the dataset read"):
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             model.fit(data.batch(BATCH), **fit)
         copies = [str(w.message) for w in record if "distinct ones" in str(w.message)]
-        if pipeline == "two shuffled passes":
-            assert copies == [] and model.dp_steps_taken == steps * epochs
+        if expected is None:
+            batches = int(data.batch(BATCH).cardinality())
+            assert copies == [] and model.dp_steps_taken == min(steps * epochs, batches)
         else:  # the first epoch holds no copies: the second does
-            assert copies and all(m.startswith("Epoch 2 of the dataset read as one stream")
-                                  for m in copies[:1]), copies
+            assert copies and copies[0].startswith(expected), copies
         return
+    error = NonFiniteRecordError if pipeline == "a NaN in the second epoch" else ValueError
+    with pytest.raises(error, match=expected):
+        model.fit(data.batch(BATCH), **fit)
+    assert model.dp_steps_taken == 0
+
+
+@pytest.mark.parametrize("steps", [-1, 0, 2.5, True])
+def test_a_steps_per_epoch_that_is_not_a_count_is_refused(steps):
+    """Keras' ``steps_per_epoch=-1`` trains one epoch until the data runs out: the checks
+    before the first step read nothing, and copies and a NaN record trained unseen (a
+    review, 2026-12-07)."""
+    x, y = _arrays(np.random.default_rng(31))
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH)
+    with pytest.raises(ValueError, match=f"steps_per_epoch={steps!r}: a DP model trains"):
+        model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
     assert model.dp_steps_taken == 0
 
 
