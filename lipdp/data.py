@@ -1299,10 +1299,10 @@ def _refuse_state(function, example_shape, what: str) -> None:
                 f"`{what}` holds stateful operations ({', '.join(sorted(found))}) that can "
                 "carry one call's input into the next: called on one record after another, "
                 "such state moves one record into the next one's " +
-                ("view" if what == "augmentation" else "features") + ", beyond what the "
-                "privacy analysis covers. Compute from each record alone (random draws of "
-                "fixed sizes are fine; variables, tables and queues written, and counts of "
-                "draws computed from the data, are not).")
+                ("view" if what.startswith("augmentation") else "features") +
+                ", beyond what the privacy analysis covers. Compute from each record alone "
+                "(random draws of fixed sizes are fine; variables, tables and queues written, "
+                "and counts of draws computed from the data, are not).")
 
 
 def _from_constants(name: str, by_name) -> bool:

@@ -2124,7 +2124,7 @@ class _DPModelMixin:
                 their record is drawn, an audit, 2026-12-07), in one pass of a repeat for a
                 repeated dataset. A dataset without a repeat given a ``steps_per_epoch``
                 other than its length, which Keras reads as one stream across epochs, is
-                read for every epoch of the fit, each epoch's records counted apart (one
+                read for every epoch of the fit, each epoch's records counted apart (each
                 must hold ``nb_samples_train``). Whatever it is, `fit` refuses a dataset
                 whose repeat can put a record twice in one batch
                 (`lipdp.data.repeat_inside_batches`).
