@@ -295,8 +295,9 @@ def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,
                   count_limit: Optional[int] = None) -> Optional[Tuple[str, Optional[int]]]:
     """What a repeated pipeline goes through again and again: ``("records", R)`` when its
     last ``repeat`` comes before its batching (R records a pass), ``("batches", B)`` when
-    after it; None without a repeat (a ``repeat(1)`` is none: `_repeats`). Read from tf.data's dataset objects (each holds its
-    ``_input_dataset``), from the output down to the first repeat met.
+    after it; None without a repeat (a ``repeat(1)`` is none: `_repeats`). Read from
+    tf.data's dataset objects (each holds its ``_input_dataset``), from the output down to
+    the first repeat met.
 
     With `example_rank` (the rank of one example's first input tensor) and `count_limit`,
     the pass's records are counted whenever its size is not a known count of records: a

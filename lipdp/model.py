@@ -2307,13 +2307,13 @@ class _DPModelMixin:
         batches = steps_per_epoch or md.steps_per_epoch
         shuffled = md.sampling == Sampling.SHUFFLE and \
             getattr(dataset, "lipdp_sampler", None) is None
-        repeated = shuffled and holds_repeat(dataset)
         if _read_as_one_stream(dataset, steps_per_epoch):
             batches = steps_per_epoch * len(epochs)
             self._check_stream_epochs(check_finite_epochs(
                 dataset, steps_per_epoch, len(epochs), dtype=self.compute_dtype,
                 count_records=shuffled), epochs, steps_per_epoch)
         else:
+            repeated = shuffled and holds_repeat(dataset)
             passes = batches_in_repeated_pass(dataset, md.nb_samples_train) if repeated \
                 else None
             counted = check_finite_dataset(
