@@ -509,7 +509,8 @@ def one_run_p_value(nb_correct: int, nb_guesses: int, nb_canaries: int, epsilon:
     log_q = -math.log1p(math.exp(-epsilon))
     log_1mq = -epsilon + log_q
     pmf = np.exp(_binomial_log_pmf(r, log_q, log_1mq))
-    beta = math.fsum(pmf[v:])
+    lower = math.fsum(pmf[:v])  # P[W < v]; the smaller tail is summed, the larger is 1 minus it
+    beta = 1.0 - lower if lower <= 0.5 else math.fsum(pmf[v:])
     alpha = 0.0
     if delta > 0 and v > 0:
         below = np.cumsum(pmf[v - 1::-1])  # P[v - i <= W < v] for i = 1..v

@@ -118,6 +118,17 @@ def test_p_value_is_non_decreasing_in_epsilon_at_the_largest_delta(v, r, m):
     assert np.all(np.diff(p) >= -1e-13)
 
 
+@pytest.mark.parametrize("v", [0, 1, 3])
+def test_p_value_near_one_is_exact_to_rounding(v):
+    """With few correct guesses p is 1 minus a small lower tail: exactly 1 at v = 0 and
+    non-decreasing in epsilon to one rounding of 1 (a sum of r float64 probabilities gave
+    0.9999999999999918 at v = 0, r = 200: an audit)."""
+    p = np.array([audit.one_run_p_value(v, 200, 200, e) for e in np.linspace(0, 3, 300)])
+    if v == 0:
+        assert np.all(p == 1.0)
+    assert np.all(np.diff(p) >= -2.3e-16)
+
+
 def test_a_huge_epsilon_gives_p_one_without_a_warning():
     """e^-eps underflows to 0 and (r - k) log(1 - q) overflows to -inf: probabilities of 0,
     not a RuntimeWarning (an audit)."""
