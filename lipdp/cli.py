@@ -436,6 +436,7 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
 def _resume(args) -> int:
     """``lipdp train --resume RUN_DIR``: the run of RUN_DIR/config.json, continued from the
     checkpoint in RUN_DIR/checkpoint."""
+    from lipdp import reports
     from lipdp.config import validate_config
 
     if args.config is not None or args.overrides or args.run_dir is not None:
@@ -443,8 +444,8 @@ def _resume(args) -> int:
               "--run-dir with it", file=sys.stderr)
         return EXIT_CONFIG
     run_dir = args.resume
-    if os.path.exists(os.path.join(run_dir, "report.json")):
-        print(f"lipdp: {run_dir} holds a finished run (report.json): nothing to resume",
+    if os.path.exists(os.path.join(run_dir, reports.REPORT_FILE)):
+        print(f"lipdp: {run_dir} holds a finished run ({reports.REPORT_FILE}): nothing to resume",
               file=sys.stderr)
         return EXIT_CONFIG
     try:
