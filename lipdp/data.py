@@ -66,6 +66,7 @@ import tensorflow as tf
 
 from lipdp.augmentation import AUGMENTATIONS, each_image_alone, stack_views
 from lipdp.metadata import DatasetMetadata, Sampling, _parse_enum
+from lipdp.records import finite_array_rows, listed_positions
 
 __all__ = [
     "BatchSampler",
@@ -1124,14 +1125,14 @@ def _refuse_non_finite_features(mapped: List[np.ndarray]) -> None:
     """Refuse training features (`mapped`, batch by batch) holding a NaN or an infinity,
     with the indices of their examples: no step can train on them (the input bound maps
     them to NaN), and found by `fit` they would be refused there or skipped by the step."""
-    finite = np.concatenate([np.isfinite(m.reshape(len(m), -1)).all(axis=1) for m in mapped])
+    finite = np.concatenate([finite_array_rows(m, np.float32) for m in mapped])
     bad = np.flatnonzero(~finite)
     if bad.size:
-        shown = ", ".join(map(str, bad[:10])) + (", ..." if bad.size > 10 else "")
         raise ValueError(
             f"feature_map gives features that are not finite (NaN or inf) to {bad.size} of "
-            f"the {len(finite)} training examples (indices {shown}): no step can train on "
-            "them. Repair the map (a logarithm or a division reaching 0, an overflow).")
+            f"the {len(finite)} training examples (indices "
+            f"{listed_positions([str(i) for i in bad])}): no step can train on them. Repair "
+            "the map (a logarithm or a division reaching 0, an overflow).")
 
 
 #: Relative change of another example's features that `_check_per_example` refuses (far above

@@ -39,8 +39,9 @@ from lipdp.clipping.engine import finite_rows
 
 __all__ = ["NonFiniteRecordError", "OutOfRangeIdError", "check_finite_arrays",
            "check_finite_dataset", "check_finite_epochs", "check_ids_in_range",
-           "check_sparse_labels", "class_index_classes", "embedding_id_limits", "into_range",
-           "records_in_arrays", "row_fingerprints", "sparse_label_classes"]
+           "check_sparse_labels", "class_index_classes", "embedding_id_limits",
+           "finite_array_rows", "into_range", "listed_positions", "records_in_arrays",
+           "row_fingerprints", "sparse_label_classes"]
 
 _SHOWN = 10  # positions listed in the error message
 
@@ -49,7 +50,7 @@ class NonFiniteRecordError(ValueError):
     """Training records hold NaN or infinite values."""
 
 
-def _finite_rows(values, dtype) -> np.ndarray:
+def finite_array_rows(values, dtype) -> np.ndarray:
     """Per-row flag: every float entry of the row is finite once cast to `dtype`, the
     model's compute dtype (non-float arrays always are)."""
     array = np.asarray(values)
@@ -69,7 +70,7 @@ class OutOfRangeIdError(ValueError):
     class indices outside the classes of a sparse cross-entropy."""
 
 
-def _shown(bad: List[str]) -> str:
+def listed_positions(bad: List[str]) -> str:
     """The first `_SHOWN` positions of `bad`, and how many there are in all."""
     return ", ".join(bad[:_SHOWN]) + (f", ... ({len(bad)} in all)" if len(bad) > _SHOWN else "")
 
@@ -109,7 +110,7 @@ def _check_dataset_rows(checked, max_batches, refuse, fingerprinted=False):
 def _refuse(where: str, bad: List[str], total: int):
     raise NonFiniteRecordError(
         f"{len(bad)} of {total} training records hold NaN or inf values, or values beyond the "
-        f"range of the model's compute dtype ({where}): {_shown(bad)}. "
+        f"range of the model's compute dtype ({where}): {listed_positions(bad)}. "
         "Remove or repair them before training: a private step cannot use them, and an error "
         "raised when one is first sampled would reveal it.")
 
@@ -122,7 +123,7 @@ def check_finite_arrays(x, y=None, dtype="float32") -> None:
         NonFiniteRecordError: listing the indices of the records that are not.
     """
     dtype = np.dtype(dtype)
-    flags = [_finite_rows(a, dtype) for a in tf.nest.flatten((x, y)) if a is not None]
+    flags = [finite_array_rows(a, dtype) for a in tf.nest.flatten((x, y)) if a is not None]
     if flags:
         _check_rows(flags, _refuse)
 
@@ -294,8 +295,9 @@ _CLASS_INDEX_RANGES = ("class indices outside [0, K) (K model outputs)",
 
 def _refuse_ids(what, where: str, bad: List[str], total: int):
     raise OutOfRangeIdError(
-        f"{len(bad)} of {total} training records hold {what[0]} ({where}): {_shown(bad)}. "
-        f"Remove or repair them before training ({what[1]}): {what[2]}.")
+        f"{len(bad)} of {total} training records hold {what[0]} ({where}): "
+        f"{listed_positions(bad)}. Remove or repair them before training ({what[1]}): "
+        f"{what[2]}.")
 
 
 def sparse_label_classes(model: tf.keras.Model, loss) -> Optional[int]:
