@@ -2377,6 +2377,16 @@ class _DPModelMixin:
                 f"(nb_samples_train={md.nb_samples_train}, batch_size={md.batch_size}) implies "
                 f"{md.steps_per_epoch}. Build the metadata from the data actually used "
                 "(lipdp.data.load_dataset does).")
+        sampler = getattr(dataset, "lipdp_sampler", None)
+        if getattr(sampler, "sampling", None) is Sampling.SHUFFLE and \
+                steps_per_epoch not in (None, cardinality):
+            # Keras reads it as one stream (`_read_as_one_stream`): `_EpochSizeCheck` stopped
+            # the fit after the first epoch's steps (a review, 2026-12-07).
+            raise ValueError(
+                f"steps_per_epoch={steps_per_epoch} for a load_dataset pipeline of shuffled "
+                f"batches, which makes one pass of {cardinality} batches over the "
+                f"{md.nb_samples_train} training records an epoch: each epoch must be one "
+                "pass. Leave steps_per_epoch out.")
         self._check_repeated_pass(dataset, allowed)
         flaw = repeat_inside_batches(dataset, md.nb_samples_train)
         if flaw is not None:

@@ -1245,6 +1245,30 @@ def test_a_steps_per_epoch_that_is_not_a_count_is_refused(steps):
     assert model.dp_steps_taken == 0
 
 
+def test_a_shuffled_load_dataset_pipeline_refuses_epochs_other_than_its_pass():
+    """A `load_dataset` pipeline of shuffled batches given another ``steps_per_epoch`` than
+    its pass was read by Keras as one stream and stopped by the epoch-size check only after
+    the first epoch's steps (a review, 2026-12-07): refused before the first step; its own
+    length trains."""
+    from lipdp.layers import DP_Flatten
+
+    ds_train, _, md = lipdp.data.load_dataset("digits", 50, bound_clip_value=1.0, seed=0,
+                                              sampling="shuffle", nb_samples_train=200)
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=md.input_shape), DP_Flatten(),
+         DP_QuickSpectralDense(md.nb_classes)],
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5), dataset_metadata=md)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    for steps in (3, 5):
+        with pytest.raises(ValueError, match=f"steps_per_epoch={steps} for a load_dataset "
+                                             "pipeline of shuffled batches, which makes one "
+                                             "pass of 4 batches"):
+            model.fit(ds_train, steps_per_epoch=steps, epochs=2, verbose=0)
+        assert model.dp_steps_taken == 0
+    model.fit(ds_train, steps_per_epoch=4, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 4
+
+
 @pytest.mark.parametrize("pipeline", ["concatenated with itself", "copies by flat_map",
                                       "the declared records", "arrays concatenated",
                                       "the declared arrays", "concatenated with itself, repeated",
