@@ -312,7 +312,7 @@ def repeated_pass(dataset: tf.data.Dataset, example_rank: Optional[int] = None,
         if not _repeats(d):
             continue
         inner = getattr(d, "_input_dataset", None)
-        if inner is None or any(getattr(below, "lipdp_sampler", None) is not None
+        if inner is None or any(own_sampler(below) is not None
                                 for below in _chain(inner)):
             return None
         size = int(inner.cardinality())
@@ -388,7 +388,7 @@ def repeat_inside_batches(dataset: tf.data.Dataset, count_limit: int) -> Optiona
     """
     chain = list(_main_chain(dataset))
     on_chain = {id(d) for d in chain}
-    sampled = lambda d: getattr(d, "lipdp_sampler", None) is not None  # noqa: E731
+    sampled = lambda d: own_sampler(d) is not None  # noqa: E731
     if any(_repeats(d) and id(d) not in on_chain and not _scalars(d)
            for d in _datasets_below(dataset, sampled)):
         return ("repeats a dataset it zips, concatenates or samples from: the repeated input "
@@ -472,7 +472,7 @@ def _main_chain(dataset: tf.data.Dataset):
     ``concatenate`` or sampling from datasets ends it, as does a `load_dataset`
     pipeline)."""
     dataset = _unwrapped(dataset) if dataset is not None else None
-    while dataset is not None and getattr(dataset, "lipdp_sampler", None) is None:
+    while dataset is not None and own_sampler(dataset) is None:
         yield dataset
         inputs = _inputs_of(dataset)
         dataset = _unwrapped(inputs[0]) if len(inputs) == 1 else None
@@ -1422,14 +1422,21 @@ def _datasets_below(dataset, stop=lambda d: False):
             stack.extend(_inputs_of(current))
 
 
+def own_sampler(dataset) -> Optional["BatchSampler"]:
+    """The `BatchSampler` of `dataset` when it is a training pipeline as `load_dataset`
+    returned it (its ``lipdp_sampler`` attribute); None for anything else, a dataset made
+    from such a pipeline included (`pipeline_sampler` finds the sampler below those)."""
+    return getattr(dataset, "lipdp_sampler", None)
+
+
 def pipeline_sampler(dataset) -> Optional["BatchSampler"]:
     """The `BatchSampler` of the `load_dataset` pipeline `dataset` is or was built from by
     tf.data transformations (a ``map``, ``prefetch``, ``with_options``); None without one.
     `fit` manages that sampler's draws (a mapped pipeline was left where it stood, and a run
     continued in another process replayed its draws: a review, 2026-12-06); whether the
     batches are still Poisson is judged apart."""
-    return next((d.lipdp_sampler for d in _datasets_below(dataset)
-                 if getattr(d, "lipdp_sampler", None) is not None), None)
+    return next((own_sampler(d) for d in _datasets_below(dataset)
+                 if own_sampler(d) is not None), None)
 
 
 def derived_from(data: tf.data.Dataset, source: tf.data.Dataset) -> Optional[bool]:

@@ -53,9 +53,9 @@ from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, defined_in_lipdp,
                                        leaf_layers, refuse_untracked_layers)
 from lipdp.data import (ShuffleSamplingWarning, batches_in_repeated_pass, batches_made_unseen,
-                        derived_from, holds_repeat, pipeline_sampler, repeat_inside_batches,
-                        repeated_pass, reserved_draws, seeded_poisson_samplers,
-                        unshuffled_batching)
+                        derived_from, holds_repeat, own_sampler, pipeline_sampler,
+                        repeat_inside_batches, repeated_pass, reserved_draws,
+                        seeded_poisson_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -202,7 +202,7 @@ def _read_as_one_stream(dataset: tf.data.Dataset, steps_per_epoch: Optional[int]
     each epoch (its DataHandler's ``should_recreate_iterator``). A `load_dataset` pipeline
     draws its own batches."""
     return steps_per_epoch is not None and not holds_repeat(dataset) and \
-        getattr(dataset, "lipdp_sampler", None) is None and \
+        own_sampler(dataset) is None and \
         int(dataset.cardinality()) != steps_per_epoch
 
 
@@ -240,7 +240,7 @@ def _validates_on_training_data(x, y, data, shared=None) -> bool:
     if data is None:
         return False
     if isinstance(data, tf.data.Dataset) and (
-            getattr(data, "lipdp_sampler", None) is not None or (
+            own_sampler(data) is not None or (
                 isinstance(x, tf.data.Dataset) and derived_from(data, x) is True)):
         return True
     shared = shared if shared is not None else _examples_shared(x, y, data)
@@ -2257,7 +2257,7 @@ class _DPModelMixin:
         if spec is None or sum(spec.num_tasks(job) for job in ("chief", "worker")
                                if job in spec.jobs) <= 1:
             return
-        sampler = getattr(x, "lipdp_sampler", None)
+        sampler = own_sampler(x)
         # Every worker's sampler, compared through a digest gathered from all workers before
         # any worker can refuse (a worker refusing alone would leave the others waiting in
         # the collective): workers seeded 3 and 4 trained on halves of two different draws,
@@ -2306,7 +2306,7 @@ class _DPModelMixin:
         md = self.dataset_metadata
         batches = steps_per_epoch or md.steps_per_epoch
         shuffled = md.sampling == Sampling.SHUFFLE and \
-            getattr(dataset, "lipdp_sampler", None) is None
+            own_sampler(dataset) is None
         if _read_as_one_stream(dataset, steps_per_epoch):
             batches = steps_per_epoch * len(epochs)
             self._check_stream_epochs(check_finite_epochs(
@@ -2377,7 +2377,7 @@ class _DPModelMixin:
                 f"(nb_samples_train={md.nb_samples_train}, batch_size={md.batch_size}) implies "
                 f"{md.steps_per_epoch}. Build the metadata from the data actually used "
                 "(lipdp.data.load_dataset does).")
-        sampler = getattr(dataset, "lipdp_sampler", None)
+        sampler = own_sampler(dataset)
         if getattr(sampler, "sampling", None) is Sampling.SHUFFLE and \
                 steps_per_epoch not in (None, cardinality):
             # Keras reads it as one stream (`_read_as_one_stream`): `_EpochSizeCheck` stopped
@@ -2407,7 +2407,7 @@ class _DPModelMixin:
         ran silently at twice the accountant's rate (audits: epsilon 1.67 reported for
         3.40, 7.39 for 13.16); the pass must hold N records (or ``floor(N / D) D``, the last
         partial batch dropped)."""
-        if getattr(dataset, "lipdp_sampler", None) is not None:
+        if own_sampler(dataset) is not None:
             return
         md = self.dataset_metadata
         inputs = getattr(self, "inputs", None) or []
@@ -2504,7 +2504,7 @@ class _DPModelMixin:
         A pipeline over N' < N examples passed the count of batches (ceil or floor of N / D)
         for N' down to about N - 2D: an audit's 201-example pipeline ran under metadata of
         456 at 0.995 against the declared 0.44, epsilon 3.05 reported for 5.5-6.0."""
-        sampler = getattr(dataset, "lipdp_sampler", None)
+        sampler = own_sampler(dataset)
         md = self.dataset_metadata
         sampled = (getattr(sampler, "nb_samples", None), getattr(sampler, "batch_size", None))
         if sampled != (None, None) and sampled != (md.nb_samples_train, md.batch_size):
