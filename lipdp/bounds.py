@@ -30,7 +30,11 @@ from lipdp.layers.residual import DP_MergeResidual, DP_SplitResidual, DP_Wrapped
 from lipdp.metadata import DPMode
 from lipdp.operator_norms import certified_norms, without_projection_certificate
 
-# Non-DP layers users commonly reach for, and what to use instead.
+# Non-DP layers users commonly reach for, and what to use instead (a sentence where nothing
+# replaces them).
+_REMOVALS = {
+    "Dropout": "Remove it: its 1/(1-rate) rescaling at train time is not bounded.",
+}
 _REPLACEMENTS = {
     "Dense": "lipdp.layers.DP_QuickSpectralDense",
     "Conv2D": "lipdp.layers.DP_QuickSpectralConv2D",
@@ -49,7 +53,6 @@ _REPLACEMENTS = {
                           "statistics leak and its scale is unbounded)",
     "LayerNormalization": "lipdp.layers.DP_LayerCentering (the division by the norm is "
                           "unbounded)",
-    "Dropout": "nothing: remove it (its 1/(1-rate) rescaling at train time is not bounded)",
     "Lambda": "a DP layer implementing the three bound methods (lipdp.layers.DPLayer): an "
               "arbitrary function has no known bound",
 }
@@ -63,10 +66,11 @@ def _check_dp_layer(layer):
     if isinstance(layer, DPLayer):
         return
     name = type(layer).__name__
-    hint = _REPLACEMENTS.get(name, "a DP layer from lipdp.layers")
+    advice = _REMOVALS.get(name) or \
+        f"Use {_REPLACEMENTS.get(name, 'a DP layer from lipdp.layers')} instead."
     raise NonDPLayerError(
         f"Layer '{layer.name}' ({name}) is not a DP layer: lipdp cannot bound the gradients "
-        f"flowing through it, so noise could not be calibrated. Use {hint} instead."
+        f"flowing through it, so noise could not be calibrated. {advice}"
     )
 
 

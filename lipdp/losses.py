@@ -35,7 +35,7 @@ import tensorflow as tf
 from deel.lip.losses import TauBinaryCrossentropy, TauCategoricalCrossentropy, multiclass_hinge
 from tensorflow.keras.losses import Reduction
 
-from lipdp.layers.base import check_at_least, check_positive
+from lipdp.layers.base import check_at_least, check_positive, check_zero_or_positive
 
 
 class DP_Loss:
@@ -194,10 +194,9 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     def __init__(self, tau=1.0, margin=0.0, reduction=Reduction.AUTO,
                  name="DP_TauCategoricalCrossentropy"):
         tau = check_positive(tau, "tau")
-        if margin != 0:
-            margin = check_positive(margin, "margin")
+        margin = check_zero_or_positive(margin, "margin")
         super().__init__(tau=tau, reduction=reduction, name=name)
-        self.margin = float(margin)
+        self.margin = margin
 
     def call(self, y_true, y_pred, *args, **kwargs):
         y = _to_simplex_subset(class_labels(self, y_true, y_pred))

@@ -151,6 +151,16 @@ def test_bad_hyper_parameters_are_echoed(make, arg, bad):
         make(bad)
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 1e-39, 1e39, "0.2"])
+def test_a_margin_is_zero_or_positive(bad):
+    """The margin's refusal says 0 is allowed (it said "a positive number", while its
+    default is 0: a usability audit)."""
+    with pytest.raises(ValueError, match=r"`margin`, expected 0 or a positive number"):
+        DP_TauCategoricalCrossentropy(1.0, margin=bad)
+    assert DP_TauCategoricalCrossentropy(1.0, margin=0).margin == 0.0
+    assert DP_TauCategoricalCrossentropy(1.0, margin=np.float32(0.25)).margin == 0.25
+
+
 def test_one_vs_all_losses_need_two_classes():
     with pytest.raises(ValueError, match="at least 2"):
         DP_MulticlassHinge().lipschitz(1)

@@ -187,6 +187,9 @@ def test_config_round_trip_and_argument_errors():
     assert not layer.trainable_weights
     with pytest.raises(ValueError, match="order_weights"):
         DP_Scattering(J=2, order_weights=(1.0, 1.0))
+    # The default weights follow max_order (three weights refused max_order=1: an audit).
+    assert DP_Scattering(J=1, max_order=1).order_weights == (1.0, 1.0)
+    assert DP_Scattering(J=1).order_weights == (1.0, 1.0, 1.0)
     with pytest.raises(ValueError, match="multiples of 4"):
         DP_Scattering(J=2)(tf.zeros((1, 14, 14, 1)))
     with pytest.raises(ValueError, match="max_order"):

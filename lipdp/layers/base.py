@@ -556,10 +556,22 @@ def check_positive(value, name) -> float:
     it a temperature or a floor is flushed to 0 in the step (a temperature of 1e-39 gave NaN
     gradients on every record, a K-cosine floor of 1e-39 on the all-zero record only, which
     stopped the step that sampled it); above it, it is an infinity."""
+    return _check_in_float32_normal_range(value, name, "a positive number")
+
+
+def check_zero_or_positive(value, name) -> float:
+    """``float(value)`` for 0 or a positive number in float32's normal range (as
+    `check_positive`); a ValueError naming `name` otherwise."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    return _check_in_float32_normal_range(value, name, "0 or a positive number")
+
+
+def _check_in_float32_normal_range(value, name, expected) -> float:
     low, high = _FLOAT32_NORMAL
     if not isinstance(value, numbers.Real) or isinstance(value, bool) \
             or not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"Received an invalid value for `{name}`, expected a positive number "
+        raise ValueError(f"Received an invalid value for `{name}`, expected {expected} "
                          f"in float32's normal range [{low:.3g}, {high:.3g}]. Received: "
                          f"{name}={value!r}")
     return float(value)

@@ -229,14 +229,14 @@ class DP_Scattering(tf.keras.layers.Layer, _ComputedLipschitzMap):
         J: number of scales (subsampling ``2^J``).
         angles: number of orientations L.
         max_order: 1 or 2.
-        order_weights: weights of the orders 0, 1 (and 2), positive.
+        order_weights: weights of the orders 0 to ``max_order``, positive (default: all 1).
         padding: ``"reflect"`` (kymatio's) or ``"zero"``: the image in a grid of zeros,
             which halves the constant on 28 x 28 (module docstring, step 1; the same
             features on images whose borders are zero, Fashion-MNIST's nearly so).
     """
 
-    def __init__(self, J=2, angles=8, max_order=2, order_weights=(1.0, 1.0, 1.0),
-                 padding="reflect", **kwargs):
+    def __init__(self, J=2, angles=8, max_order=2, order_weights=None, padding="reflect",
+                 **kwargs):
         kwargs.setdefault("trainable", False)
         super().__init__(**kwargs)
         if not isinstance(J, int) or J < 1:
@@ -247,6 +247,8 @@ class DP_Scattering(tf.keras.layers.Layer, _ComputedLipschitzMap):
                              f"integer. Received: angles={angles!r}")
         if max_order not in (1, 2):
             raise ValueError(f"`max_order` must be 1 or 2. Received: max_order={max_order!r}")
+        if order_weights is None:
+            order_weights = (1.0,) * (max_order + 1)
         weights = tuple(float(v) for v in order_weights)
         if len(weights) != max_order + 1 or not all(v > 0 and math.isfinite(v) for v in weights):
             raise ValueError(f"`order_weights` needs {max_order + 1} finite positive numbers "
