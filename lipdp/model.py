@@ -1497,6 +1497,63 @@ class _DPModelMixin:
                 f"(e.g. one chosen at random). Choose delta well below 1/{n} (a common choice: "
                 "1 / N^1.1, or 1e-5 for N = 60000).", stacklevel=4)
 
+    def _one_input_shape(self) -> Optional[tf.TensorShape]:
+        """The example shape of the model's input (batch axis dropped); None for a model of
+        several inputs or of no known input yet."""
+        inputs = getattr(self, "inputs", None)
+        if not inputs or len(inputs) != 1 or inputs[0].shape.rank is None:
+            return None
+        return inputs[0].shape[1:]
+
+    def _check_metadata_input_shape(self, metadata):
+        """A model of one input must take the examples the metadata declares: one of another
+        shape compiled and trained (a usability audit), as long as the data had the model's
+        shape, while its number of outputs was checked."""
+        shape = self._one_input_shape()
+        if shape is not None and not shape.is_compatible_with(tuple(metadata.input_shape)):
+            raise ValueError(
+                f"The model takes inputs of shape {tuple(shape.as_list())} but dataset_metadata "
+                f"declares input_shape={tuple(metadata.input_shape)}. Build the model for the "
+                "examples the metadata describes (lipdp.data.load_dataset returns both).")
+
+    def _check_training_input_shape(self, x):
+        """Training inputs of another example shape than the model's refused before the
+        first step, naming both: Keras' error came when the step was traced, the last line of
+        a 24-line traceback through lipdp's step (a usability audit). Views stacked by
+        ``augmentation_multiplicity`` are checked by the step (`_flatten_views`)."""
+        expected = self._one_input_shape()
+        if expected is None or self._step_views > 1:
+            return
+        if isinstance(x, tf.data.Dataset):
+            spec = x.element_spec
+            spec = spec[0] if isinstance(spec, tuple) and spec else spec
+            if not isinstance(spec, tf.TensorSpec):
+                return
+            shape = spec.shape
+        else:
+            flat = tf.nest.flatten(x)
+            if len(flat) != 1 or not hasattr(flat[0], "shape"):
+                return
+            shape = tf.TensorShape(flat[0].shape)
+        if shape.rank is None or (shape.rank == 1 and expected.as_list() == [1]):
+            return  # Keras expands a vector of scalars to a column
+        if not shape[1:].is_compatible_with(expected):
+            raise ValueError(
+                f"fit received training inputs of shape {tuple(shape.as_list())}: the model "
+                f"takes examples of shape {tuple(expected.as_list())} (inputs of shape "
+                f"(batch,) + {tuple(expected.as_list())}).")
+
+    def _warn_if_no_noise(self):
+        """``noise_multiplier=0`` trains without noise: no epsilon holds (the accountant
+        reports inf). Allowed, for debugging and for checking updates, and warned at compile
+        (it passed silently: a usability audit)."""
+        if float(self.dp_parameters.noise_multiplier) == 0:
+            warnings.warn(
+                "noise_multiplier=0: the steps add no noise, so the training is not "
+                "differentially private (epsilon = inf, and get_max_epochs allows 0 epochs). "
+                "Use it only to debug; set a noise multiplier for private training.",
+                stacklevel=4)
+
     def _compile_dp(self, optimizer, loss, metrics, loss_weights, **kwargs):
         _refuse_regularization(self)
         outputs = getattr(self, "outputs", None)
@@ -1513,6 +1570,8 @@ class _DPModelMixin:
                                  "gradients behind the clipping's back.")
             metadata = self._require_metadata()
             self._warn_if_delta_allows_a_record(metadata)
+            self._warn_if_no_noise()
+            self._check_metadata_input_shape(metadata)
             nb_outputs = int(self.output_shape[-1])
             if nb_outputs != metadata.nb_classes:
                 raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata "
@@ -1539,6 +1598,8 @@ class _DPModelMixin:
                              "gradients behind the bounds' back.")
         metadata = self._require_metadata()
         self._warn_if_delta_allows_a_record(metadata)
+        self._warn_if_no_noise()
+        self._check_metadata_input_shape(metadata)
         layers = dp_layers(self)
         if len(self.output_shape) != 2:
             raise ValueError(
@@ -2147,6 +2208,7 @@ class _DPModelMixin:
             pipeline_sampler(x) if isinstance(x, tf.data.Dataset) else None)
         self._check_workers_agree(x)
         labels = _label_spec(x, y)
+        self._check_training_input_shape(x)
         self._check_label_shape(labels)
         if isinstance(x, tf.data.Dataset):
             self._check_dataset(x, kwargs.get("steps_per_epoch"))

@@ -156,3 +156,55 @@ def test_labels_the_loss_cannot_take_are_refused_before_training(labels, data):
     with pytest.raises(ValueError, match="training labels"):
         model.fit(*given, epochs=1, verbose=0)
     assert model.dp_steps_taken == 0
+
+
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+def test_inputs_of_another_shape_than_the_model_s_are_refused_before_training(data):
+    """Keras' error came when the step was traced, the last line of a 24-line traceback
+    through lipdp's step (a usability audit, 2026-12-07)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(N, DIM - 1)).astype("float32")
+    y = np.eye(K, dtype="float32")[rng.integers(0, K, N)]
+    model = _model()
+    given = ((tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH),)
+             if data == "dataset" else (x, y))
+    with pytest.raises(ValueError, match=r"fit received training inputs of shape \((32|None), "
+                                         r"5\): the model takes examples of shape \(6,\)"):
+        model.fit(*given, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+
+
+@pytest.mark.parametrize("mode", ["clipless", "clipped"])
+def test_a_model_for_other_examples_than_the_metadata_s_is_refused_at_compile(mode):
+    """A model of 6 inputs under metadata of 8 compiled and trained (a usability audit),
+    while a disagreeing number of outputs was refused."""
+    metadata = lipdp.DatasetMetadata((DIM + 2,), K, N, 8, BATCH, 1.0, "shuffle")
+    parameters = lipdp.DPParameters(1.0, 1e-5) if mode == "clipless" else \
+        lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0)
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=(DIM,)), DP_QuickSpectralDense(K)],
+        dp_parameters=parameters, dataset_metadata=metadata)
+    with pytest.raises(ValueError, match=r"The model takes inputs of shape \(6,\) but "
+                                         r"dataset_metadata declares input_shape=\(8,\)"):
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+
+
+def test_no_noise_warns_at_compile_from_the_user_s_line():
+    """``noise_multiplier=0`` trained silently, the accountant logging epsilon inf (a
+    usability audit): allowed, warned at compile, at the caller's line."""
+    import warnings
+
+    def compiled(sigma):
+        metadata = lipdp.DatasetMetadata((DIM,), K, N, 8, BATCH, 1.0, "shuffle")
+        model = lipdp.DP_Sequential([DP_BoundedInput(1.0, input_shape=(DIM,)),
+                                     DP_QuickSpectralDense(K)],
+                                    dp_parameters=lipdp.DPParameters(sigma, 1e-5),
+                                    dataset_metadata=metadata)
+        model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+
+    with pytest.warns(UserWarning, match=r"noise_multiplier=0: the steps add no noise") as got:
+        compiled(0.0)
+    assert {w.filename for w in got if "noise_multiplier=0" in str(w.message)} == {__file__}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        compiled(1.0)
