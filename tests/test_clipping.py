@@ -713,7 +713,7 @@ HIDDEN_COUPLING = {
         lambda: [L.Input((4,)), L.Dense(3), _RunningSum(name="running"), L.Dense(1)],
         "'running/seen:0' of layer 'running' \\(_RunningSum\\) .* depends on the input data"),
     "token ids, then a division by the batch's largest magnitude": (
-        lambda: [L.Input((5,), dtype="int32"), L.Embedding(10, 4),
+        lambda: [L.Input((4,), dtype="int32"), L.Embedding(10, 4),
                  L.Lambda(lambda t: t / tf.reduce_max(tf.abs(t)), name="ids_batch_max"),
                  L.Flatten(), L.Dense(1)],
         "NaN \\(in its first float activations\\) .* 'ids_batch_max' \\(Lambda\\) mixes"),
@@ -724,7 +724,7 @@ HIDDEN_COUPLING = {
         lambda: [L.Input((4,)), _OutlierMaximum(name="outlier"), L.Dense(1)],
         "'outlier/largest:0' of layer 'outlier' \\(_OutlierMaximum\\) .* depends on the"),
     "a count of non-finite activations behind token ids": (
-        lambda: [L.Input((5,), dtype="int32"), L.Embedding(10, 4),
+        lambda: [L.Input((4,), dtype="int32"), L.Embedding(10, 4),
                  _NonFiniteCounter(name="id_counting"), L.Flatten(), L.Dense(1)],
         "'id_counting/count:0' of layer 'id_counting' .* depends on the input data"),
     "training-only centring behind a noise layer": (

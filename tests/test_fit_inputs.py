@@ -277,9 +277,13 @@ def test_inputs_of_another_shape_than_the_built_one_are_refused():
     model.build((None, 4, 4, 1))
     model.compile(loss=DP_MulticlassKR(), optimizer="sgd")
     x, y = np.zeros((16, 16, 16, 1), np.float32), np.tile([[1.0, 0.0]], (16, 1))
-    for train in (lambda: model.fit(x, y, batch_size=4, epochs=1, verbose=0),
-                  lambda: model.train_on_batch(x[:4], y[:4]), lambda: model(x[:4])):
-        with pytest.raises(ValueError, match=r"expected shape=\(None, 4, 4, 1\)"):
+    for train, message in [
+            (lambda: model.fit(x, y, batch_size=4, epochs=1, verbose=0),
+             r"fit received training inputs of shape \(16, 16, 16, 1\): the model takes "
+             r"examples of shape \(4, 4, 1\)"),  # before the first step (a usability audit)
+            (lambda: model.train_on_batch(x[:4], y[:4]), r"expected shape=\(None, 4, 4, 1\)"),
+            (lambda: model(x[:4]), r"expected shape=\(None, 4, 4, 1\)")]:
+        with pytest.raises(ValueError, match=message):
             train()
     assert model.dp_steps_taken == 0
 
