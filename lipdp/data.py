@@ -1435,8 +1435,8 @@ def pipeline_sampler(dataset) -> Optional["BatchSampler"]:
     `fit` manages that sampler's draws (a mapped pipeline was left where it stood, and a run
     continued in another process replayed its draws: a review, 2026-12-06); whether the
     batches are still Poisson is judged apart."""
-    return next((own_sampler(d) for d in _datasets_below(dataset)
-                 if own_sampler(d) is not None), None)
+    return next((sampler for sampler in map(own_sampler, _datasets_below(dataset))
+                 if sampler is not None), None)
 
 
 def derived_from(data: tf.data.Dataset, source: tf.data.Dataset) -> Optional[bool]:

@@ -1495,7 +1495,7 @@ class _DPModelMixin:
                 f"delta={delta:g} is at least 1 / nb_samples_train = 1/{n}: an (epsilon, "
                 "delta) guarantee with such a delta allows publishing a whole training record "
                 f"(e.g. one chosen at random). Choose delta well below 1/{n} (a common choice: "
-                "1 / N^1.1, or 1e-5 for N = 60000).", stacklevel=4)
+                "1 / N^1.1, or 1e-5 for N = 60000).", stacklevel=5)
 
     def _one_input_shape(self) -> Optional[tf.TensorShape]:
         """The example shape of the model's input (batch axis dropped); None for a model of
@@ -1521,21 +1521,10 @@ class _DPModelMixin:
         first step, naming both: Keras' error came when the step was traced, the last line of
         a 24-line traceback through lipdp's step (a usability audit). Views stacked by
         ``augmentation_multiplicity`` are checked by the step (`_flatten_views`)."""
-        expected = self._one_input_shape()
-        if expected is None or self._step_views > 1:
+        expected, shape = self._one_input_shape(), _input_shape(x)
+        if expected is None or shape is None or self._step_views > 1:
             return
-        if isinstance(x, tf.data.Dataset):
-            spec = x.element_spec
-            spec = spec[0] if isinstance(spec, tuple) and spec else spec
-            if not isinstance(spec, tf.TensorSpec):
-                return
-            shape = spec.shape
-        else:
-            flat = tf.nest.flatten(x)
-            if len(flat) != 1 or not hasattr(flat[0], "shape"):
-                return
-            shape = tf.TensorShape(flat[0].shape)
-        if shape.rank is None or (shape.rank == 1 and expected.as_list() == [1]):
+        if shape.rank == 1 and expected.as_list() == [1]:
             return  # Keras expands a vector of scalars to a column
         if not shape[1:].is_compatible_with(expected):
             raise ValueError(
@@ -1552,7 +1541,15 @@ class _DPModelMixin:
                 "noise_multiplier=0: the steps add no noise, so the training is not "
                 "differentially private (epsilon = inf, and get_max_epochs allows 0 epochs). "
                 "Use it only to debug; set a noise multiplier for private training.",
-                stacklevel=4)
+                stacklevel=5)
+
+    def _checked_metadata(self) -> DatasetMetadata:
+        """The metadata compile fixes the mechanism with, after the checks of both modes."""
+        metadata = self._require_metadata()
+        self._warn_if_delta_allows_a_record(metadata)
+        self._warn_if_no_noise()
+        self._check_metadata_input_shape(metadata)
+        return metadata
 
     def _compile_dp(self, optimizer, loss, metrics, loss_weights, **kwargs):
         _refuse_regularization(self)
@@ -1568,10 +1565,7 @@ class _DPModelMixin:
             if loss_weights is not None:
                 raise ValueError("`loss_weights` is not supported by DP models: it rescales the "
                                  "gradients behind the clipping's back.")
-            metadata = self._require_metadata()
-            self._warn_if_delta_allows_a_record(metadata)
-            self._warn_if_no_noise()
-            self._check_metadata_input_shape(metadata)
+            metadata = self._checked_metadata()
             nb_outputs = int(self.output_shape[-1])
             if nb_outputs != metadata.nb_classes:
                 raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata "
@@ -1596,10 +1590,7 @@ class _DPModelMixin:
         if loss_weights is not None:
             raise ValueError("`loss_weights` is not supported by DP models: it rescales the "
                              "gradients behind the bounds' back.")
-        metadata = self._require_metadata()
-        self._warn_if_delta_allows_a_record(metadata)
-        self._warn_if_no_noise()
-        self._check_metadata_input_shape(metadata)
+        metadata = self._checked_metadata()
         layers = dp_layers(self)
         if len(self.output_shape) != 2:
             raise ValueError(
@@ -2645,6 +2636,21 @@ class _DPModelMixin:
         metadata = config.pop("dataset_metadata", None)
         return (config, DPParameters.from_config(config.pop("dp_parameters")),
                 None if metadata is None else DatasetMetadata.from_config(metadata))
+
+
+def _input_shape(x) -> Optional[tf.TensorShape]:
+    """The shape of the training inputs `fit` will see (``x`` a dataset of ``(inputs,
+    labels)`` pairs or of inputs, or one array), batch axis included; None for several
+    inputs or an unknown rank."""
+    if isinstance(x, tf.data.Dataset):
+        spec = x.element_spec
+        spec = spec[0] if isinstance(spec, tuple) and spec else spec
+        shape = spec.shape if isinstance(spec, tf.TensorSpec) else None
+    else:
+        flat = tf.nest.flatten(x)
+        shape = tf.TensorShape(flat[0].shape) if len(flat) == 1 and \
+            hasattr(flat[0], "shape") else None
+    return shape if shape is not None and shape.rank is not None else None
 
 
 def _label_spec(x, y):
