@@ -966,9 +966,17 @@ class _DPModelMixin:
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         """Keras `evaluate`, its compiled metrics built before Keras traces its step
-        (`_build_metrics`: the step is then traced once, not twice)."""
+        (`_build_metrics`: the step is then traced once, not twice), inputs of another
+        shape than the model's refused first (`_check_input_shape`)."""
+        self._check_input_shape(x, "evaluate")
         self._build_metrics(x, y)
         return super().evaluate(x, y, *args, **kwargs)
+
+    def predict(self, x, *args, **kwargs):
+        """Keras `predict`, inputs of another shape than the model's refused first
+        (`_check_input_shape`)."""
+        self._check_input_shape(x, "predict")
+        return super().predict(x, *args, **kwargs)
 
     def _warn_once_that_batches_are_unchecked(self):
         """`fit` checks the pipeline it trains on against the metadata and warns about any
@@ -1516,19 +1524,21 @@ class _DPModelMixin:
                 f"declares input_shape={tuple(metadata.input_shape)}. Build the model for the "
                 "examples the metadata describes (lipdp.data.load_dataset returns both).")
 
-    def _check_training_input_shape(self, x):
-        """Training inputs of another example shape than the model's refused before the
-        first step, naming both: Keras' error came when the step was traced, the last line of
-        a 24-line traceback through lipdp's step (a usability audit). Views stacked by
-        ``augmentation_multiplicity`` are checked by the step (`_flatten_views`)."""
+    def _check_input_shape(self, x, call: str):
+        """Inputs of another example shape than the model's refused before ``call`` (`fit`,
+        `evaluate`, `predict`) traces its step, naming both: Keras' error came when the step
+        was traced, the last line of a 24-line traceback through lipdp's step (usability
+        audits). Views stacked by ``augmentation_multiplicity`` are checked by the training
+        step (`_flatten_views`)."""
         expected, shape = self._one_input_shape(), _input_shape(x)
-        if expected is None or shape is None or self._step_views > 1:
+        if expected is None or shape is None or (call == "fit" and self._step_views > 1):
             return
         if shape.rank == 1 and expected.as_list() == [1]:
             return  # Keras expands a vector of scalars to a column
         if not shape[1:].is_compatible_with(expected):
+            what = "training inputs" if call == "fit" else "inputs"
             raise ValueError(
-                f"fit received training inputs of shape {tuple(shape.as_list())}: the model "
+                f"{call} received {what} of shape {tuple(shape.as_list())}: the model "
                 f"takes examples of shape {tuple(expected.as_list())} (inputs of shape "
                 f"(batch,) + {tuple(expected.as_list())}).")
 
@@ -2199,7 +2209,7 @@ class _DPModelMixin:
             pipeline_sampler(x) if isinstance(x, tf.data.Dataset) else None)
         self._check_workers_agree(x)
         labels = _label_spec(x, y)
-        self._check_training_input_shape(x)
+        self._check_input_shape(x, "fit")
         self._check_label_shape(labels)
         if isinstance(x, tf.data.Dataset):
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
