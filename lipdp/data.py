@@ -1366,13 +1366,13 @@ def _make_transform(bound: InputBound, nb_classes: int, augmentation=None,
     return transform
 
 
-#: The Poisson samplers of this process with an explicit seed (their draws repeat across
-#: pipelines of that seed): `seeded_poisson_samplers`.
-_SEEDED_POISSON_SAMPLERS = weakref.WeakSet()
+#: The samplers of this process with an explicit seed (their draws repeat across pipelines
+#: of that seed): `seeded_samplers`.
+_SEEDED_SAMPLERS = weakref.WeakSet()
 
 
 class _DrawCounter:
-    """Where the Poisson draws of one seed stand in this process: ``next_step``, the first
+    """Where the draws of one seed stand in this process: ``next_step``, the first
     step the next pass draws (an int64 `tf.Variable` the pipeline advances, and which never
     goes back: `BatchSampler.start_at`). The live pipelines of one explicit seed share one:
     a loop over a second pipeline of the seed drew the first's batches again (an audit,
@@ -1386,7 +1386,7 @@ class _DrawCounter:
         _EVERY_NEXT_STEP.append(self.next_step)
 
 
-# The counters of every Poisson pipeline this process built, kept after the pipelines: a
+# The counters of every training pipeline this process built, kept after the pipelines: a
 # loop over batches listed from a pipeline since dropped trained on draws no live counter
 # held (a review, 2026-12-06). One scalar variable per pipeline.
 _EVERY_NEXT_STEP = []
@@ -1394,7 +1394,7 @@ _COUNTERS_BY_SEED = weakref.WeakValueDictionary()  # explicit seed -> its `_Draw
 
 
 def reserved_draws() -> int:
-    """The end of every Poisson draw the pipelines of this process reserved, live or
+    """The end of every draw the training pipelines of this process reserved, live or
     dropped (the highest ``next_step``; 0 without one). A DP model's `train_on_batch`, which
     cannot tell which pipeline its batch came from, raises its ``poisson_draws_until`` to
     it."""
@@ -1452,11 +1452,11 @@ def derived_from(data: tf.data.Dataset, source: tf.data.Dataset) -> Optional[boo
     return (None if other else True) if found else False
 
 
-def seeded_poisson_samplers() -> list:
-    """The live Poisson samplers of this process with an explicit seed. One whose last pass
-    began below a model's ``poisson_draws_until`` draws, for that model, batches its earlier
-    steps may have used (`fit` starts a pipeline there; a custom loop must)."""
-    return list(_SEEDED_POISSON_SAMPLERS)
+def seeded_samplers() -> list:
+    """The live samplers of this process with an explicit seed. One whose last pass began
+    below a model's ``poisson_draws_until`` draws, for that model, batches its earlier steps
+    may have used (`fit` starts a pipeline there; a custom loop must)."""
+    return list(_SEEDED_SAMPLERS)
 
 
 class BatchSampler:
@@ -1484,14 +1484,18 @@ class BatchSampler:
       which each replica takes its share (``seed`` must then be given: a seed
       drawn in each process would differ between workers).
 
-    Shuffled batches: one permutation per epoch from ``seed`` (``next_step`` is None).
+    Shuffled batches: a pass is the batches of one permutation of the N examples, a
+    function of ``(seed, t)`` for the pass whose draws start at step t, and the pass reserves
+    its steps on the same counter, so every point above holds for them too: a pipeline
+    built again with the seed (a run resumed in another process, a second model) shuffled
+    the first run's permutations again, in the same order (an audit, 2026-12-07).
 
     Attributes:
         sampling: `Sampling.POISSON` or `Sampling.SHUFFLE`.
         seed: the seed given to `load_dataset`, or one drawn from the operating
             system's secret randomness when none was given.
         explicit_seed: whether the seed was given.
-        next_step: int64 `tf.Variable` (Poisson), or None.
+        next_step: int64 `tf.Variable`, the first step of the next pass's draws.
         nb_samples, batch_size: the training set's size N and the (expected) batch size D
             the pipeline samples with (rate q = D / N), which a DP model's `fit` checks
             against its metadata; None when not given.
@@ -1508,26 +1512,25 @@ class BatchSampler:
         self.data_digest = data_digest
         self.explicit_seed = seed is not None
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
-        self.next_step = None
-        self.started_at = 0  # the step the first pass since construction or `start_at` draws
         self.pass_steps = 0  # the draws one pass reserves (`_poisson_pipeline`)
-        if sampling is Sampling.POISSON:
-            if tf.distribute.has_strategy():
-                raise RuntimeError(
-                    "Load the data outside `strategy.scope()`: the Poisson sampler's step "
-                    "counter is the pipeline's own, not a variable mirrored across replicas.")
-            counter = _COUNTERS_BY_SEED.get(self.seed) if self.explicit_seed else None
-            if counter is None:
-                counter = _DrawCounter(self.seed)
-            if self.explicit_seed:
-                _COUNTERS_BY_SEED[self.seed] = counter
-                _SEEDED_POISSON_SAMPLERS.add(self)
-            self._counter = counter
-            self.next_step = self._counter.next_step
-            with tf.init_scope():  # the first step of this pipeline's last pass (-1: none)
-                self._pass_start = tf.Variable(-1, dtype=tf.int64, trainable=False,
-                                               name="poisson_pass_start")
-            self.started_at = int(self.next_step.numpy())  # a shared counter may be ahead
+        if tf.distribute.has_strategy():
+            raise RuntimeError(
+                "Load the data outside `strategy.scope()`: the sampler's step counter is the "
+                "pipeline's own, not a variable mirrored across replicas.")
+        counter = _COUNTERS_BY_SEED.get(self.seed) if self.explicit_seed else None
+        if counter is None:
+            counter = _DrawCounter(self.seed)
+        if self.explicit_seed:
+            _COUNTERS_BY_SEED[self.seed] = counter
+            _SEEDED_SAMPLERS.add(self)
+        self._counter = counter
+        self.next_step = self._counter.next_step
+        with tf.init_scope():  # the first step of this pipeline's last pass (-1: none)
+            self._pass_start = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                           name="sampler_pass_start")
+        # the step the first pass since construction or `start_at` draws (a shared counter
+        # may be ahead)
+        self.started_at = int(self.next_step.numpy())
 
     def start_at(self, step: int) -> None:
         """The next pass draws from private step `step` on, or from where the draws of this
@@ -1535,16 +1538,15 @@ class BatchSampler:
         model's step, it replayed the draws of an iterator opened before a `fit` and trained
         on after it, of a loop over the pipeline, and of a pass a `fit` kept over several
         epochs (audits, 2026-12-06)."""
-        if self.next_step is not None:
-            step = max(int(step), int(self.next_step.numpy()))
-            self.next_step.assign(step)
-            self.started_at = step
+        step = max(int(step), int(self.next_step.numpy()))
+        self.next_step.assign(step)
+        self.started_at = step
 
     def last_pass_start(self) -> int:
         """The step this pipeline's last pass began its draws at; `started_at` when none
         began (a pipeline built while another of its seed lives starts where that one is:
         reading their shared counter's last pass gave a false replay warning, a review)."""
-        start = int(self._pass_start.numpy()) if self.next_step is not None else -1
+        start = int(self._pass_start.numpy())
         return start if start >= 0 else self.started_at
 
     def __repr__(self):
@@ -1583,6 +1585,33 @@ def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transfo
         start = sampler.next_step.assign_add(steps) - steps
         with tf.control_dependencies([sampler._pass_start.assign(start)]):
             return tf.data.Dataset.range(steps).map(lambda k: draw(start + k))
+
+    indices = tf.data.Dataset.range(1).flat_map(one_pass).apply(
+        tf.data.experimental.assert_cardinality(steps))
+    return _index_pipeline(x, y, indices, transform)
+
+
+def _shuffle_pipeline(x, y, batch_size: int, drop_remainder: bool, sampler: BatchSampler,
+                      transform):
+    """One pass over the pipeline is the batches of one permutation of the N examples, drawn
+    from ``(seed, start)``, ``start`` the ``next_step`` of the sampler when the pass begins;
+    the pass reserves its steps (``next_step += steps``) as a Poisson pass does
+    (`_poisson_pipeline`), so that a DP model's `fit` starts it past every permutation the
+    model's history used. ``tf.data``'s own ``shuffle(seed=...)`` restarted its sequence of
+    permutations in each pipeline built with the seed: a run continued on a new one trained
+    on the first run's epochs again, batch for batch (an audit, 2026-12-07)."""
+    n = int(x.shape[0])
+    steps = n // batch_size if drop_remainder else -(-n // batch_size)
+    seed = tf.constant(sampler.seed, tf.int64)
+    sampler.pass_steps = steps
+
+    def one_pass(_):
+        start = sampler.next_step.assign_add(steps) - steps
+        with tf.control_dependencies([sampler._pass_start.assign(start)]):
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(n, dtype=tf.int64), seed=tf.stack([seed, start]))
+        return tf.data.Dataset.from_tensor_slices(order).batch(
+            batch_size, drop_remainder=drop_remainder)
 
     indices = tf.data.Dataset.range(1).flat_map(one_pass).apply(
         tf.data.experimental.assert_cardinality(steps))
@@ -1793,17 +1822,15 @@ def load_dataset(
     n = metadata.nb_samples_train
     sampler = BatchSampler(sampling, seed, nb_samples=n, batch_size=batch_size,
                            data_digest=None if seed is None else _fingerprint(x_train, y_train))
-    if sampling is Sampling.POISSON and sampler.explicit_seed:
+    if sampler.explicit_seed:
         warnings.warn(_KNOWN_SEED_WARNING.format(seed=seed), KnownSeedWarning, stacklevel=2)
     if sampling is Sampling.POISSON:
         ds_train = _poisson_pipeline(x_tr, y_tr, metadata.steps_per_epoch,
                                      metadata.sampling_rate, sampler, transform)
     else:
         warnings.warn(_SHUFFLE_WARNING, ShuffleSamplingWarning, stacklevel=2)
-        indices = (tf.data.Dataset.range(n)
-                   .shuffle(n, seed=sampler.seed, reshuffle_each_iteration=True)
-                   .batch(batch_size, drop_remainder=drop_remainder))
-        ds_train = _index_pipeline(x_tr, y_tr, indices, transform)
+        ds_train = _shuffle_pipeline(x_tr, y_tr, batch_size, drop_remainder, sampler,
+                                     transform)
     ds_train = _without_autotuning(ds_train.prefetch(tf.data.AUTOTUNE))
     ds_train.lipdp_sampler = sampler
 

@@ -55,7 +55,7 @@ from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, 
 from lipdp.data import (ShuffleSamplingWarning, batches_in_repeated_pass, batches_made_unseen,
                         derived_from, holds_repeat, own_sampler, pipeline_sampler,
                         repeat_inside_batches, repeated_pass, reserved_draws,
-                        seeded_poisson_samplers, unshuffled_batching)
+                        seeded_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
 from lipdp.kernels import in_xla_context
 from lipdp.layers._projection import uncertified
@@ -594,14 +594,14 @@ class _DPModelMixin:
 
     @property
     def poisson_draws_until(self) -> int:
-        """Every Poisson draw (`lipdp.data.BatchSampler`) this model's private steps may have
-        trained on has a step index below this: `fit` starts a `lipdp.data.load_dataset`
-        Poisson pipeline there (or further), and raises it past each pass's draws before the
-        pass begins; `train_on_batch` raises it past every draw the pipelines this process
-        built reserved (`lipdp.data.reserved_draws`). Saved with the weights, so a run
-        continued in another process (a checkpoint, a saved model) draws on. Never below
-        ``dp_steps_taken`` (a model saved before it was kept drew step t's batch from draw
-        t). A custom loop over a new pipeline continues a model with
+        """Every draw (`lipdp.data.BatchSampler`: a Poisson batch, or a shuffled pass's
+        batch) this model's private steps may have trained on has a step index below this:
+        `fit` starts a `lipdp.data.load_dataset` pipeline there (or further), and raises it
+        past each pass's draws before the pass begins; `train_on_batch` raises it past every
+        draw the pipelines this process built reserved (`lipdp.data.reserved_draws`). Saved
+        with the weights, so a run continued in another process (a checkpoint, a saved
+        model) draws on. Never below ``dp_steps_taken`` (a model saved before it was kept
+        drew step t's batch from draw t). A custom loop over a new pipeline continues a model with
         ``ds_train.lipdp_sampler.start_at(model.poisson_draws_until)``."""
         return max(self._draws_mark(), self.dp_steps_taken)
 
@@ -1005,7 +1005,7 @@ class _DPModelMixin:
             f"check: the reported epsilon holds only if {holds}."), stacklevel=3)
 
     def _warn_if_a_seeded_pipeline_is_behind(self):
-        """`fit` starts a `lipdp.data.load_dataset` Poisson pipeline at the model's step;
+        """`fit` starts a `lipdp.data.load_dataset` pipeline at the model's step;
         `train_on_batch` cannot see the pipeline its batches come from. Each pipeline of this
         process with an explicit seed is looked at once per model, the first time this model
         trains after it appeared (`fit` marks the one it starts): warn when its last pass
@@ -1014,14 +1014,15 @@ class _DPModelMixin:
         new pipeline of the first run's seed replays that run's draws, which the accountant
         counts as fresh samples."""
         seen = self._samplers_seen
-        for sampler in seeded_poisson_samplers():
+        for sampler in seeded_samplers():
             if id(sampler) in seen:
                 continue
             seen.add(id(sampler))
             start, used = sampler.last_pass_start(), self.poisson_draws_until
             if start < used:
                 warnings.warn(
-                    f"A lipdp.data.load_dataset Poisson pipeline of seed {sampler.seed} draws "
+                    f"A lipdp.data.load_dataset {sampler.sampling.value} pipeline of seed "
+                    f"{sampler.seed} draws "
                     f"from step {start}, while this model's steps may have used its draws up "
                     f"to step {used - 1}: if its batches feed train_on_batch, they are the "
                     "draws of earlier steps again (replayed samples are not the independent "
@@ -2903,7 +2904,7 @@ class _StartSampler(tf.keras.callbacks.Callback):
         self._after_checks = None
 
     def draws_reserved(self) -> Optional[int]:
-        """Where the sampler's draws stand (its counter; None without a Poisson sampler)."""
+        """Where the sampler's draws stand (its counter; None without a sampler)."""
         return None if self.sampler is None else int(self.sampler.next_step.numpy())
 
     def checks_ended(self):

@@ -397,6 +397,37 @@ class _Worsening(tf.keras.callbacks.Callback):
         logs["worsening"] = float(epoch)
 
 
+def test_a_shuffled_run_continued_on_a_new_pipeline_of_its_seed_shuffles_anew(tmp_path):
+    """tf.data's ``shuffle(seed=...)`` restarted its permutations in each pipeline built with
+    the seed: a model saved after 2 epochs and fitted again on a new pipeline of the seed (as
+    in a new process) trained on the first run's 2 epochs again, batch for batch, without a
+    word (an audit, 2026-12-07). Shuffled passes now draw on the model's mark as Poisson
+    ones do, each pass the permutation of ``(seed, the step it starts at)``."""
+    import gc
+
+    def data():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # shuffle sampling's and the known seed's
+            return lipdp.data.load_dataset("digits", BATCH, bound_clip_value=8.0, seed=12,
+                                           sampling="shuffle")
+
+    ds, _, metadata = data()
+    steps = metadata.steps_per_epoch
+    model = _model(metadata)
+    model.fit(ds, epochs=2, verbose=0)
+    assert ds.lipdp_sampler.last_pass_start() == steps and model.poisson_draws_until == 2 * steps
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    del model, ds
+    gc.collect()
+    ds = data()[0]
+    assert ds.lipdp_sampler.next_step.numpy() == 0  # a new process's counter
+    model = tf.keras.models.load_model(path)
+    model.fit(ds, epochs=1, verbose=0)
+    assert ds.lipdp_sampler.last_pass_start() == 2 * steps
+    assert model.poisson_draws_until == 3 * steps and model.dp_steps_taken == 3 * steps
+
+
 @pytest.mark.parametrize("first", ["a loop over batches listed from a dropped pipeline",
                                    "a fit whose EarlyStopping restores an earlier epoch",
                                    "a fit on a mapped pipeline",

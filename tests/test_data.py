@@ -577,6 +577,19 @@ def test_shuffle_warns_and_batches(ids_dir):
         assert sorted(ids) == list(range(50))  # a permutation
         epochs.append(ids)
     assert not np.array_equal(epochs[0], epochs[1])  # reshuffled each epoch
+    # A second pipeline of the seed shuffles on: tf.data's shuffle(seed=...) restarted its
+    # permutations in each pipeline, so a run continued on one trained on the first run's
+    # epochs again (an audit, 2026-12-07). The pass that starts at step t is (seed, t)'s.
+    with pytest.warns(data.ShuffleSamplingWarning):
+        again, _, _ = data.load_dataset(
+            "mnist", 16, bound_clip_value=100.0, sampling="shuffle", data_dir=str(ids_dir),
+            download=False, seed=0, nb_samples_train=50)
+    third = np.concatenate([ids_of(x) for x, _ in batches(again)])
+    assert sorted(third) == list(range(50))
+    assert not any(np.array_equal(third, ids) for ids in epochs)
+    assert again.lipdp_sampler.next_step.numpy() == 3 * md.steps_per_epoch
+    assert ds_train.lipdp_sampler.last_pass_start() == md.steps_per_epoch
+    assert again.lipdp_sampler.last_pass_start() == 2 * md.steps_per_epoch
 
 
 def test_shuffle_drop_remainder(ids_dir):
@@ -830,19 +843,20 @@ def test_feature_cache_maps_changed_files_again_and_rows_match_labels(tmp_path):
     data._FEATURE_CACHE.clear()
 
 
-def test_a_given_poisson_seed_warns_that_epsilon_needs_it_secret(recwarn):
+@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
+def test_a_given_seed_warns_that_epsilon_needs_it_secret(recwarn, sampling):
     """An explicit seed makes every batch public to whoever knows it, and with it which steps
     an example took part in: the subsampling's amplification, which the accountant counts,
-    is gone (an audit: epsilon 9.8-13.9 for a run reported at 2.99). It warns; the default
-    (a secret seed) does not, nor does shuffling (which warns of its own)."""
+    is gone (an audit: epsilon 9.8-13.9 for a run reported at 2.99). It warns, for shuffled
+    batches too (they did not warn, while the README said so: an audit, 2026-12-07); the
+    default (a secret seed) does not."""
     def known_seed_warnings():
         return [w for w in recwarn if issubclass(w.category, data.KnownSeedWarning)]
 
-    data.load_dataset("digits", 50, bound_clip_value=1.0, seed=3)
+    data.load_dataset("digits", 50, bound_clip_value=1.0, seed=3, sampling=sampling)
     assert len(known_seed_warnings()) == 1 and "seed=3" in str(known_seed_warnings()[0].message)
     recwarn.clear()
-    data.load_dataset("digits", 50, bound_clip_value=1.0)
-    data.load_dataset("digits", 50, bound_clip_value=1.0, seed=3, sampling="shuffle")
+    data.load_dataset("digits", 50, bound_clip_value=1.0, sampling=sampling)
     assert not known_seed_warnings()
 
 
