@@ -127,8 +127,8 @@ _BASE_ORDERS = np.concatenate(
 ).astype(np.float64)
 _HIGH_ORDERS = np.unique(np.round(np.geomspace(256.0, 1e6, 33)[1:])).astype(np.float64)
 
-# Largest number of steps max_steps_for_budget will consider.
-_MAX_STEPS = 2**62
+# Largest number of steps the accountant counts (and max_steps_for_budget considers).
+MAX_STEPS = 2**62
 # autodp's RDP of one step at integer order a is ``log(A_a) / (a - 1)``, with ``log(A_a)``
 # the log-sum-exp of a + 1 positive terms: each term and the log round by about the unit
 # roundoff u = 2^-53. Where ``A_a - 1`` is near u (a large noise multiplier, a tiny q) that
@@ -175,7 +175,7 @@ def _check_delta(value, argname="delta"):
 
 def _check_count(value, argname, positive=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-            or not int(positive) <= value <= _MAX_STEPS:
+            or not int(positive) <= value <= MAX_STEPS:
         raise _invalid(argname, ("a positive" if positive else "a non-negative")
                        + " integer up to 2**62", value)
     return int(value)
@@ -442,9 +442,9 @@ def _largest_fitting(fits, describe) -> int:
     lo, hi = 1, 2  # invariant: fits(lo) and (hi unknown, then not fits(hi))
     while fits(hi):
         lo, hi = hi, hi * 2
-        if hi > _MAX_STEPS:
+        if hi > MAX_STEPS:
             raise ValueError(
-                f"More than {_MAX_STEPS} steps fit in the budget: the privacy budget is "
+                f"More than {MAX_STEPS} steps fit in the budget: the privacy budget is "
                 f"effectively unbounded for this mechanism. Received: {describe()}")
     while hi - lo > 1:
         mid = (lo + hi) // 2

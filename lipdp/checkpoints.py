@@ -36,7 +36,8 @@ from lipdp.ledger import LedgerMismatchError
 from lipdp.legacy_files import hdf5_with_draw_mark, load_saved_model
 from lipdp.reports import atomic_write
 
-__all__ = ["BackupAndRestore", "FinishedTraining", "LedgerMismatchError", "check_resume",
+__all__ = ["BackupAndRestore", "BackupMismatchError", "FinishedTraining", "LedgerMismatchError",
+           "check_resume",
            "finished_training", "load_model", "save_model_atomically"]
 
 logger = logging.getLogger("lipdp")
@@ -58,17 +59,28 @@ def check_resume(model) -> None:
     model.privacy_ledger.check_resumes(model.step_mechanism)
 
 
+class BackupMismatchError(ValueError):
+    """A backup holds variables of other shapes than the model it is restored into."""
+
+
 class BackupAndRestore(tf.keras.callbacks.BackupAndRestore):
     """Keras' `BackupAndRestore` for DP models: after restoring a backup (model,
     optimizer, privacy ledger, epoch), refuses to resume if the ledger ran another
-    mechanism than the model is compiled with (`check_resume`).
+    mechanism than the model is compiled with (`check_resume`), and names the backup when
+    its variables do not fit the model (`BackupMismatchError`: Keras' own error came
+    through `fit` with the variable's name only; `lipdp train --resume` of a run folder
+    whose config's widths were edited, an audit, 2026-12-07).
 
     Arguments as for `tf.keras.callbacks.BackupAndRestore`; with the default
     ``save_freq="epoch"``, a run killed mid-epoch resumes at the start of that epoch.
     """
 
     def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
+        try:
+            super().on_train_begin(logs)
+        except ValueError as e:  # Keras' restore of a variable of another shape
+            raise BackupMismatchError(
+                f"The backup in {self.backup_dir} is not of this model: {e}") from None
         check_resume(self.model)
 
 

@@ -337,6 +337,11 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
 
     _section("Plan")
     epochs = fit_kwargs["epochs"]
+    if epochs * metadata.steps_per_epoch > accounting.MAX_STEPS:  # the accountant's
+        # ValueError, with a traceback, before (an audit, 2026-12-07)
+        raise ConfigError(f"training.epochs={epochs} makes {epochs * metadata.steps_per_epoch} "
+                          f"steps of {metadata.steps_per_epoch} an epoch: the accountant counts "
+                          "up to 2**62.")
     eps, delta = accounting.get_eps_delta(model, epochs)
     budget = cfg["privacy"]["epsilon_budget"]
     source = ("training.epochs" if cfg["training"]["epochs"] is not None
@@ -572,13 +577,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lipdp: {e}", file=sys.stderr)
         return EXIT_DATA
     except ValueError as e:
+        from lipdp.checkpoints import BackupMismatchError
         from lipdp.data import DatasetFormatError
         from lipdp.ledger import LedgerMismatchError
 
         if isinstance(e, DatasetFormatError):
             print(f"lipdp: corrupt dataset: {e}", file=sys.stderr)
             return EXIT_DATA
-        if isinstance(e, LedgerMismatchError):  # a run folder's config edited before --resume
+        if isinstance(e, (LedgerMismatchError, BackupMismatchError)):  # a run folder's config
+            # edited before --resume
             print(f"lipdp: invalid config: {args.resume or args.run_dir}/{CONFIG_FILE} is not "
                   f"the config of the run its checkpoint holds. {e}", file=sys.stderr)
             return EXIT_CONFIG

@@ -253,6 +253,11 @@ def _as_float(value):
     """A real number, or a string PyYAML left unparsed (it reads ``1e-5`` as a string)."""
     if isinstance(value, bool):
         return None
+    if isinstance(value, numbers.Integral):
+        try:
+            return float(value)
+        except OverflowError:  # beyond float's range: out of range, as a number (a traceback
+            return math.inf if value > 0 else -math.inf  # before: an audit, 2026-12-07)
     if isinstance(value, numbers.Real):
         return float(value)
     if isinstance(value, str):
@@ -327,6 +332,14 @@ def _optional_int(key, value):
     return int(value)
 
 
+def _seed(key, value):
+    """A sampling seed: null (a secret one) or an integer in [0, 2**63), a TensorFlow int64
+    (10**23 was refused by TensorFlow with a message naming no field: an audit)."""
+    if value is not None and (not _is_int(value) or not 0 <= value < 2**63):
+        raise _invalid(key, "null or an integer in [0, 2**63)", value)
+    return None if value is None else int(value)
+
+
 def _optional_positive_int(key, value):
     return None if value is None else _positive_int(key, value)
 
@@ -380,7 +393,7 @@ _VALIDATORS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
         "input_bound": _POSITIVE,
         "bound": _choice("clip", "normalize"),
         "sampling": _choice("poisson", "shuffle"),
-        "seed": _optional_int,
+        "seed": _seed,
         "nb_samples_train": _optional_positive_int,
         "data_dir": _optional_str,
         "augmentation": lambda k, v: None if v is None else _choice("shift", "shift_flip")(k, v),
@@ -662,6 +675,8 @@ def load_config(path=None, overrides: Sequence[str] = ()) -> Dict[str, Dict[str,
             raise ConfigError(f"Cannot read config file {path}: {e.strerror or e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"Invalid YAML in config file {path}: {e}") from None
+        except UnicodeDecodeError as e:  # a traceback before (an audit)
+            raise ConfigError(f"Config file {path} is not UTF-8 text: {e}") from None
     cfg = _merge(user, f"in {path}" if path is not None else "")
     return validate_config(apply_overrides(cfg, overrides))
 

@@ -1749,10 +1749,11 @@ def load_dataset(
     if nb_samples_train is not None:
         nb_samples_train = _check_positive_int(nb_samples_train, "nb_samples_train")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                             or seed < 0):
-        # "abc" raised int()'s error without the argument's name, 1.5 was taken as 1 (an audit)
-        raise ValueError("Received an invalid value for `seed`, expected a non-negative integer "
-                         f"or None (a secret seed). Received: seed={seed!r}")
+                             or not 0 <= seed < 2**63):
+        # "abc" raised int()'s error without the argument's name, 1.5 was taken as 1, 10**23
+        # TensorFlow's "out-of-range integer" (audits)
+        raise ValueError("Received an invalid value for `seed`, expected an integer in "
+                         f"[0, 2**63) or None (a secret seed). Received: seed={seed!r}")
     if drop_remainder and sampling is Sampling.POISSON:
         raise ValueError("`drop_remainder` only applies to sampling='shuffle'; Poisson "
                          "batches have a random size and are never dropped.")

@@ -128,6 +128,13 @@ def test_defaults_partial_file_and_overrides(tmp_path):
     ("training.epochs=0", ["training.epochs=0"]),
     ("certification.radii=[0.1, -1]", ["certification.radii=[0.1, -1]"]),
     ("output.save_model=3", ["output.save_model=3"]),
+    # an OverflowError and TensorFlow's "out-of-range integer" before (an audit, 2026-12-07)
+    pytest.param(f"privacy.noise_multiplier={10**400}",
+                 ["`privacy.noise_multiplier`", "finite non-negative"], id="noise 10**400"),
+    pytest.param(f"certification.radii=[{10**400}]",
+                 ["`certification.radii`", "finite non-negative"], id="radius 10**400"),
+    (f"dataset.seed={10**23}", ["`dataset.seed`", "[0, 2**63)"]),
+    ("dataset.seed=-1", ["`dataset.seed`", "dataset.seed=-1"]),
 ])
 def test_bad_values_are_echoed(override, fragments):
     with pytest.raises(ConfigError) as info:
@@ -399,6 +406,11 @@ def test_help(capsys):
 
 
 def test_bad_config_exits_2_without_traceback(tmp_path, capsys):
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(b"\xffdataset: {}\n")  # a UnicodeDecodeError's traceback (an audit)
+    assert cli.main(["train", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and "Traceback" not in err
     path = write_yaml(tmp_path / "c.yaml", {"dataset": {"batch_size": -1}})
     assert cli.main(["train", path]) == 2
     err = capsys.readouterr().err
@@ -878,6 +890,18 @@ def test_a_new_run_in_the_folder_of_a_killed_run_is_refused(fake_fashion, tmp_pa
     assert f"holds a killed run (its checkpoint): resume it with 'lipdp train --resume " \
         f"{run_dir}'" in capsys.readouterr().err
     assert open(config_path).read() == original
+    # A resume of a run folder whose config's model was edited: Keras' restore error with a
+    # traceback before (an audit, 2026-12-07).
+    edited_run = json.loads(original)
+    edited_run["model"]["widths"] = [16]
+    with open(config_path, "w") as f:
+        json.dump(edited_run, f)
+    assert cli.main(["train", "--resume", run_dir]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "is not the config of the run its checkpoint holds" in err and \
+        "is not of this model" in err and "Traceback" not in err
+    with open(config_path, "w") as f:
+        f.write(original)
     assert cli.main(["train", "--resume", run_dir]) == 0
     out = capsys.readouterr().out
     assert "(2 epochs, 8 steps; the time of the last process that trained" in out
@@ -886,6 +910,19 @@ def test_a_new_run_in_the_folder_of_a_killed_run_is_refused(fake_fashion, tmp_pa
     os.makedirs(os.path.join(run_dir, cli.TRAINED_DIR))
     assert cli.main(["train", "--resume", run_dir]) == cli.EXIT_CONFIG
     assert cli.main(["train", first, "--run-dir", run_dir]) == 0
+
+
+def test_more_steps_than_the_accountant_counts_is_a_config_error(fake_fashion, tmp_path, capsys):
+    """The accountant's ValueError came with a traceback, exit code 1 (an audit)."""
+    path = write_yaml(tmp_path / "c.yaml", {
+        "dataset": {"name": "fashion_mnist", "batch_size": 10, "nb_samples_train": 40,
+                    "input_bound": 10.0},
+        "model": {"architecture": "mlp", "widths": [8]},
+        "privacy": {"epsilon_budget": None}, "training": {"epochs": 2**61}})
+    assert cli.main(["train", path, "--run-dir", str(tmp_path / "run")]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"training.epochs={2**61} makes {2**63} steps of 4 an epoch" in err
+    assert "Traceback" not in err
 
 
 def test_a_run_killed_after_its_training_is_completed_by_resume_without_training(

@@ -121,7 +121,7 @@ def test_metadata_refuses_an_input_shape_that_is_not_positive_integers(shape):
     assert lipdp.DatasetMetadata([np.int64(DIM)], K, N, 0, BATCH).input_shape == (DIM,)
 
 
-@pytest.mark.parametrize("seed", ["abc", 1.5, -3, True])
+@pytest.mark.parametrize("seed", ["abc", 1.5, -3, True, 2**63])
 def test_load_dataset_names_a_seed_that_is_not_an_integer(seed):
     with pytest.raises(ValueError, match="`seed`"):
         lipdp.data.load_dataset("digits", 16, bound_clip_value=1.0, seed=seed)
