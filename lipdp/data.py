@@ -1685,11 +1685,11 @@ def load_dataset(
             conservative).
         data_dir: directory holding the files (see the module docstring).
         seed: makes the sampling reproducible (`BatchSampler`: Poisson step t draws
-            with ``(seed, t)``); every step still draws anew. Required under a
-            multi-worker `tf.distribute` strategy, where every worker must draw the
-            same batches. Without it, a seed is drawn from the system's secret randomness.
-            With it, a Poisson pipeline warns (`KnownSeedWarning`): the epsilon holds only
-            while the seed stays secret.
+            with ``(seed, t)``, a shuffled pass starting at step t permutes with it);
+            every step still draws anew. Required under a multi-worker `tf.distribute`
+            strategy, where every worker must draw the same batches. Without it, a seed
+            is drawn from the system's secret randomness. With it, the pipeline warns
+            (`KnownSeedWarning`): the epsilon holds only while the seed stays secret.
         nb_samples_train: use only the first n training examples.
         download: allow ``tf.keras.datasets.<name>.load_data()`` as last resort.
         feature_map: a fixed map of a batch of inputs (float32, images scaled to [0, 1])
