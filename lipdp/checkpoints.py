@@ -37,8 +37,7 @@ from lipdp.legacy_files import hdf5_with_draw_mark, load_saved_model
 from lipdp.reports import atomic_write
 
 __all__ = ["BackupAndRestore", "BackupMismatchError", "FinishedTraining", "LedgerMismatchError",
-           "check_resume",
-           "finished_training", "load_model", "save_model_atomically"]
+           "check_resume", "finished_training", "load_model", "save_model_atomically"]
 
 logger = logging.getLogger("lipdp")
 

@@ -1512,7 +1512,8 @@ class BatchSampler:
         self.data_digest = data_digest
         self.explicit_seed = seed is not None
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
-        self.pass_steps = 0  # the draws one pass reserves (`_poisson_pipeline`)
+        self.pass_steps = 0  # the draws one pass reserves (`_poisson_pipeline`,
+        # `_shuffle_pipeline`)
         if tf.distribute.has_strategy():
             raise RuntimeError(
                 "Load the data outside `strategy.scope()`: the sampler's step counter is the "

@@ -1022,9 +1022,9 @@ class _DPModelMixin:
             if start < used:
                 warnings.warn(
                     f"A lipdp.data.load_dataset {sampler.sampling.value} pipeline of seed "
-                    f"{sampler.seed} draws "
-                    f"from step {start}, while this model's steps may have used its draws up "
-                    f"to step {used - 1}: if its batches feed train_on_batch, they are the "
+                    f"{sampler.seed} draws from step {start}, while this model's steps may "
+                    f"have used its draws up to step {used - 1}: if its batches feed "
+                    "train_on_batch, they are the "
                     "draws of earlier steps again (replayed samples are not the independent "
                     "subsampling the accountant assumes). Call "
                     "`ds_train.lipdp_sampler.start_at(model.poisson_draws_until)` before "
