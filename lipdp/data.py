@@ -1439,6 +1439,20 @@ def pipeline_sampler(dataset) -> Optional["BatchSampler"]:
                  if sampler is not None), None)
 
 
+def cached_sampler(dataset) -> Optional["BatchSampler"]:
+    """The `BatchSampler` of a `load_dataset` pipeline that a ``cache`` or ``snapshot`` of
+    `dataset`'s chain stores (None without one): such a pipeline replays its first pass's
+    batches every epoch, draws or permutation alike. `unshuffled_batching` reads a cache
+    after a shuffle in the pipeline's graph, where a load_dataset pipeline's shuffle and
+    batching lie inside a function: ``fit(ds.cache())`` on a shuffled one trained one
+    permutation every epoch, silently (an audit, 2026-12-07)."""
+    for d in _datasets_below(dataset):
+        name = type(d).__name__
+        if ("Cache" in name or "Snapshot" in name) and pipeline_sampler(d) is not None:
+            return pipeline_sampler(d)
+    return None
+
+
 def derived_from(data: tf.data.Dataset, source: tf.data.Dataset) -> Optional[bool]:
     """Whether the elements of `data` come from `source` by tf.data transformations: True
     when `source` is its only origin (a ``take``, ``map``, ``shuffle``, ``batch`` of it),

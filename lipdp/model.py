@@ -53,7 +53,7 @@ from lipdp.clipping.engine import finite_rows, zero_rows
 from lipdp.clipping.validation import (_probe_batches, check_no_batch_coupling, defined_in_lipdp,
                                        leaf_layers, refuse_untracked_layers)
 from lipdp.data import (ShuffleSamplingWarning, batches_in_repeated_pass, batches_made_unseen,
-                        derived_from, holds_repeat, own_sampler, pipeline_sampler,
+                        cached_sampler, derived_from, holds_repeat, own_sampler, pipeline_sampler,
                         repeat_inside_batches, repeated_pass, reserved_draws,
                         seeded_samplers, unshuffled_batching)
 from lipdp.host_blas import limit_pays, with_limited_blas_threads
@@ -2451,6 +2451,14 @@ class _DPModelMixin:
                 f"batches, which makes one pass of {cardinality} batches over the "
                 f"{md.nb_samples_train} training records an epoch: each epoch must be one "
                 "pass. Leave steps_per_epoch out.")
+        cached = cached_sampler(dataset)
+        if cached is not None:
+            raise ValueError(
+                f"fit received a lipdp.data.load_dataset pipeline ({cached.sampling.value} "
+                "sampling) followed by a cache or snapshot, which stores its first pass and "
+                "replays those batches every epoch: the accountant counts fresh batches each "
+                "step. Remove the cache (load_dataset's pipelines hold their records in "
+                "memory already).")
         self._check_repeated_pass(dataset, allowed)
         flaw = repeat_inside_batches(dataset, md.nb_samples_train)
         if flaw is not None:

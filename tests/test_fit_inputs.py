@@ -1273,6 +1273,35 @@ def test_a_shuffled_load_dataset_pipeline_refuses_epochs_other_than_its_pass():
     assert model.dp_steps_taken == 4
 
 
+@pytest.mark.parametrize("sampling", ["shuffle", "poisson"])
+@pytest.mark.parametrize("store", ["cache()", "cache(file)", "snapshot", "cache().map"])
+def test_a_cached_load_dataset_pipeline_is_refused(sampling, store, tmp_path):
+    """A cache (or snapshot) of a `load_dataset` pipeline replays its first pass every epoch.
+    Since shuffled pipelines permute inside a function (each pass the permutation of its
+    seed and first step), the graph check of a cache after a shuffle no longer saw one:
+    ``fit(ds.cache(), epochs=3)`` trained one permutation three times, silently (an audit,
+    2026-12-07); a cached Poisson pipeline replayed its draws with only a generic warning."""
+    from lipdp.layers import DP_Flatten
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # shuffle sampling's and the known seed's
+        ds_train, _, md = lipdp.data.load_dataset("digits", 50, bound_clip_value=1.0, seed=0,
+                                                  sampling=sampling, nb_samples_train=200)
+    stored = {"cache()": lambda: ds_train.cache(),
+              "cache(file)": lambda: ds_train.cache(str(tmp_path / "cache")),
+              "snapshot": lambda: ds_train.snapshot(str(tmp_path / "snapshot")),
+              "cache().map": lambda: ds_train.cache().map(lambda x, y: (x, y))}[store]()
+    model = lipdp.DP_Sequential(
+        [DP_BoundedInput(1.0, input_shape=md.input_shape), DP_Flatten(),
+         DP_QuickSpectralDense(md.nb_classes)],
+        dp_parameters=lipdp.DPParameters(1.0, 1e-5), dataset_metadata=md)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    with pytest.raises(ValueError, match=rf"load_dataset pipeline \({sampling} sampling\) "
+                                         "followed by a cache or snapshot"):
+        model.fit(stored, epochs=2, verbose=0)
+    assert model.dp_steps_taken == 0
+
+
 @pytest.mark.parametrize("pipeline", ["concatenated with itself", "copies by flat_map",
                                       "the declared records", "arrays concatenated",
                                       "the declared arrays", "concatenated with itself, repeated",
