@@ -126,7 +126,9 @@ def _logits(model, x, batch_size: int) -> np.ndarray:
 
     Raises:
         ValueError: inputs holding NaN or inf (their radii were NaN, and a NaN row's arg-max
-            counted as class 0 in the accuracies: an audit).
+            counted as class 0 in the accuracies: an audit), or outputs holding NaN (a
+            diverged model: its accuracy counted every label-0 row as correct, and its AUROC
+            was 1.0 or 0.0 by the rows' order: an audit, 2026-12-07).
     """
     x = np.asarray(x, dtype=np.float32)
     bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1)) if x.ndim else []
@@ -135,9 +137,14 @@ def _logits(model, x, batch_size: int) -> np.ndarray:
                          "batch): no prediction or radius is defined for them.")
     if len(x) == 0:
         return np.zeros((0, int(model.output_shape[-1])), np.float64)
-    outputs = [guarded_call(model, x[start:start + batch_size]).numpy()
-               for start in range(0, len(x), batch_size)]
-    return np.concatenate(outputs).astype(np.float64)
+    outputs = np.concatenate([guarded_call(model, x[start:start + batch_size]).numpy()
+                              for start in range(0, len(x), batch_size)]).astype(np.float64)
+    bad = np.flatnonzero(np.isnan(outputs).any(axis=1))
+    if len(bad):
+        raise ValueError(f"The model's outputs hold NaN for {len(bad)} of {len(x)} inputs (e.g. "
+                         f"row {bad[0]} of its batch): a diverged model has no accuracy, AUROC "
+                         "or radius.")
+    return outputs
 
 
 def margins(logits: np.ndarray) -> np.ndarray:

@@ -44,9 +44,14 @@ def roc_auc(scores, labels) -> float:
     """Area under the ROC curve of ``scores`` for 0/1 ``labels`` (ties count one half).
 
     Raises:
-        ValueError: the labels do not contain both classes.
+        ValueError: the labels do not contain both classes, or a score is NaN (each NaN
+            took a rank of its own by its position: a diverged model's scores gave 1.0 or
+            0.0 by the rows' order, an audit, 2026-12-07).
     """
     scores = np.asarray(scores, np.float64).reshape(-1)
+    if np.isnan(scores).any():
+        raise ValueError(f"{int(np.isnan(scores).sum())} of {len(scores)} scores are NaN: the "
+                         "AUROC has no value for them (a diverged model's outputs?).")
     labels = np.asarray(labels).reshape(-1).astype(bool)
     positives, negatives = int(labels.sum()), int((~labels).sum())
     if positives == 0 or negatives == 0:

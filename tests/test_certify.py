@@ -503,3 +503,31 @@ def test_certifiable_accuracy_after_load_model(tmp_path):
     restored = [m for m in tf.nest.flatten(loaded.compiled_metrics._user_metrics)
                 if isinstance(m, certify.CertifiableAccuracy)]
     assert [m.bound_model for m in restored] == [loaded]
+
+
+@pytest.mark.parametrize("nb_outputs", [1, 2, 3])
+def test_a_diverged_model_s_statistics_are_refused(nb_outputs):
+    """A model with a NaN weight (diverged) printed accuracy 1/K (a NaN row's arg-max is class
+    0) and a test AUROC of 1.0 or 0.0 by the rows' order (each NaN score took a rank of its
+    own): an audit, 2026-12-07. scikit-learn refuses NaN scores too."""
+    from lipdp.evaluation import binary_scores, roc_auc
+
+    model = make_model(nb_outputs=nb_outputs)
+    bias = model.layers[-1].bias
+    bias.assign(tf.fill(bias.shape, float("nan")))
+    x = sample_inputs(12)
+    y = np.arange(12) % max(nb_outputs, 2)
+    with pytest.raises(ValueError, match=r"outputs hold NaN for 12 of 12 inputs"):
+        certify.certified_accuracy(model, (x, y), [0.0])
+    with pytest.raises(ValueError, match=r"outputs hold NaN"):
+        certify.certified_radii(model, x)
+    if nb_outputs <= 2:
+        scores, labels = binary_scores(model, (x, y))
+        with pytest.raises(ValueError, match=r"12 of 12 scores are NaN"):
+            roc_auc(scores, labels)
+        with pytest.raises(ValueError, match=r"scores are NaN"):
+            certify.certified_auroc(model, (x, y), [0.0])
+    labels = np.r_[np.zeros(5), np.ones(5)]
+    for order in (labels, labels[::-1]):  # 1.0 and 0.0 before
+        with pytest.raises(ValueError, match=r"10 of 10 scores are NaN"):
+            roc_auc(np.full(10, np.nan), order)
