@@ -1448,8 +1448,9 @@ def cached_sampler(dataset) -> Optional["BatchSampler"]:
     permutation every epoch, silently (an audit, 2026-12-07)."""
     for d in _datasets_below(dataset):
         name = type(d).__name__
-        if ("Cache" in name or "Snapshot" in name) and pipeline_sampler(d) is not None:
-            return pipeline_sampler(d)
+        sampler = pipeline_sampler(d) if "Cache" in name or "Snapshot" in name else None
+        if sampler is not None:
+            return sampler
     return None
 
 
@@ -1526,8 +1527,7 @@ class BatchSampler:
         self.data_digest = data_digest
         self.explicit_seed = seed is not None
         self.seed = int(seed) if seed is not None else secrets.randbits(62)
-        self.pass_steps = 0  # the draws one pass reserves (`_poisson_pipeline`,
-        # `_shuffle_pipeline`)
+        self.pass_steps = 0  # the draws one pass reserves (`_reserved_passes`)
         if tf.distribute.has_strategy():
             raise RuntimeError(
                 "Load the data outside `strategy.scope()`: the sampler's step counter is the "
@@ -1586,7 +1586,6 @@ def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transfo
     1.036 reported for 1.142)."""
     n = int(x.shape[0])
     seed = tf.constant(sampler.seed, tf.int64)
-    sampler.pass_steps = int(steps)
 
     def draw(step):
         # One uniform per example: example i joins this batch iff u_i < q,
@@ -1596,13 +1595,8 @@ def _poisson_pipeline(x, y, steps: int, q: float, sampler: BatchSampler, transfo
         u = tf.random.stateless_uniform([n], seed=tf.stack([seed, step]), dtype=tf.float64)
         return tf.reshape(tf.where(u < tf.constant(q, tf.float64)), [-1])
 
-    def one_pass(_):
-        start = sampler.next_step.assign_add(steps) - steps
-        with tf.control_dependencies([sampler._pass_start.assign(start)]):
-            return tf.data.Dataset.range(steps).map(lambda k: draw(start + k))
-
-    indices = tf.data.Dataset.range(1).flat_map(one_pass).apply(
-        tf.data.experimental.assert_cardinality(steps))
+    indices = _reserved_passes(
+        sampler, steps, lambda start: tf.data.Dataset.range(steps).map(lambda k: draw(start + k)))
     return _index_pipeline(x, y, indices, transform)
 
 
@@ -1618,19 +1612,31 @@ def _shuffle_pipeline(x, y, batch_size: int, drop_remainder: bool, sampler: Batc
     n = int(x.shape[0])
     steps = n // batch_size if drop_remainder else -(-n // batch_size)
     seed = tf.constant(sampler.seed, tf.int64)
-    sampler.pass_steps = steps
+
+    def permuted(start):
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(n, dtype=tf.int64), seed=tf.stack([seed, start]))
+        return tf.data.Dataset.from_tensor_slices(order).batch(
+            batch_size, drop_remainder=drop_remainder)
+
+    return _index_pipeline(x, y, _reserved_passes(sampler, steps, permuted), transform)
+
+
+def _reserved_passes(sampler: BatchSampler, steps: int, pass_indices) -> tf.data.Dataset:
+    """The index batches of one pass, ``pass_indices(start)`` (a dataset of `steps`
+    batches), ``start`` the sampler's ``next_step`` when the pass begins (its first element
+    is asked for): the pass reserves its steps (``next_step += steps``) and records its start
+    (`BatchSampler.last_pass_start`), whatever number of them is used. What a Poisson pass
+    and a shuffled one share (`_poisson_pipeline`, `_shuffle_pipeline`)."""
+    sampler.pass_steps = int(steps)
 
     def one_pass(_):
         start = sampler.next_step.assign_add(steps) - steps
         with tf.control_dependencies([sampler._pass_start.assign(start)]):
-            order = tf.random.experimental.stateless_shuffle(
-                tf.range(n, dtype=tf.int64), seed=tf.stack([seed, start]))
-        return tf.data.Dataset.from_tensor_slices(order).batch(
-            batch_size, drop_remainder=drop_remainder)
+            return pass_indices(start)
 
-    indices = tf.data.Dataset.range(1).flat_map(one_pass).apply(
+    return tf.data.Dataset.range(1).flat_map(one_pass).apply(
         tf.data.experimental.assert_cardinality(steps))
-    return _index_pipeline(x, y, indices, transform)
 
 
 def _without_autotuning(ds: tf.data.Dataset) -> tf.data.Dataset:

@@ -2658,9 +2658,9 @@ class _DPModelMixin:
 
 
 def _input_shape(x) -> Optional[tf.TensorShape]:
-    """The shape of the training inputs `fit` will see (``x`` a dataset of ``(inputs,
-    labels)`` pairs or of inputs, or one array), batch axis included; None for several
-    inputs or an unknown rank."""
+    """The shape of the inputs `fit`, `evaluate` or `predict` will see (``x`` a dataset of
+    ``(inputs, labels)`` pairs or of inputs, or one array), batch axis included; None for
+    several inputs or an unknown rank."""
     if isinstance(x, tf.data.Dataset):
         spec = x.element_spec
         spec = spec[0] if isinstance(spec, tuple) and spec else spec
@@ -2907,7 +2907,7 @@ class _StartSampler(tf.keras.callbacks.Callback):
 
     def __init__(self, sampler):
         super().__init__()
-        self.sampler = sampler if getattr(sampler, "next_step", None) is not None else None
+        self.sampler = sampler
         self._before_checks = self.draws_reserved()
         self._after_checks = None
 
