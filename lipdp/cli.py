@@ -10,7 +10,9 @@ run folder it wrote (`lipdp.reports`: report.json and plots; ``lipdp report``
 re-draws them). ``lipdp sweep`` trains every point of a grid, one run folder each.
 
 Exit codes: 0 success; 1 the data cannot be found or read; 2 invalid command
-line or config (a one-paragraph message, no traceback).
+line or config (a one-paragraph message, no traceback); 3 training stopped
+without a usable model (a check inside a step failed, or the weights are no
+longer finite; the message says how much privacy the steps taken spent).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from lipdp.config import ConfigError, load_config
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_DATA, EXIT_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_DATA, EXIT_CONFIG, EXIT_STOPPED = 0, 1, 2, 3
 # In a run folder: the validated config (written first) and the training checkpoint.
 CONFIG_FILE, CHECKPOINT_DIR, TRAINED_DIR = "config.json", "checkpoint", "trained"
 
@@ -73,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_schema_help() + "\nexamples:\n  lipdp train configs/fashion_mnist.yaml "
                "--set training.epochs=2\n  lipdp train --resume runs/fashion_mnist-20261124-120000"
                "\n\nexit codes: 0 success, 1 data not found or "
-               "corrupt, 2 invalid command line or config",
+               "corrupt, 2 invalid command line or config, 3 training stopped without a usable "
+               "model",
     )
     train.add_argument("config", metavar="CONFIG", nargs="?",
                        help="path of the YAML config file (not with --resume)")
@@ -288,6 +291,45 @@ def _write_run(run_dir: str, cfg, history, results, model, ds_train, ds_test):
           "re-draws them)")
 
 
+class TrainingStopped(RuntimeError):
+    """A run that ended without a usable model: a check inside a step stopped it, or its
+    trained weights hold NaN or inf (nothing to evaluate or certify)."""
+
+
+def _fit_or_stop(model, dataset, **kwargs):
+    """``model.fit(dataset, **kwargs)``; `TrainingStopped` when a check inside a step
+    stopped it (TensorFlow's error, first line kept) or when the trained weights are not all
+    finite, saying how many steps were taken and the epsilon they spent (the ledger counts the
+    steps that released an update: a stopped step released none)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from lipdp import accounting
+
+    def spent():
+        return (f"{model.dp_steps_taken} steps taken, epsilon="
+                f"{accounting.epsilon_spent(model):.4g} spent at delta="
+                f"{model.dp_parameters.delta:g}")
+
+    try:
+        history = model.fit(dataset, **kwargs)
+    except tf.errors.InvalidArgumentError as e:
+        # TensorFlow's message: "Graph execution error:", where the failed node was defined,
+        # the check's own message, then the node's name ("[[{{node ...}}]]").
+        lines = [line for line in e.message.splitlines()
+                 if line.strip() and not line.lstrip().startswith("[[")]
+        raise TrainingStopped(f"a check inside a training step failed ({spent()}): "
+                              f"{lines[-1] if lines else e.message}") from e
+    diverged = [v.name for v in model.weights if not np.isfinite(v.numpy()).all()]
+    if diverged:
+        raise TrainingStopped(
+            f"training diverged ({spent()}): the weights of {', '.join(diverged[:3])}"
+            + (f" and {len(diverged) - 3} more" if len(diverged) > 3 else "")
+            + " hold NaN or inf, so there is nothing to evaluate or certify (a lower "
+            "optimizer.learning_rate or dataset.input_bound may keep them finite).")
+    return history
+
+
 def _train(cfg, run_dir: str, resume: bool = False) -> dict:
     """One training run of a loaded config, printed section by section, its report written
     to `run_dir`; returns its results (the row a sweep records).
@@ -378,7 +420,7 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
         # discards those steps from the ledger.
         per_step = sys.stdout.isatty() and model.dp_parameters.loss_gradient_clipping is None
         start = time.perf_counter()
-        history = model.fit(ds_train, verbose=1 if per_step else 2, **fit_kwargs)
+        history = _fit_or_stop(model, ds_train, verbose=1 if per_step else 2, **fit_kwargs)
         wall = time.perf_counter() - start
     with contextlib.suppress(OSError):  # BackupAndRestore leaves its folder empty
         os.rmdir(os.path.join(run_dir, CHECKPOINT_DIR))
@@ -576,6 +618,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FileNotFoundError as e:
         print(f"lipdp: {e}", file=sys.stderr)
         return EXIT_DATA
+    except TrainingStopped as e:
+        print(f"lipdp: {e}", file=sys.stderr)
+        return EXIT_STOPPED
     except ValueError as e:
         from lipdp.checkpoints import BackupMismatchError
         from lipdp.data import DatasetFormatError

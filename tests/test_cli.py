@@ -17,6 +17,7 @@ import yaml
 from lipdp import cli, config, data
 from lipdp.bounds import lipschitz_bound
 from lipdp.config import ConfigError, load_config
+from lipdp.losses import DP_TauCategoricalCrossentropy
 from tests.test_data import make_mnist_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -523,6 +524,49 @@ def test_train_stops_at_the_budget(fake_fashion, tmp_path, capsys):
     assert eps <= 1.3
     rows = [line.split() for line in summary.splitlines() if line.startswith("  ")]
     assert [r[0] for r in rows] == ["radius", "0.1"]
+
+
+@pytest.mark.parametrize("privacy, dataset, fragment", [
+    # sigma x sensitivity below 2^-64: the step's noise check stops the first step
+    ({"noise_multiplier": 1e-300}, {}, "0 steps taken, epsilon=0 spent at delta=1e-05): "
+                                       "assertion failed: [lipdp: a noise stddev"),
+    # inputs up to 1e30: noise of std ~1e27 overflows the bounds or turns weights to NaN
+    ({}, {"input_bound": 1e30}, "steps taken, epsilon="),
+])
+def test_a_run_without_a_usable_model_exits_3_with_the_privacy_spent(fake_fashion, tmp_path,
+                                                                       capsys, privacy, dataset,
+                                                                       fragment):
+    """Both used to end in a traceback with exit 1, the exit code of missing data (the second
+    in the certificate's refusal of an infinite Lipschitz constant, after training)."""
+    path = write_yaml(tmp_path / "tiny.yaml", {
+        "dataset": {"batch_size": 10, "nb_samples_train": 40, **dataset},
+        "model": {"widths": [8]},
+        "privacy": {"epsilon_budget": None, **privacy},
+        "training": {"epochs": 1},
+    })
+    assert cli.main(["train", path]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("lipdp: "), err
+    assert fragment in err, err
+    assert "Traceback" not in err
+
+
+def test_a_fit_whose_weights_end_non_finite_stops_naming_them():
+    """The second outcome of a diverging run: no check fails, but the weights are NaN."""
+    from tests._models import mlp
+
+    class Poison(tf.keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            kernel = self.model.layers[-1].kernel
+            kernel.assign(tf.fill(kernel.shape, float("nan")))
+
+    model = mlp(batch=8)
+    model.compile(loss=DP_TauCategoricalCrossentropy(3.0), optimizer=tf.keras.optimizers.SGD(0.01))
+    x = np.random.default_rng(0).normal(size=(64, 10)).astype("float32")
+    y = tf.keras.utils.to_categorical(np.arange(64) % 3, 3)
+    with pytest.raises(cli.TrainingStopped, match=r"training diverged \(8 steps taken, epsilon="
+                       r"[0-9.]+ spent at delta=1e-05\): the weights of .*kernel.* hold NaN"):
+        cli._fit_or_stop(model, x, y=y, batch_size=8, epochs=1, verbose=0, callbacks=[Poison()])
 
 
 def test_train_scatternet_end_to_end(fake_fashion, tmp_path, capsys):
