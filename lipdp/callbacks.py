@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import warnings
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
@@ -133,6 +134,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         self._seen = None  # the ledger when the plan was made or the last step ended
         self._decoded = None  # the last ledger read: (its stored form, its decoded form)
         self._unlogged_plan = None  # the plan's line, until the first epoch begins
+        self._logged_steps = None  # the steps the last epoch's epsilon counts
 
     # ------------------------------------------------------------------ helpers
     def _ledger(self, state=None):
@@ -160,6 +162,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
                 "is the Poisson-subsampling epsilon, not a proven guarantee for this pipeline."
             )
         self._planned_with = None
+        self._logged_steps = None
         if self.epsilon_budget is not None:
             # Logged at the first epoch: a resumed run printed "0 already taken" before its
             # BackupAndRestore, listed after this callback, restored the steps taken.
@@ -281,12 +284,31 @@ class DP_Accountant(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         steps, epsilon, delta = self._ledger()
+        self._logged_steps = steps
         self._write_logs(logs, epsilon, delta)
         budget = "" if self.epsilon_budget is None else f" / budget {self.epsilon_budget:g}"
         self._log(
             f"lipdp: epoch {epoch + 1}: epsilon={epsilon:.4g}{budget}, delta={delta:g} "
             f"after {steps} steps."
         )
+
+    def after_training(self):
+        """Warn, and log epsilon again, when private steps ran after the last epoch's
+        epsilon was written (a callback's ``on_train_end`` calling ``train_on_batch``): the
+        logs and ``History`` end with an epsilon that does not count them (an audit,
+        2026-12-07: 6.528 shown after 8 steps, 7.176 spent by the 11 taken). A DP model's
+        `fit` calls it once every callback's ``on_train_end`` has run."""
+        if self._logged_steps is None:
+            return
+        steps, epsilon, delta = self._ledger()
+        if steps > self._logged_steps:
+            message = (f"{steps - self._logged_steps} private step(s) ran after the last "
+                       f"epoch's epsilon was written (from a callback's on_train_end), which "
+                       f"does not count them: after {steps} steps epsilon={epsilon:.4g}, "
+                       f"delta={delta:g}.")
+            warnings.warn(message, stacklevel=2)
+            self._log("lipdp: " + message)
+            self._logged_steps = steps
 
     def get_config(self) -> dict:
         return {

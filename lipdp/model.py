@@ -2859,7 +2859,9 @@ class _NoteLedger(tf.keras.callbacks.Callback):
     run's layers at a step's end), then the `accountants`' budgets checked again: a
     callback listed after a `DP_Accountant` that set another run's weights before a step
     (its ledger composed with the model's) had that step run past the budget; and enforced
-    (`DP_Accountant.check_next_call`: the call raises instead of running past it)."""
+    (`DP_Accountant.check_next_call`: the call raises instead of running past it). At
+    the end, after the other callbacks, the accountants log the steps their last epoch's
+    epsilon missed (`DP_Accountant.after_training`)."""
 
     def __init__(self, accountants=()):
         super().__init__()
@@ -2889,6 +2891,8 @@ class _NoteLedger(tf.keras.callbacks.Callback):
         self.model._keep_high_water()
         self.model._note_ledger()
         self.model._check_updates_recorded(self._baseline, "In this fit")
+        for accountant in self._accountants:
+            accountant.after_training()  # steps taken from the callbacks' on_train_end
 
 
 class _StartSampler(tf.keras.callbacks.Callback):

@@ -1321,3 +1321,33 @@ def test_a_reloaded_model_given_weights_of_its_own_run_counts_the_run_once(tmp_p
         reloaded.load_weights(str(tmp_path / "best.h5"))
     assert not [w for w in caught if "did not hand out" in str(w.message)]
     assert reloaded.dp_steps_taken == 8
+
+
+@pytest.mark.parametrize("first", ["accountant", "trainer"])
+def test_steps_taken_at_the_end_of_training_are_logged_with_their_epsilon(first):
+    """A callback's ``on_train_end`` calling ``train_on_batch`` took 3 steps after the last
+    epoch's epsilon was written: the logs and History ended at 6.528 after 8 steps, while 11
+    steps had spent 7.176 (an audit, 2026-12-07). The accountant now warns and logs again,
+    whatever the callbacks' order."""
+    x, y = _data(9)
+    model, lines = _model(), []
+
+    class Trainer(tf.keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            for _ in range(3):
+                self.model.train_on_batch(x[:16], y[:16])
+
+    accountant = lipdp.DP_Accountant(log_fn=lines.append)
+    callbacks = [accountant, Trainer()] if first == "accountant" else [Trainer(), accountant]
+    with pytest.warns(UserWarning, match=r"3 private step\(s\) ran after the last epoch's "
+                                         r"epsilon was written"):
+        history = model.fit(x, y, epochs=2, verbose=0, callbacks=callbacks)
+    spent = accounting.epsilon_spent(model)
+    assert model.dp_steps_taken == 11
+    assert history.history["epsilon"][-1] < spent
+    assert lines[-1].endswith(f"after 11 steps epsilon={spent:.4g}, delta=1e-05."), lines
+    with warnings.catch_warnings(record=True) as caught:  # a fit without such steps: silent
+        warnings.simplefilter("always")
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[accountant])
+    assert not [w for w in caught if "ran after the last epoch" in str(w.message)]
+    assert "after 15 steps." in lines[-1], lines
