@@ -235,6 +235,20 @@ def test_embedding_and_rank3_dense_ghost_norms_and_visible_fallback(method):
     _assert_norms(model, CCE, *_ids(6), method=method)
 
 
+def test_a_conv2d_on_inputs_with_two_batch_dimensions_falls_back():
+    """Keras folds a (B, T, H, W, C) input's leading dimensions into the batch; the
+    convolution rule takes (B, H, W, C): every step failed in both ghost engines (an audit,
+    2026-12-07). The layer now takes the exact per-example gradients."""
+    tf.keras.utils.set_random_seed(6)
+    inputs = L.Input((2, 6, 6, 2))
+    h = L.Conv2D(3, 3, strides=2, padding="same", name="conv_5d")(inputs)
+    model = tf.keras.Model(inputs, L.Dense(3)(L.Flatten()(h)))
+    plan = ghost_plan(model)
+    assert [(name, reason) for name, reason in plan.fallback] == [
+        ("conv_5d", "inputs of rank 5 (the rule takes (B, H, W, C))")]
+    _assert_norms(model, CCE, *_data(4, shape=(2, 6, 6, 2), k=3))
+
+
 @METHODS
 def test_chunked_computation_gives_the_same_norms(monkeypatch, method):
     """Chunks of 2 examples or fewer (with a zero-padded last chunk) change nothing."""

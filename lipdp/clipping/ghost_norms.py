@@ -309,6 +309,11 @@ def _bilinear_terms(positions, in_features: int, out_features: int) -> tf.Tensor
 
 # --------------------------------------------------------------------------- Conv2D
 def _conv_unsupported(layer) -> Optional[str]:
+    built = getattr(layer, "_build_input_shape", None)
+    if built is not None and len(tf.TensorShape(built)) != 4:
+        # Keras folds extra leading dimensions into the batch (an audit, 2026-12-07: every
+        # step of a Conv2D on (B, T, H, W, C) inputs failed in both ghost engines).
+        return f"inputs of rank {len(tf.TensorShape(built))} (the rule takes (B, H, W, C))"
     if layer.data_format != "channels_last":
         return f"data_format={layer.data_format!r}"
     if tuple(layer.dilation_rate) != (1, 1):
