@@ -249,6 +249,24 @@ def test_a_conv2d_on_inputs_with_two_batch_dimensions_falls_back():
     _assert_norms(model, CCE, *_data(4, shape=(2, 6, 6, 2), k=3))
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_an_activation_reading_its_layer_s_kernel_gets_exact_norms(traced):
+    """The activation runs outside the ghost layer's call (the rule needs the
+    pre-activation), so its read of the kernel is a read outside the layer: exact gradients.
+    Eagerly, that read was looked for in a pass traced without the wrapper and passed as the
+    layer's own, and the ghost norm missed the activation's part (an audit, 2026-12-07)."""
+    tf.keras.utils.set_random_seed(7)
+    inputs, dense = L.Input((4,)), L.Dense(3, name="self_reading")
+    dense.activation = lambda z: z + 0.5 * tf.reduce_sum(dense.kernel)
+    model = tf.keras.Model(inputs, L.Dense(3)(dense(inputs)))
+    x, y = _data(6, shape=(4,), k=3, seed=2)
+    fn, engine = per_example_loss(CCE), _quiet_engine(model)
+    norms = engine.per_example_squared_norms
+    with pytest.warns(GhostFallbackWarning, match="self_reading/kernel"):
+        ghost = (tf.function(norms) if traced else norms)(model, fn, x, y)
+    assert_bounds([n.numpy() for n in ghost], exact_squared_norms(model, CCE, x, y))
+
+
 @METHODS
 def test_chunked_computation_gives_the_same_norms(monkeypatch, method):
     """Chunks of 2 examples or fewer (with a zero-padded last chunk) change nothing."""

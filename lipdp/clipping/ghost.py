@@ -466,10 +466,19 @@ class GhostEngine:
 
     def _eager_reads_outside(self, model, loss_fn, x, y):
         """`reads_outside_owners` of the forward pass, for a pass run eagerly: traced once
-        in a scratch graph (the reads do not change between calls)."""
+        in a scratch graph (the reads do not change between calls), with the layers wrapped
+        as `_norms` wraps them. Traced unwrapped, a ghost layer's activation ran inside its
+        call, so its reads of the layer's variables passed as the layer's own: the eager
+        step dropped their part of the gradient (an audit, 2026-12-07: an activation adding
+        the kernel's sum, a kernel gradient 15% off; traced steps were right)."""
+        plan = self.plan
+
+        def forward():
+            with kernels.separate_layers(), _recording(plan.ghost, plan.fallback_layers):
+                return loss_fn(y, model(x, training=True))
+
         if self._eager_reads is None:
-            self._eager_reads = traced_reads_outside_owners(
-                model, lambda: loss_fn(y, model(x, training=True)))
+            self._eager_reads = traced_reads_outside_owners(model, forward)
         return self._eager_reads
 
     def per_example_squared_norms(self, model, loss_fn: Callable, x, y) -> List[tf.Tensor]:
