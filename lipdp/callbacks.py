@@ -88,7 +88,9 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     segment of the model's privacy ledger, see `lipdp.accounting.epsilon_spent`:
     steps of earlier `fit` calls count with the mechanism they ran) and
     ``logs["delta"]``, so both appear in ``History.history`` and in Keras'
-    progress bar, and logs a one-line summary.
+    progress bar, and logs a one-line summary. Private steps taken after the last epoch
+    (a callback's ``on_train_end`` calling ``train_on_batch``) make it warn and log
+    epsilon again once training ended (`after_training`).
 
     With ``epsilon_budget``: at the start of training it computes the largest
     total number of steps ``max_steps`` such that the ledger followed by more
