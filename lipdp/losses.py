@@ -41,8 +41,33 @@ from lipdp.layers.base import check_at_least, check_positive, check_zero_or_posi
 class DP_Loss:
     """Mixin: a Keras loss with a Lipschitz constant w.r.t. the logits."""
 
+    #: The fewest logits a model needs for the loss to depend on its labels: a loss over
+    #: classes (softmax, one-vs-all, arg-max labels) is constant in them with one logit
+    #: (`check_outputs`).
+    min_outputs = 1
+
     def lipschitz(self, nb_outputs: int) -> float:
         raise NotImplementedError
+
+
+def check_outputs(loss, nb_outputs: int) -> None:
+    """Refuse a lipdp loss over classes on a model of one output: its value, or its gradient,
+    does not depend on the label there (the softmax of one logit is 1, a one-vs-all loss has
+    no other class, every label maps to class 0), so every step would train on noise alone
+    (an audit, 2026-12-07: a one-output model with `DP_TauCategoricalCrossentropy` and 0/1
+    labels trained with loss 0).
+
+    Raises:
+        ValueError: `nb_outputs` below ``loss.min_outputs``.
+    """
+    minimum = getattr(loss, "min_outputs", 1)
+    if nb_outputs < minimum:
+        raise ValueError(
+            f"{type(loss).__name__} is a loss over classes: with {nb_outputs} output its "
+            "gradient does not depend on the labels, so training would follow the noise alone. "
+            "Give the model one output per class (2 for a binary task), or keep one output "
+            "with a binary loss (DP_TauBCE, or DP_MulticlassKR, which takes one output as "
+            "binary KR).")
 
 
 #: The largest ``|logit|`` a loss computes with (``|tau logit|`` for the losses with a
@@ -189,6 +214,7 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     softmax to NaN, or the loss itself (a logit difference) overflowed.
     """
 
+    min_outputs = 2  # `check_outputs`
     takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
 
     def __init__(self, tau=1.0, margin=0.0, reduction=Reduction.AUTO,
@@ -246,6 +272,7 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
     (`LOGIT_CAP`).
     """
 
+    min_outputs = 2  # `check_outputs`
     takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
 
     def __init__(self, min_margin=1.0, reduction=Reduction.AUTO, name="DP_MulticlassHinge"):
@@ -321,6 +348,7 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
     ``+-2^100`` (`LOGIT_CAP`).
     """
 
+    min_outputs = 2  # `check_outputs`
     takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
 
     def __init__(self, alpha=10.0, min_margin=1.0, reduction=Reduction.AUTO,
@@ -364,6 +392,7 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
             gradients.
     """
 
+    min_outputs = 2  # `check_outputs`
     takes_class_indices = True  # `class_labels`: checked before training (lipdp.records)
     MIN_K = 1e-6
 

@@ -67,7 +67,7 @@ from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_boun
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, StepMechanism,
                           concatenated, continues, includes, run_row, stored_rows)
 from lipdp.legacy_files import hdf5_with_draw_mark
-from lipdp.losses import DP_Loss
+from lipdp.losses import DP_Loss, check_outputs
 from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy, Sampling
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
 from lipdp.operator_norms import host_work
@@ -1581,6 +1581,7 @@ class _DPModelMixin:
             if nb_outputs != metadata.nb_classes:
                 raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata "
                                  f"declares nb_classes={metadata.nb_classes}.")
+            check_outputs(loss, nb_outputs)
             if metadata.augmentation_multiplicity > 1:
                 raise ValueError(
                     "Augmentation multiplicity is supported in clipless mode only: classic "
@@ -1613,6 +1614,7 @@ class _DPModelMixin:
         if nb_outputs != metadata.nb_classes:
             raise ValueError(f"The model has {nb_outputs} outputs but dataset_metadata declares "
                              f"nb_classes={self.dataset_metadata.nb_classes}.")
+        check_outputs(loss, nb_outputs)
         check_float32(leaf_layers(self))
         check_float32_inputs(self)
         self._state_guard = self._guard(*self._check_user_layers_per_example())

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import lipdp
+from lipdp import losses
 from lipdp.layers import DP_BoundedInput, DP_GroupSort, DP_QuickSpectralDense
 from lipdp.losses import DP_MulticlassHKR, DP_TauCategoricalCrossentropy
 
@@ -209,6 +210,30 @@ def test_a_model_for_other_examples_than_the_metadata_s_is_refused_at_compile(mo
     with pytest.raises(ValueError, match=r"The model takes inputs of shape \(6,\) but "
                                          r"dataset_metadata declares input_shape=\(8,\)"):
         model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+
+
+@pytest.mark.parametrize("mode", ["clipless", "clipped"])
+@pytest.mark.parametrize("loss", [
+    DP_TauCategoricalCrossentropy(1.0), losses.DP_MulticlassHinge(), DP_MulticlassHKR(),
+    losses.DP_KCosineSimilarity()], ids=lambda loss: type(loss).__name__)
+def test_a_loss_over_classes_on_one_output_is_refused_at_compile(mode, loss):
+    """With one logit these losses (or their gradients) do not depend on the label: a
+    one-output model with the cross-entropy and 0/1 labels trained on noise alone, loss 0
+    (a usability audit). Binary losses keep one output."""
+    metadata = lipdp.DatasetMetadata((DIM,), 1, N, 8, BATCH, 1.0, "shuffle")
+    parameters = lipdp.DPParameters(1.0, 1e-5) if mode == "clipless" else \
+        lipdp.DPParameters(1.0, 1e-5, mode="clipped", l2_norm_clip=1.0)
+
+    def one_output():
+        return lipdp.DP_Sequential([DP_BoundedInput(1.0, input_shape=(DIM,)),
+                                    DP_QuickSpectralDense(1)],
+                                   dp_parameters=parameters, dataset_metadata=metadata)
+
+    with pytest.raises(ValueError, match=f"{type(loss).__name__} is a loss over classes: with 1 "
+                                         "output its gradient does not depend on the labels"):
+        one_output().compile(loss=loss, optimizer="sgd")
+    for binary in (losses.DP_TauBCE(1.0), losses.DP_MulticlassKR()):
+        one_output().compile(loss=binary, optimizer="sgd")
 
 
 def test_no_noise_warns_at_compile_from_the_user_s_line():
