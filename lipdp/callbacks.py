@@ -154,6 +154,12 @@ class DP_Accountant(tf.keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self, logs=None):
+        if not hasattr(self.model, "privacy_ledger"):
+            raise TypeError(
+                f"DP_Accountant accounts a lipdp DP model's private steps, and this "
+                f"{type(self.model).__name__} takes none: its fit is plain, non-private "
+                "training. (tf.keras.models.clone_model of a DP_Sequential returns Keras' "
+                "Sequential: clone with DP_Sequential.from_config(model.get_config()).)")
         self._stopped_for_budget = False
         self.max_steps = None
         self._lookahead = _steps_per_execution(self.model)

@@ -1412,7 +1412,7 @@ class _DPModelMixin:
 
     # ----------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
-                private_logs_only=False, bjorck_every=1, **kwargs):
+                private_logs_only=None, bjorck_every=None, **kwargs):
         """Keras `compile`, fixing the private mechanism of the train step.
 
         The noise multiplier, strategy, denominator, sampling and the trainable
@@ -1436,6 +1436,10 @@ class _DPModelMixin:
             Other arguments: as for `tf.keras.Model.compile`; ``loss`` must be a DP
                 loss (`lipdp.losses`) in clipless mode.
 
+        Unless given, ``private_logs_only`` and ``bjorck_every`` are False and 1, or, at
+        the first `compile` of a model made from a config (a saved file of any format,
+        `clone_model`), the values the model was compiled with when its config was taken.
+
         Raises:
             ValueError: a subclass (or the model object) replaces a method of the private
                 step (`train_step`, `per_example_step_loss`, ...: `_PRIVATE_STEP_METHODS`),
@@ -1443,6 +1447,11 @@ class _DPModelMixin:
                 `_PRIVATE_STEP_READS`); also checked before every `fit` and `train_on_batch`.
         """
         _refuse_replaced_step_methods(self)
+        saved = self.__dict__.get("_loaded_compile_settings") or {}
+        if private_logs_only is None:
+            private_logs_only = saved.get("private_logs_only", False)
+        if bjorck_every is None:
+            bjorck_every = saved.get("bjorck_every", 1)
         if not isinstance(private_logs_only, bool):
             raise TypeError("`private_logs_only` must be a bool. "
                             f"Received: private_logs_only={private_logs_only!r}")
@@ -1470,6 +1479,7 @@ class _DPModelMixin:
                              "built? give its first layer an input shape or an Input).")
         self._private_logs_only = private_logs_only
         self._bjorck_every = bjorck_every
+        object.__setattr__(self, "_loaded_compile_settings", None)  # its first compile done
         self._compiled_state = (self.dp_parameters, self.dataset_metadata,
                                 [v.ref() for v in self.trainable_variables],
                                 _configuration(self))
@@ -2648,15 +2658,30 @@ class _DPModelMixin:
     # ------------------------------------------------------------ serialization
     def _dp_config(self):
         metadata = self.dataset_metadata
-        return {"dp_parameters": self.dp_parameters.get_config(),
-                "dataset_metadata": None if metadata is None else metadata.get_config()}
+        config = {"dp_parameters": self.dp_parameters.get_config(),
+                  "dataset_metadata": None if metadata is None else metadata.get_config()}
+        if getattr(self, "_compiled_state", None) is not None:
+            # Keras' HDF5 and SavedModel files compile a loaded model from the loss,
+            # optimizer and metrics alone: a model compiled with private_logs_only=True came
+            # back logging training-set losses (an audit, 2026-12-07). Its config carries
+            # lipdp's own compile arguments to its first compile (`_loaded_compile_settings`).
+            config["compile_settings"] = {"private_logs_only": self._private_logs_only,
+                                          "bjorck_every": self._bjorck_every}
+        return config
 
-    @staticmethod
-    def _pop_dp_config(config):
+    @classmethod
+    def _from_dp_config(cls, config, build):
+        """The model of `config` (`get_config`'s), its DP arguments given to
+        ``build(config_left, dp_parameters, metadata)``, its compile settings kept for its
+        first `compile`, its weights noted as a saved model's (they are loaded next)."""
         config = dict(config)
         metadata = config.pop("dataset_metadata", None)
-        return (config, DPParameters.from_config(config.pop("dp_parameters")),
-                None if metadata is None else DatasetMetadata.from_config(metadata))
+        settings = config.pop("compile_settings", None)
+        model = build(config, DPParameters.from_config(config.pop("dp_parameters")),
+                      None if metadata is None else DatasetMetadata.from_config(metadata))
+        object.__setattr__(model, "_loaded_compile_settings", dict(settings or {}))
+        note_loaded(model)
+        return model
 
 
 def _input_shape(x) -> Optional[tf.TensorShape]:
@@ -2982,13 +3007,13 @@ class DP_Sequential(_DPModelMixin, tf.keras.Sequential):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config, dp_parameters, metadata = cls._pop_dp_config(config)
-        layers = [tf.keras.layers.deserialize(layer, custom_objects=custom_objects)
-                  for layer in config["layers"]]
-        model = cls(layers=layers, dp_parameters=dp_parameters, dataset_metadata=metadata,
-                    name=config.get("name"))
-        note_loaded(model)  # its weights are loaded next (a saved model's)
-        return model
+        def build(config, dp_parameters, metadata):
+            layers = [tf.keras.layers.deserialize(layer, custom_objects=custom_objects)
+                      for layer in config["layers"]]
+            return cls(layers=layers, dp_parameters=dp_parameters, dataset_metadata=metadata,
+                       name=config.get("name"))
+
+        return cls._from_dp_config(config, build)
 
 
 @tf.keras.utils.register_keras_serializable("lipdp")
@@ -3019,12 +3044,12 @@ class DP_Model(_DPModelMixin, tf.keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config, dp_parameters, metadata = cls._pop_dp_config(config)
-        functional = tf.keras.Model.from_config(config, custom_objects=custom_objects)
-        model = cls(functional.inputs, functional.outputs, dp_parameters=dp_parameters,
-                    dataset_metadata=metadata, name=functional.name)
-        note_loaded(model)  # its weights are loaded next (a saved model's)
-        return model
+        def build(config, dp_parameters, metadata):
+            functional = tf.keras.Model.from_config(config, custom_objects=custom_objects)
+            return cls(functional.inputs, functional.outputs, dp_parameters=dp_parameters,
+                       dataset_metadata=metadata, name=functional.name)
+
+        return cls._from_dp_config(config, build)
 
 
 # --------------------------------------------------------------------------- #

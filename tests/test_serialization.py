@@ -27,7 +27,7 @@ CASES = {
     "DP_BoundedInput": ([], lambda: dp.DP_BoundedInput(1.5), []),
     "DP_ClipGradient": ([], lambda: dp.DP_ClipGradient(0.3), []),
     "DP_Flatten": ([], lambda: dp.DP_Flatten(), []),
-    "DP_GlobalL2NormPooling2D": ([], lambda: dp.DP_GlobalL2NormPooling2D(), []),
+    "DP_GlobalL2NormPooling2D": ([], lambda: dp.DP_GlobalL2NormPooling2D(eps_grad_sqrt=1e-3), []),
     "DP_GroupSort": ([], lambda: dp.DP_GroupSort(2), []),
     "DP_LayerCentering": ([], lambda: dp.DP_LayerCentering((1, 2)), []),
     "DP_MaxPool2D": ([], lambda: dp.DP_MaxPool2D(3, strides=2, padding="same"), []),
@@ -40,7 +40,8 @@ CASES = {
         5, maxiter_spectral=3), []),
     "DP_ReLU": ([], lambda: dp.DP_ReLU(), []),
     "DP_Reshape": ([], lambda: dp.DP_Reshape((36, 2)), []),
-    "DP_ScaledL2NormPooling2D": ([], lambda: dp.DP_ScaledL2NormPooling2D(2), []),
+    "DP_ScaledL2NormPooling2D": ([], lambda: dp.DP_ScaledL2NormPooling2D(2, eps_grad_sqrt=1e-3),
+                                 []),
     "DP_Scattering": ([], lambda: dp.DP_Scattering(J=1, angles=4, order_weights=(1.0, 2.0, 3.0)),
                       []),
     "DP_MultiscaleScattering": ([], lambda: dp.DP_MultiscaleScattering(  # 6 x 6: J = 1 only
@@ -80,6 +81,12 @@ def _model(name):
     return model, layer
 
 
+def _settings(layer) -> dict:
+    """A layer's public attributes of plain values (numbers, strings, tuples of them)."""
+    return {key: value for key, value in vars(layer).items()
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str, tuple))}
+
+
 @pytest.mark.parametrize("name", EXPORTED)
 def test_layer_serialization_contract(name, tmp_path):
     model, layer = _model(name)
@@ -109,6 +116,8 @@ def test_layer_serialization_contract(name, tmp_path):
     np.testing.assert_array_equal(model(x).numpy(), loaded(x).numpy())
     assert_same_gradient_bounds(gradient_bounds(loaded), gradient_bounds(model))
     assert float(lipschitz_bound(loaded)) == float(lipschitz_bound(model))
+    for a, b in zip(model.layers, loaded.layers):  # what get_config leaves out comes back
+        assert _settings(b) == _settings(a), a.name  # at its default (eps_grad_sqrt did)
     assert type(loaded.dp_loss) is DP_TauCategoricalCrossentropy
     assert (float(loaded.dp_loss.tau.numpy()), loaded.dp_loss.margin) == (4.0, 0.1)
 
@@ -173,3 +182,50 @@ def test_groupsort2_saved_before_the_pairing_argument_loads_with_its_adjacent_pa
                 if isinstance(layer, dp.DP_GroupSort)] == ["interleaved", "interleaved"]
         np.testing.assert_array_equal(loaded(x).numpy(), model(x).numpy())
     assert dp.DP_GroupSort(2).pairing == "halves"
+
+
+@pytest.mark.parametrize("form", [".keras", ".h5", "SavedModel", "clone_model"])
+def test_a_loaded_model_keeps_lipdp_s_compile_arguments(tmp_path, form):
+    """Keras' HDF5 and SavedModel files compile a loaded model from its loss, optimizer and
+    metrics alone: one compiled with ``private_logs_only=True`` came back logging training
+    losses, and ``bjorck_every=4`` came back as 1 (an audit, 2026-12-07). They travel in
+    the model's config to its first compile (a later compile takes the defaults again)."""
+    inputs = tf.keras.Input(SHAPE)  # functional: clone_model of a DP_Sequential is Keras'
+    h = dp.DP_Flatten()(dp.DP_BoundedInput(4.0)(inputs))  # Sequential (README, sharp edges)
+    model = lipdp.DP_Model(inputs, dp.DP_QuickSpectralDense(3)(h),
+                           dp_parameters=lipdp.DPParameters(1.0),
+                           dataset_metadata=lipdp.DatasetMetadata(SHAPE, 3, 32, 8, 8, 4.0,
+                                                                  "shuffle"))
+    model.compile(loss=DP_TauCategoricalCrossentropy(4.0), optimizer="sgd",
+                  private_logs_only=True, bjorck_every=4)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(32,) + SHAPE).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, 32)]
+    assert model.fit(x, y, batch_size=8, epochs=1, verbose=0).history == {}
+    if form == "clone_model":
+        loaded = tf.keras.models.clone_model(model)
+        loaded.compile(loss=DP_TauCategoricalCrossentropy(4.0), optimizer="sgd")
+    else:
+        path = str(tmp_path / ("model" + (form if form.startswith(".") else "")))
+        model.save(path)
+        loaded = lipdp.load_model(path)
+    assert (loaded._private_logs_only, loaded._bjorck_every) == (True, 4)
+    assert loaded.fit(x, y, batch_size=8, epochs=1, verbose=0).history == {}
+    loaded.compile(loss=DP_TauCategoricalCrossentropy(4.0), optimizer="sgd")
+    assert (loaded._private_logs_only, loaded._bjorck_every) == (False, 1)
+
+
+def test_keras_clone_of_a_dp_sequential_is_plain_and_the_accountant_says_so():
+    """Keras' clone_model builds a plain Sequential of a Sequential subclass's layers: its
+    fit is non-private. DP_Accountant raised AttributeError on it (an audit, 2026-12-07)."""
+    model, _ = _model("DP_ReLU")
+    clone = tf.keras.models.clone_model(model)
+    assert type(clone) is tf.keras.Sequential
+    clone.compile(loss=DP_TauCategoricalCrossentropy(4.0), optimizer="sgd")
+    x = np.zeros((8,) + SHAPE, "float32")
+    with pytest.raises(TypeError, match="DP_Accountant accounts a lipdp DP model's private "
+                                        "steps, and this Sequential takes none"):
+        clone.fit(x, np.eye(3, dtype="float32")[np.arange(8) % 3], verbose=0,
+                  callbacks=[lipdp.DP_Accountant()])
+    same = lipdp.DP_Sequential.from_config(model.get_config())
+    assert type(same) is lipdp.DP_Sequential and same.dp_parameters == model.dp_parameters

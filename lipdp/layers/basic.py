@@ -339,6 +339,11 @@ class DP_ScaledL2NormPooling2D(ScaledL2NormPooling2D, DPLayer):
         k = float(self.k_coef_lip)
         return block_norm_error(area, area, k, k * input_bound)
 
+    def get_config(self):
+        # deel-lip's leaves eps_grad_sqrt out: a saved or cloned layer came back at 1e-6
+        # (an audit, 2026-12-07: the same weights then took gradients 1.66x larger).
+        return {**super().get_config(), "eps_grad_sqrt": float(self.eps_grad_sqrt)}
+
 
 def _fused_group_sort_input(x):
     """``(z, interleaved)`` when the symbolic tensor `x` is GroupSort2 of ``z`` computed by

@@ -57,6 +57,11 @@ class DP_GlobalL2NormPooling2D(ScaledGlobalL2NormPooling2D, DPLayer):
         k = float(self.k_coef_lip)
         return block_norm_error(self._block_size, 1, k, k * input_bound)
 
+    def get_config(self):
+        # deel-lip's leaves eps_grad_sqrt out: a saved or cloned layer came back at 1e-6
+        # (an audit, 2026-12-07: the same weights then took gradients 1.66x larger).
+        return {**super().get_config(), "eps_grad_sqrt": float(self.eps_grad_sqrt)}
+
 
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_MaxPool2D(tf.keras.layers.MaxPooling2D, DPLayer):
