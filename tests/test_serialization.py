@@ -229,3 +229,16 @@ def test_keras_clone_of_a_dp_sequential_is_plain_and_the_accountant_says_so():
                   callbacks=[lipdp.DP_Accountant()])
     same = lipdp.DP_Sequential.from_config(model.get_config())
     assert type(same) is lipdp.DP_Sequential and same.dp_parameters == model.dp_parameters
+
+
+def test_a_model_saved_as_a_saved_model_keeps_its_bounds(tmp_path):
+    """Keras' SavedModel saving leaves each layer's own ``call``, bound, set on the layer:
+    the bounds of the model saved refused it as a patched call (an audit, 2026-12-07)."""
+    model, _ = _model("DP_ClipGradient")
+    before = gradient_bounds(model)
+    model.save(str(tmp_path / "saved"))
+    assert_same_gradient_bounds(gradient_bounds(model), before)
+    layer = model.layers[1]
+    layer.call = lambda inputs: 100.0 * inputs  # a patch is still one
+    with pytest.raises(ValueError, match="has its `call` replaced on the instance"):
+        gradient_bounds(model)

@@ -484,8 +484,18 @@ def replaced_call(obj) -> Optional[str]:
     """``'call'`` or ``'__call__'`` when `obj` has one set on the instance (patched), else
     None: a patched call computes what no bound method describes (an audit scaled a
     model's, a layer's and a loss's outputs by 100 this way, each trained at 100x the
-    bound)."""
-    return next((name for name in ("call", "__call__") if name in vars(obj)), None)
+    bound). The class's own method bound to `obj` is not a patch: Keras' SavedModel saving
+    leaves each layer's ``call`` set so, and the saved model's bounds were refused (an
+    audit, 2026-12-07)."""
+    for name in ("call", "__call__"):
+        value = vars(obj).get(name)
+        if value is None:
+            continue
+        if getattr(value, "__self__", None) is obj and \
+                getattr(value, "__func__", None) is getattr(type(obj), name, None):
+            continue
+        return name
+    return None
 
 
 def changed_keys(before: str, after: str) -> List[str]:
