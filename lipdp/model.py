@@ -2240,6 +2240,7 @@ class _DPModelMixin:
                     "batches (a proven one for lipdp.data.load_dataset's Poisson sampling). "
                     "Leave shuffle=True.")
             batch_size = self._check_arrays(x, y, batch_size)
+            self._check_array_epochs(kwargs.get("steps_per_epoch"))
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
                 self._warn_on_repeated_records(records_in_arrays(x, y), "The training arrays")
@@ -2437,6 +2438,22 @@ class _DPModelMixin:
                 self._warn_on_repeated_records(count, f"Epoch {epoch + 1} of {source}",
                                                stacklevel=5)
                 return
+
+    def _check_array_epochs(self, steps_per_epoch):
+        """Shuffled batches of arrays: ``steps_per_epoch`` one pass over them, or none. Another
+        count trained its steps and was refused at the epoch's end (`_EpochSizeCheck`: an
+        epoch must see the declared examples), after steps that a check here would have
+        spared (a usability audit, 2026-12-07)."""
+        md = self.dataset_metadata
+        passes = {md.steps_per_epoch, md.nb_samples_train // md.batch_size}
+        if steps_per_epoch is not None and md.sampling == Sampling.SHUFFLE and \
+                steps_per_epoch not in passes:
+            raise ValueError(
+                f"steps_per_epoch={steps_per_epoch} on arrays of nb_samples_train="
+                f"{md.nb_samples_train} examples in batches of {md.batch_size}: one pass over "
+                f"them is {md.steps_per_epoch} steps, and with shuffled batches the accountant "
+                "counts every example once an epoch. Leave steps_per_epoch out (one pass an "
+                "epoch), or give more epochs.")
 
     def _check_dataset(self, dataset, steps_per_epoch):
         md = self.dataset_metadata

@@ -1249,6 +1249,24 @@ def test_a_steps_per_epoch_that_is_not_a_count_is_refused(steps):
     assert model.dp_steps_taken == 0
 
 
+@pytest.mark.parametrize("steps", [2, 5, 9])
+def test_arrays_refuse_a_steps_per_epoch_other_than_one_pass_before_any_step(steps):
+    """With shuffled batches of arrays an epoch must see every declared example: 2 steps of
+    a 4-step epoch trained, then were refused at the epoch's end (a usability audit,
+    2026-12-07). One pass (ceil or floor of N / D) trains."""
+    x, y = _arrays(np.random.default_rng(32))
+    model = _model(3, sigma=1.0)
+    model.compile(loss=DP_TauCategoricalCrossentropy(1.0), optimizer="sgd")
+    passes = model.dataset_metadata.steps_per_epoch
+    with pytest.raises(ValueError, match=f"steps_per_epoch={steps} on arrays of "
+                                         f"nb_samples_train={N} examples in batches of {BATCH}: "
+                                         f"one pass over them is {passes} steps"):
+        model.fit(x, y, batch_size=BATCH, steps_per_epoch=steps, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+    model.fit(x, y, batch_size=BATCH, steps_per_epoch=passes, epochs=1, verbose=0)
+    assert model.dp_steps_taken == passes
+
+
 def test_a_shuffled_load_dataset_pipeline_refuses_epochs_other_than_its_pass():
     """A `load_dataset` pipeline of shuffled batches given another ``steps_per_epoch`` than
     its pass was read by Keras as one stream and stopped by the epoch-size check only after
