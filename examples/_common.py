@@ -71,7 +71,8 @@ def run(args, build, name):
     accuracy = model.evaluate(ds_test, verbose=0)[1]
     radii = [0.0, 0.1, 0.25, 0.5]
     certified = lipdp.certify.certified_accuracy(model, ds_test, radii)
-    print(f"\n{name} | (epsilon, delta) = ({epsilon:.3f}, {delta:g}) | "
+    shown = lipdp.accounting.format_epsilon(epsilon)
+    print(f"\n{name} | (epsilon, delta) = ({shown}, {delta:g}) | "
           f"test accuracy {accuracy:.4f} | {model.dp_steps_taken} steps in {elapsed:.0f} s")
     print("certified accuracy: " + ", ".join(f"r={r}: {a:.4f}" for r, a in certified.items()))
     report = lipdp.bounds.tightness(model, ds_test, max_batches=1)

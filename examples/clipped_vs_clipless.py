@@ -66,7 +66,8 @@ def train(mode, args, ds_train, ds_test, metadata):
     _, accuracy = model.evaluate(ds_test, verbose=0)
     epsilon = epsilon_spent(model)
     print(f"[{mode}] {model.dp_steps_taken} steps in {seconds:.0f} s; "
-          f"epsilon = {epsilon:.4f} (delta = {args.delta:g}); test accuracy = {accuracy:.4f}")
+          f"epsilon = {lipdp.accounting.format_epsilon(epsilon)} (delta = {args.delta:g}); "
+          f"test accuracy = {accuracy:.4f}")
     return epsilon, accuracy
 
 
@@ -101,7 +102,7 @@ def main(argv=None):
                for mode in ("clipless", "clipped")}
     print("\nmode      epsilon   test accuracy")
     for mode, (epsilon, accuracy) in results.items():
-        print(f"{mode:9s} {epsilon:7.4f}   {accuracy:.4f}")
+        print(f"{mode:9s} {lipdp.accounting.format_epsilon(epsilon):>7s}   {accuracy:.4f}")
     assert results["clipless"][0] == results["clipped"][0], "same mechanism, same epsilon"
 
 

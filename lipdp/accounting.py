@@ -95,6 +95,7 @@ This module is pure Python + numpy + autodp: it never touches tensors.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import math
 import numbers
@@ -119,7 +120,28 @@ __all__ = [
     "get_max_epochs",
     "NoEpochFitsWarning",
     "epsilon_spent",
+    "format_epsilon",
 ]
+
+def format_epsilon(value, digits: int = 4, upward: bool = True) -> str:
+    """`value` to `digits` significant digits, as ``format(value, ".4g")`` writes it, but
+    rounded up (or down with ``upward=False``, for a lower bound) instead of to the nearest:
+    an epsilon printed from the accountant stays an upper bound of the one computed (an
+    audit, 2026-12-07: epsilon=0.4432 printed for 0.443241). Through the decimal expansion
+    of the float, but for a value within 1e-12 of its nearest rounding (the float nearest
+    0.1 lies above 0.1: it is written 0.1, not 0.1001); ``inf``, NaN and 0 as ``format``
+    writes them."""
+    value = float(value)
+    nearest = format(value, f".{digits}g")
+    if not math.isfinite(value) or math.isclose(float(nearest), value, rel_tol=1e-12,
+                                                abs_tol=0.0):
+        return nearest
+    exact = decimal.Decimal(value)
+    step = decimal.Decimal(1).scaleb(exact.adjusted() - digits + 1)
+    rounded = exact.quantize(step, rounding=decimal.ROUND_CEILING if upward
+                             else decimal.ROUND_FLOOR)
+    return format(float(rounded), f".{digits}g")
+
 
 # Integer RDP orders, see the module docstring.
 _BASE_ORDERS = np.concatenate(
@@ -680,7 +702,8 @@ def get_max_epochs(epsilon_max, model, epochs_max: Optional[int] = None) -> int:
         warnings.warn(NoEpochFitsWarning(
             f"not one epoch fits epsilon_max={epsilon_max:g} (delta={delta:g}): one epoch of "
             f"{steps_per_epoch} steps at noise multiplier {sigma:g} and sampling rate {q:g} "
-            f"spends epsilon={one_epoch:.4g}, so the plan is 0 epochs, which train nothing. "
+            f"spends epsilon={format_epsilon(one_epoch)}, so the plan is 0 epochs, which train "
+            "nothing. "
             "Raise epsilon_max or the noise multiplier, or lower the sampling rate."),
             stacklevel=2)
     return epochs if epochs_max is None else min(epochs, epochs_max)

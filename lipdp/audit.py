@@ -78,7 +78,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-from lipdp.accounting import epsilon_spent
+from lipdp.accounting import epsilon_spent, format_epsilon
 from lipdp.clipping.validation import per_example_loss
 from lipdp.evaluation import roc_auc
 from lipdp.state_guard import guarded_call
@@ -604,8 +604,9 @@ class CanaryAuditResult:
 
     def summary(self) -> str:
         accountant = ("no accountant" if self.epsilon_accountant is None
-                      else f"accountant: epsilon = {self.epsilon_accountant:.4g}")
-        return (f"canary audit: epsilon >= {self.epsilon_lower_bound:.4g} at "
+                      else f"accountant: epsilon = {format_epsilon(self.epsilon_accountant)}")
+        lower = format_epsilon(self.epsilon_lower_bound, upward=False)
+        return (f"canary audit: epsilon >= {lower} at "
                 f"{self.confidence:.0%} confidence (delta = {self.delta:g}; "
                 f"{self.nb_correct}/{self.nb_guesses} correct guesses on {self.nb_canaries} "
                 f"canaries, {self.nb_included} included); {accountant}")

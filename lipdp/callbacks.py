@@ -29,6 +29,7 @@ import tensorflow as tf
 from lipdp import accounting
 from lipdp.bounds import tightness, variable_names
 from lipdp.certify import first_examples
+from lipdp.accounting import format_epsilon
 from lipdp.ledger import PrivacyLedger
 from lipdp.metadata import DPMode, Sampling
 
@@ -211,13 +212,14 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         if steps + lookahead > self.max_steps:
             if steps >= self.max_steps and steps > 0:
                 reason = (f"the privacy budget is already spent: the model's ledger holds "
-                          f"{steps} steps (epsilon={epsilon:.4g}) and at most {self.max_steps} "
-                          "steps fit in the budget")
+                          f"{steps} steps (epsilon={format_epsilon(epsilon)}) and at most "
+                          f"{self.max_steps} steps fit in the budget")
             else:
                 one_more = accounting.compose_epsilon(
                     ledger.accounting_terms() + [(sigma, q, lookahead)], delta)
                 reason = (f"{lookahead} more step(s) after the {steps} already taken would "
-                          f"spend epsilon={one_more:.4g} (at most {self.max_steps} steps fit)")
+                          f"spend epsilon={format_epsilon(one_more)} (at most {self.max_steps} "
+                          "steps fit)")
             raise ValueError(
                 f"Cannot train within epsilon_budget={self.epsilon_budget:g} at "
                 f"delta={delta:g}: {reason}. Step noise multiplier={sigma:g}, "
@@ -225,7 +227,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
             )
         self._unlogged_plan = (
             f"lipdp: epsilon_budget={self.epsilon_budget:g} (delta={delta:g}) allows "
-            f"{self.max_steps} steps; {steps} already taken (epsilon={epsilon:.4g})."
+            f"{self.max_steps} steps; {steps} already taken (epsilon={format_epsilon(epsilon)})."
         )
         if not quiet:
             self._log_plan()
@@ -285,7 +287,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
             _, epsilon, delta = self._ledger(self._seen)
             self._write_logs(logs, epsilon, delta)
             self._log(
-                f"lipdp: stopping training after {steps} steps (epsilon={epsilon:.4g}, "
+                f"lipdp: stopping training after {steps} steps (epsilon={format_epsilon(epsilon)}, "
                 f"delta={delta:g}): {lookahead} more step(s) would exceed "
                 f"epsilon_budget={self.epsilon_budget:g}."
             )
@@ -296,7 +298,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         self._write_logs(logs, epsilon, delta)
         budget = "" if self.epsilon_budget is None else f" / budget {self.epsilon_budget:g}"
         self._log(
-            f"lipdp: epoch {epoch + 1}: epsilon={epsilon:.4g}{budget}, delta={delta:g} "
+            f"lipdp: epoch {epoch + 1}: epsilon={format_epsilon(epsilon)}{budget}, delta={delta:g} "
             f"after {steps} steps."
         )
 
@@ -312,8 +314,8 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         if steps > self._logged_steps:
             message = (f"{steps - self._logged_steps} private step(s) ran after the last "
                        f"epoch's epsilon was written (from a callback's on_train_end), which "
-                       f"does not count them: after {steps} steps epsilon={epsilon:.4g}, "
-                       f"delta={delta:g}.")
+                       f"does not count them: after {steps} steps "
+                       f"epsilon={format_epsilon(epsilon)}, delta={delta:g}.")
             warnings.warn(message, stacklevel=2)
             self._log("lipdp: " + message)
             self._logged_steps = steps

@@ -308,7 +308,7 @@ def _fit_or_stop(model, dataset, **kwargs):
 
     def spent():
         return (f"{model.dp_steps_taken} steps taken, epsilon="
-                f"{accounting.epsilon_spent(model):.4g} spent at delta="
+                f"{accounting.format_epsilon(accounting.epsilon_spent(model))} spent at delta="
                 f"{model.dp_parameters.delta:g}")
 
     try:
@@ -389,14 +389,14 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
     source = ("training.epochs" if cfg["training"]["epochs"] is not None
               else f"the most that fit in epsilon_budget={budget:g}")
     print(f"{epochs} epochs ({source}) = {epochs * metadata.steps_per_epoch} steps -> "
-          f"epsilon={eps:.4g} at delta={delta:g}")
+          f"epsilon={accounting.format_epsilon(eps)} at delta={delta:g}")
     if budget is not None:
         sigma = accounting.model_step_noise_multiplier(model)
         max_steps = accounting.max_steps_for_budget(budget, sigma, metadata.sampling_rate, delta)
         if eps > budget:
+            last = accounting.compute_epsilon(sigma, metadata.sampling_rate, max_steps, delta)
             print(f"that exceeds epsilon_budget={budget:g}: the accountant will stop training "
-                  f"after {max_steps} steps (epsilon="
-                  f"{accounting.compute_epsilon(sigma, metadata.sampling_rate, max_steps, delta):.4g})")
+                  f"after {max_steps} steps (epsilon={accounting.format_epsilon(last)})")
         else:
             print(f"the accountant stops training before epsilon exceeds {budget:g}")
 
@@ -436,14 +436,20 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
     print(f"training wall time : {wall:.1f} s ({epochs_run} epochs, {model.dp_steps_taken} steps"
           + ("; the time of the last process that trained: the run was resumed)" if resume
              else ")"))
-    print(f"privacy            : (epsilon={eps_final:.4g}, delta={delta:g})-DP"
+    print(f"privacy            : (epsilon={accounting.format_epsilon(eps_final)}, "
+          f"delta={delta:g})-DP"
           + ("" if budget is None else f"  [budget {budget:g}]"))
     for line in model.privacy_ledger.describe(delta).splitlines()[:-1]:
         print(f"ledger             : {line}")
     print(f"sampler            : {_sampler(metadata)}; {_seed(cfg['dataset']['seed'])}")
     print("accountant         : RDP (autodp), Poisson-subsampled Gaussian, converted to "
           "(epsilon, delta)")
-    print(f"test accuracy      : {accuracy:.4f} (final epoch)")
+    # fit ends a run of bjorck_every > 1 with a Björck refresh after the last epoch's
+    # validation: its val_accuracy (report.json's per_epoch) is not the final weights' (an
+    # audit, 2026-12-07: 0.0787 there, 0.0753 here).
+    final = ("final weights, after fit's closing Björck refresh"
+             if cfg["training"]["bjorck_every"] > 1 else "final epoch")
+    print(f"test accuracy      : {accuracy:.4f} ({final})")
     if certified is None:
         print(f"certified accuracy : none: no certified Lipschitz constant for {unbounded}, so "
               "no radius is certified")
@@ -460,7 +466,7 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
         from lipdp.evaluation import binary_scores, roc_auc
 
         auroc = roc_auc(*binary_scores(network, test_inputs))
-        print(f"test AUROC         : {auroc:.4f} (final epoch)")
+        print(f"test AUROC         : {auroc:.4f} ({final})")
 
     path = cfg["output"]["save_model"]
     if path is not None:
@@ -538,7 +544,9 @@ def _sweep(args) -> int:
             out.write(json.dumps(row) + "\n")
     _section(f"Sweep: {len(rows)} runs, recorded in {args.output}")
     metric = "test_auroc" if rows[0]["test_auroc"] is not None else "test_accuracy"
-    _print_table([[" ".join(r["grid_point"]), f"{r['epsilon']:.4g}", f"{r[metric]:.4f}"]
+    from lipdp.accounting import format_epsilon
+
+    _print_table([[" ".join(r["grid_point"]), format_epsilon(r["epsilon"]), f"{r[metric]:.4f}"]
                   for r in rows], ["grid point", "epsilon", metric])
     values = [r[metric] for r in rows]
     spread = statistics.stdev(values) if len(values) > 1 else 0.0

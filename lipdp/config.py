@@ -798,6 +798,29 @@ def build_front_end(model_cfg: Dict[str, Any], input_bound: float):
     return tf.keras.Sequential(stack)
 
 
+def _check_front_end(front, dataset: str) -> None:
+    """Raise a ConfigError naming the model's fields when the front end refuses the dataset's
+    images (more channel groups than the scattering makes channels), built on them alone: it
+    was reported as the dataset section's, with Keras' dump of the call (an audit,
+    2026-12-07). `build_from_config` asks only once loading failed: the build costs seconds."""
+    import tensorflow as tf
+
+    from lipdp.data import image_shape
+
+    shape = image_shape(dataset)
+    if shape is None:
+        return
+    try:
+        front(tf.keras.Input(shape))
+    except ValueError as e:  # Keras wraps the layer's message between two paragraphs
+        paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip() and not
+                      p.startswith(("Exception encountered", "Call arguments received"))]
+        raise ConfigError(
+            f"The scattering front end (model.scattering_J, model.scattering_angles, "
+            f"model.feature_groups) does not fit {dataset}'s images of shape {shape}: "
+            + " ".join(paragraphs or [str(e)])) from None
+
+
 def _group_normalization(groups):
     import tensorflow as tf
 
@@ -959,7 +982,8 @@ def planned_epochs(cfg: Dict[str, Dict[str, Any]], model) -> int:
             one = accounting.compute_epsilon(sigma, q, 1, delta)
             raise ConfigError(
                 f"privacy.epsilon_budget={budget!r} does not allow a single step: one step "
-                f"spends epsilon={one:.4g} (noise multiplier {sigma:g}, sampling rate {q:g}). "
+                f"spends epsilon={accounting.format_epsilon(one)} (noise multiplier {sigma:g}, "
+                f"sampling rate {q:g}). "
                 "Raise the budget or privacy.noise_multiplier, or lower dataset.batch_size.")
     if epochs is not None:
         return epochs
@@ -1008,6 +1032,8 @@ def build_from_config(cfg: Dict[str, Dict[str, Any]]):
     except DatasetFormatError:
         raise
     except ValueError as e:
+        if front is not None:  # the front end's own refusal names the model's fields
+            _check_front_end(front, d["name"])
         raise ConfigError(f"Invalid dataset section: {e}") from None
     p = cfg["privacy"]
     try:

@@ -802,6 +802,12 @@ _IMAGE_SPECS = {
 _SKLEARN_NAMES = ("digits", "breast_cancer")
 DATASET_NAMES = tuple(_IMAGE_SPECS) + _SKLEARN_NAMES
 
+
+def image_shape(name: str) -> Optional[Tuple[int, ...]]:
+    """``(H, W, C)`` of a named image dataset (`DATASET_NAMES`), None for the others."""
+    spec = _IMAGE_SPECS.get(name)
+    return None if spec is None else spec.image_shape
+
 _IDX_PARTS = (
     ("x_train", "train", "images", 3),
     ("y_train", "train", "labels", 1),

@@ -354,7 +354,7 @@ class PrivacyLedger:
         lines = [f"steps {s.start}-{s.start + s.steps - 1}: {s.mechanism.describe()}"
                  for s in self.segments]
         epsilon = self.epsilon(delta)
-        lines.append(f"composed: epsilon={epsilon:.4g} at delta={delta:g} after {self.steps} "
-                     "steps" if math.isfinite(epsilon) else
+        lines.append(f"composed: epsilon={accounting.format_epsilon(epsilon)} at delta={delta:g} "
+                     f"after {self.steps} steps" if math.isfinite(epsilon) else
                      f"composed: epsilon=inf (a segment without noise) after {self.steps} steps")
         return "\n".join(lines)

@@ -536,3 +536,25 @@ def test_extreme_noise_multipliers_and_step_counts_give_numbers_or_clear_errors(
     assert accounting.joint_noise_multiplier(2.0, 3.0) == pytest.approx((2.0**-2 + 3.0**-2) ** -0.5)
     with pytest.raises(ValueError, match=r"up to 2\*\*62"):
         accounting.compute_epsilon(2.0, 0.01, 10**30, 1e-5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(min_value=1e-300, max_value=1e300), st.integers(1, 6))
+def test_a_printed_epsilon_is_rounded_up_and_a_printed_lower_bound_down(value, digits):
+    """The lines lipdp prints wrote epsilon with ``.4g``, to the nearest: 0.4432 for
+    0.443241 (an audit, 2026-12-07). Rounded up, the text is never below the value (up to
+    1e-12, the float nearest a short decimal: 0.1 is 0.1), and within one unit of its last
+    digit; rounded down, never above."""
+    up, down = (accounting.format_epsilon(value, digits, upward=u) for u in (True, False))
+    unit = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    assert value * (1 - 1e-12) <= float(up) <= value + 1.0001 * unit
+    assert value - 1.0001 * unit <= float(down) <= value * (1 + 1e-12)
+    assert len(up.split("e")[0].replace(".", "").replace("-", "").lstrip("0")) <= digits
+    assert up == format(value, f".{digits}g") or float(format(value, f".{digits}g")) < value
+
+
+def test_epsilon_texts_at_their_edges():
+    assert [accounting.format_epsilon(v) for v in (0.443241, 2.98612, 9.99951, 0.1, 3.0)] == \
+        ["0.4433", "2.987", "10", "0.1", "3"]
+    assert accounting.format_epsilon(0.443249, upward=False) == "0.4432"
+    assert [accounting.format_epsilon(v) for v in (0.0, math.inf, math.nan)] == ["0", "inf", "nan"]

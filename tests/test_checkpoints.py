@@ -146,7 +146,7 @@ def test_backup_and_restore_resumes_with_the_same_steps_and_epsilon(tmp_path):
     plans = [line for line in lines if "already taken" in line]
     taken = _expected_epsilon(resumed, 18)
     assert plans == [f"lipdp: epsilon_budget=3 (delta=1e-05) allows {steps} steps; 18 already "
-                     f"taken (epsilon={taken:.4g})."]
+                     f"taken (epsilon={lipdp.accounting.format_epsilon(taken)})."]
     epsilon = lipdp.accounting.epsilon_spent(resumed)
     assert epsilon == lipdp.accounting.epsilon_spent(uninterrupted)
     assert epsilon == pytest.approx(_expected_epsilon(resumed, steps), rel=1e-9)
@@ -658,7 +658,7 @@ def test_load_model_reports_the_epsilon(trained, tmp_path, caplog):
     epsilon = lipdp.accounting.epsilon_spent(loaded)
     assert epsilon == pytest.approx(_expected_epsilon(model, 12), rel=1e-9)
     assert "trained with 12 private steps" in caplog.text
-    assert f"epsilon={epsilon:.4g}" in caplog.text
+    assert f"epsilon={lipdp.accounting.format_epsilon(epsilon)}" in caplog.text
     assert load_model is lipdp.load_model
 
 

@@ -1345,7 +1345,8 @@ def test_steps_taken_at_the_end_of_training_are_logged_with_their_epsilon(first)
     spent = accounting.epsilon_spent(model)
     assert model.dp_steps_taken == 11
     assert history.history["epsilon"][-1] < spent
-    assert lines[-1].endswith(f"after 11 steps epsilon={spent:.4g}, delta=1e-05."), lines
+    assert lines[-1].endswith(f"after 11 steps epsilon={accounting.format_epsilon(spent)}, "
+                              "delta=1e-05."), lines
     with warnings.catch_warnings(record=True) as caught:  # a fit without such steps: silent
         warnings.simplefilter("always")
         model.fit(x, y, epochs=1, verbose=0, callbacks=[accountant])
