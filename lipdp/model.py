@@ -1548,10 +1548,15 @@ class _DPModelMixin:
             return  # Keras expands a vector of scalars to a column
         if not shape[1:].is_compatible_with(expected):
             what = "training inputs" if call == "fit" else "inputs"
+            # A dataset of single examples: its elements are examples, not batches (the
+            # message named two equal shapes: a usability audit, 2026-12-07).
+            unbatched = isinstance(x, tf.data.Dataset) and shape.is_compatible_with(expected)
             raise ValueError(
                 f"{call} received {what} of shape {tuple(shape.as_list())}: the model "
                 f"takes examples of shape {tuple(expected.as_list())} (inputs of shape "
-                f"(batch,) + {tuple(expected.as_list())}).")
+                f"(batch,) + {tuple(expected.as_list())})."
+                + (" The dataset yields single examples: batch it (dataset.batch(...)), or "
+                   "use lipdp.data.load_dataset." if unbatched else ""))
 
     def _warn_if_no_noise(self):
         """``noise_multiplier=0`` trains without noise: no epsilon holds (the accountant
@@ -2217,7 +2222,19 @@ class _DPModelMixin:
         if class_weight is not None or sample_weight is not None:
             raise ValueError("class_weight / sample_weight are not supported by DP models: they "
                              "rescale per-example gradients beyond their bounds.")
+        if isinstance(x, tf.data.Dataset) and isinstance(x.element_spec, tuple) and \
+                len(x.element_spec) == 3:  # the step refused them when traced, the message
+            # last in a traceback "in user code" (a usability audit, 2026-12-07)
+            raise ValueError("The training dataset yields (inputs, labels, sample weights): "
+                             "sample weights are not supported by DP models, they rescale "
+                             "per-example gradients beyond their bounds. Map the dataset to "
+                             "(inputs, labels) pairs.")
         _check_steps_per_epoch(kwargs.get("steps_per_epoch"), md)
+        for name, value in (("epochs", epochs), ("initial_epoch", kwargs.get("initial_epoch", 0))):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+                    or value < 0:  # 1.5 failed inside Keras' loop, -1 trained nothing silently
+                # (a usability audit, 2026-12-07)
+                raise ValueError(f"{name}={value!r}: give a whole number of epochs, 0 or more.")
         start_sampler = _StartSampler(
             pipeline_sampler(x) if isinstance(x, tf.data.Dataset) else None)
         self._check_workers_agree(x)

@@ -175,6 +175,39 @@ def test_inputs_of_another_shape_than_the_model_s_are_refused_before_training(da
     assert model.dp_steps_taken == 0
 
 
+def test_a_dataset_of_single_examples_is_told_to_batch():
+    """The message named the same shape twice, "(6,)" received and "(6,)" taken (a
+    usability audit, 2026-12-07)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(N, DIM)).astype("float32")
+    y = np.eye(K, dtype="float32")[rng.integers(0, K, N)]
+    with pytest.raises(ValueError, match=r"\+ \(6,\)\)\. The dataset yields single "
+                                         r"examples: batch it"):
+        _model().fit(tf.data.Dataset.from_tensor_slices((x, y)), epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("epochs", [1.5, -1, True, "2"])
+def test_epochs_that_are_not_a_count_are_refused(epochs):
+    """1.5 failed inside Keras' loop (converting it to a tensor), -1 trained nothing, silently
+    (a usability audit, 2026-12-07)."""
+    x = np.zeros((N, DIM), "float32")
+    y = np.eye(K, dtype="float32")[np.arange(N) % K]
+    with pytest.raises(ValueError, match=f"epochs={epochs!r}: give a whole number of epochs"):
+        _model().fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
+
+
+def test_a_dataset_with_sample_weights_is_refused_before_tracing():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(N, DIM)).astype("float32")
+    y = np.eye(K, dtype="float32")[rng.integers(0, K, N)]
+    weighted = tf.data.Dataset.from_tensor_slices((x, y, np.ones(N, "float32"))).batch(BATCH)
+    model = _model()
+    with pytest.raises(ValueError, match=r"^The training dataset yields \(inputs, labels, "
+                                         r"sample weights\)"):
+        model.fit(weighted, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+
+
 @pytest.mark.parametrize("call", ["evaluate", "predict"])
 @pytest.mark.parametrize("data", ["arrays", "dataset"])
 def test_evaluate_and_predict_refuse_inputs_of_another_shape_first(call, data):
