@@ -69,8 +69,9 @@ def _check_dp_layer(layer):
     advice = _REMOVALS.get(name) or \
         f"Use {_REPLACEMENTS.get(name, 'a DP layer from lipdp.layers')} instead."
     raise NonDPLayerError(
-        f"Layer '{layer.name}' ({name}) is not a DP layer: lipdp cannot bound the gradients "
-        f"flowing through it, so noise could not be calibrated. {advice}"
+        f"Layer '{layer.name}' ({name}) is not a DP layer: lipdp has no bound for it, neither "
+        f"for the gradients flowing through it (Clipless noise) nor for its Lipschitz constant "
+        f"(certified radii). {advice}"
     )
 
 

@@ -312,7 +312,7 @@ def test_tightness_matches_an_independent_computation():
 
 @pytest.mark.parametrize("layer,hint", [
     (tf.keras.layers.BatchNormalization(), "DP_LayerCentering"),
-    (tf.keras.layers.Dropout(0.5), r"calibrated\. Remove it: its 1/\(1-rate\) rescaling"),
+    (tf.keras.layers.Dropout(0.5), r"\(certified radii\)\. Remove it: its 1/\(1-rate\) rescaling"),
     (tf.keras.layers.Lambda(lambda t: 2 * t), "no known bound"),
     (tf.keras.layers.LayerNormalization(), "DP_LayerCentering"),
 ])

@@ -302,7 +302,8 @@ def test_clean_accuracy_of_a_model_without_certificate():
     labels = np.random.RandomState(23).randint(0, NB_CLASSES, size=60)
     expected = float(np.mean(np.argmax(plain(x).numpy(), axis=1) == labels))
     assert certify.certified_accuracy(plain, (x, labels), [0.0]) == {0.0: expected}
-    with pytest.raises(NonDPLayerError):
+    # named for what a certificate needs, not only the noise (a usability audit, 2026-12-07)
+    with pytest.raises(NonDPLayerError, match="nor for its Lipschitz constant"):
         certify.certified_accuracy(plain, (x, labels), [0.0, 0.1])
 
 
