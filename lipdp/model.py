@@ -63,6 +63,7 @@ from lipdp.layers.base import (DPLayer, as_bound, changed_keys, check_built_conf
                                check_float32, check_float32_inputs, ledger_owners,
                                plain_configuration, replaced_call, round_up_to_float32,
                                with_pass_slack)
+from lipdp.layers.basic import DP_BoundedInput
 from lipdp.layers.gradient_clipping import clip_gradient_rows, clipped_norm_bound
 from lipdp.ledger import (EMPTY_STORAGE, ROW_SIZE, RUN_MARK, PrivacyLedger, StepMechanism,
                           concatenated, continues, includes, run_row, stored_rows)
@@ -74,7 +75,8 @@ from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_finite_epochs, check_ids_in_range, check_sparse_labels,
                            class_index_classes, embedding_id_limits, into_range, realigned,
-                           records_in_arrays, row_fingerprints, sparse_label_classes)
+                           input_norms_beyond, records_in_arrays, row_fingerprints,
+                           sparse_label_classes)
 from lipdp.state_guard import StateGuard, run_guarded
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
 from lipdp.weight_copies import (TrainedBy, forget_loaded, keys_of, loaded_models, note_loaded,
@@ -2261,6 +2263,7 @@ class _DPModelMixin:
             if validate_data:
                 check_finite_arrays(x, y, dtype=self.compute_dtype)
                 self._warn_on_repeated_records(records_in_arrays(x, y), "The training arrays")
+                self._warn_if_inputs_mostly_clipped(x)
                 check_ids_in_range(x, embedding_id_limits(self), self.input_names)
                 check_sparse_labels(x, y, sparse_label_classes(self, self.dp_loss))
                 check_sparse_labels(x, y, class_index_classes(self, self.dp_loss, labels),
@@ -2455,6 +2458,22 @@ class _DPModelMixin:
                 self._warn_on_repeated_records(count, f"Epoch {epoch + 1} of {source}",
                                                stacklevel=5)
                 return
+
+    def _warn_if_inputs_mostly_clipped(self, x):
+        """Warn when most training arrays' inputs have an L2 norm above twice the model's
+        input bound: `DP_BoundedInput` shrinks each to the bound, silently, and inputs never
+        scaled (pixels in 0-255 against a bound of 1) lose most of their signal (a usability
+        audit, 2026-12-07). Said to the one who trains, as the other checks of the records."""
+        bounded = [layer for layer in leaf_layers(self) if isinstance(layer, DP_BoundedInput)]
+        found = input_norms_beyond(x, bounded[0].upper_bound) if bounded else None
+        if found is not None and 2 * found[0] > found[1]:
+            beyond, total, median = found
+            warnings.warn(
+                f"{beyond} of {total} training inputs have an L2 norm above twice "
+                f"DP_BoundedInput's bound {bounded[0].upper_bound:g} (median norm "
+                f"{median:.4g}): the model clips each to norm {bounded[0].upper_bound:g}, "
+                "shrinking most of them. Scale the inputs (pixels in 0-255 to [0, 1]?), or "
+                "raise the bound (the noise grows with it).", stacklevel=4)
 
     def _check_array_epochs(self, steps_per_epoch):
         """Shuffled batches of arrays: ``steps_per_epoch`` one pass over them, or none. Another

@@ -215,6 +215,22 @@ def row_fingerprints(tensors) -> tf.Tensor:
     return tf.bitcast(tf.fingerprint(tf.concat(rows, axis=1)), tf.int64)
 
 
+def input_norms_beyond(x, bound: float, factor: float = 2.0
+                       ) -> Optional[Tuple[int, int, float]]:
+    """``(records whose input L2 norm exceeds factor * bound, records, median norm)`` of the
+    one numeric array `x` given to fit (read by chunks, in float64); None for other inputs."""
+    arrays = tf.nest.flatten(x)
+    if len(arrays) != 1 or not hasattr(arrays[0], "shape") or len(arrays[0]) == 0:
+        return None
+    values = np.asarray(arrays[0])
+    if values.dtype.kind not in "fiu":
+        return None
+    rows = values.reshape(len(values), -1)
+    norms = np.concatenate([np.sqrt(np.sum(np.square(rows[i:i + 4096].astype(np.float64)),
+                                           axis=1)) for i in range(0, len(rows), 4096)])
+    return int(np.sum(norms > factor * bound)), len(norms), float(np.median(norms))
+
+
 def records_in_arrays(x, y=None) -> Optional[Tuple[int, int]]:
     """``(records, distinct)`` of the arrays (or nested structures of arrays) `x` and `y`,
     as `check_finite_dataset` counts a pass; None for arrays without a common first axis."""

@@ -6,6 +6,8 @@ divisor"), or refusing a NumPy scalar with a message showing the value it refuse
 ("Received: noise_multiplier=2.0").
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -194,6 +196,23 @@ def test_epochs_that_are_not_a_count_are_refused(epochs):
     y = np.eye(K, dtype="float32")[np.arange(N) % K]
     with pytest.raises(ValueError, match=f"epochs={epochs!r}: give a whole number of epochs"):
         _model().fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
+
+
+def test_inputs_mostly_far_beyond_the_bound_warn():
+    """Pixels in 0-255 against a bound of 1: every input clipped to norm 1, silently (a
+    usability audit, 2026-12-07). Inputs around the bound, as clipping is meant for, train
+    without a word."""
+    rng = np.random.default_rng(6)
+    pixels = rng.integers(0, 256, size=(N, DIM)).astype("uint8")
+    y = np.eye(K, dtype="float32")[rng.integers(0, K, N)]
+    with pytest.warns(UserWarning, match=rf"{N} of {N} training inputs have an L2 norm above "
+                                         r"twice DP_BoundedInput's bound 1 \(median norm "):
+        _model().fit(pixels, y, batch_size=BATCH, epochs=1, verbose=0)
+    scaled = (pixels / 255.0 / np.sqrt(DIM)).astype("float32") * 1.5  # norms up to 1.5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _model().fit(scaled, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert not [w for w in caught if "training inputs have an L2 norm" in str(w.message)]
 
 
 def test_a_dataset_with_sample_weights_is_refused_before_tracing():
