@@ -444,11 +444,13 @@ def _train(cfg, run_dir: str, resume: bool = False) -> dict:
     print(f"sampler            : {_sampler(metadata)}; {_seed(cfg['dataset']['seed'])}")
     print("accountant         : RDP (autodp), Poisson-subsampled Gaussian, converted to "
           "(epsilon, delta)")
-    # fit ends a run of bjorck_every > 1 with a Björck refresh after the last epoch's
-    # validation: its val_accuracy (report.json's per_epoch) is not the final weights' (an
-    # audit, 2026-12-07: 0.0787 there, 0.0753 here).
-    final = ("final weights, after fit's closing Björck refresh"
-             if cfg["training"]["bjorck_every"] > 1 else "final epoch")
+    # fit ends a run of bjorck_every > 1 or of an EMA with a projection after the last
+    # epoch's validation (`DP_Model._final_refresh`): its val_accuracy (report.json's
+    # per_epoch) is not the final weights' (an audit, 2026-12-07: 0.0787 there, 0.0753 here;
+    # a review found the EMA's case).
+    refreshed = cfg["training"]["bjorck_every"] > 1 or \
+        cfg["optimizer"]["ema_momentum"] is not None
+    final = "final weights, projected after the last epoch" if refreshed else "final epoch"
     print(f"test accuracy      : {accuracy:.4f} ({final})")
     if certified is None:
         print(f"certified accuracy : none: no certified Lipschitz constant for {unbounded}, so "

@@ -50,6 +50,28 @@ class DP_Loss:
         raise NotImplementedError
 
 
+_KERAS_CLASS_LOSSES = ("categorical_crossentropy", "sparse_categorical_crossentropy",
+                       "categorical_hinge", "CategoricalCrossentropy",
+                       "SparseCategoricalCrossentropy", "CategoricalHinge")
+
+
+def _over_classes(loss) -> bool:
+    """A lipdp loss of ``min_outputs`` 2, or Keras' categorical or sparse categorical
+    cross-entropy or categorical hinge (by object, function or name: classic DP-SGD takes
+    Keras' losses; a review found the one-output check missing them)."""
+    if getattr(loss, "min_outputs", 1) > 1:
+        return True
+    keras = tf.keras.losses
+    if isinstance(loss, (keras.CategoricalCrossentropy, keras.SparseCategoricalCrossentropy,
+                         keras.CategoricalHinge)):
+        return True
+    if isinstance(loss, str):
+        return loss in _KERAS_CLASS_LOSSES
+    return any(loss is f for f in (keras.categorical_crossentropy,
+                                   keras.sparse_categorical_crossentropy,
+                                   keras.categorical_hinge))
+
+
 def check_outputs(loss, nb_outputs: int) -> None:
     """Refuse a lipdp loss over classes on a model of one output: its value, or its gradient,
     does not depend on the label there (the softmax of one logit is 1, a one-vs-all loss has
@@ -57,17 +79,20 @@ def check_outputs(loss, nb_outputs: int) -> None:
     (an audit, 2026-12-07: a one-output model with `DP_TauCategoricalCrossentropy` and 0/1
     labels trained with loss 0).
 
+    Also Keras' losses over classes (`_over_classes`), which classic DP-SGD takes.
+
     Raises:
-        ValueError: `nb_outputs` below ``loss.min_outputs``.
+        ValueError: one output and a loss over classes.
     """
-    minimum = getattr(loss, "min_outputs", 1)
-    if nb_outputs < minimum:
+    if nb_outputs < 2 and _over_classes(loss):
+        name = loss if isinstance(loss, str) else getattr(loss, "__name__", None) or \
+            type(loss).__name__
         raise ValueError(
-            f"{type(loss).__name__} is a loss over classes: with {nb_outputs} output its "
+            f"{name} is a loss over classes: with {nb_outputs} output its "
             "gradient does not depend on the labels, so training would follow the noise alone. "
             "Give the model one output per class (2 for a binary task), or keep one output "
-            "with a binary loss (DP_TauBCE, or DP_MulticlassKR, which takes one output as "
-            "binary KR).")
+            "with a binary loss (DP_TauBCE, DP_MulticlassKR, which takes one output as binary "
+            "KR, or in classic DP-SGD Keras' BinaryCrossentropy).")
 
 
 #: The largest ``|logit|`` a loss computes with (``|tau logit|`` for the losses with a

@@ -2720,6 +2720,9 @@ class _DPModelMixin:
             # lipdp's own compile arguments to its first compile (`_loaded_compile_settings`).
             config["compile_settings"] = {"private_logs_only": self._private_logs_only,
                                           "bjorck_every": self._bjorck_every}
+        elif self.__dict__.get("_loaded_compile_settings"):  # loaded, not compiled yet: saved
+            # or cloned again, it passes them on (a review: they were lost)
+            config["compile_settings"] = dict(self.__dict__["_loaded_compile_settings"])
         return config
 
     @classmethod

@@ -525,7 +525,7 @@ def test_train_stops_at_the_budget(fake_fashion, tmp_path, capsys):
     eps = float(summary.split("(epsilon=")[1].split(",")[0])
     assert eps <= 1.3
     # not the last epoch's val_accuracy: fit refreshes the kernels after it (an audit)
-    assert "(final weights, after fit's closing Björck refresh)" in summary
+    assert "(final weights, projected after the last epoch)" in summary
     rows = [line.split() for line in summary.splitlines() if line.startswith("  ")]
     assert [r[0] for r in rows] == ["radius", "0.1"]
 

@@ -247,6 +247,13 @@ def test_a_conv2d_on_inputs_with_two_batch_dimensions_falls_back():
     assert [(name, reason) for name, reason in plan.fallback] == [
         ("conv_5d", "inputs of rank 5 (the rule takes (B, H, W, C))")]
     _assert_norms(model, CCE, *_data(4, shape=(2, 6, 6, 2), k=3))
+    # Built by hand on rank 4 first, the layer keeps that shape: a message, not a failed
+    # unpacking inside the rule (a review)
+    prebuilt = L.Conv2D(3, 3, name="prebuilt")
+    prebuilt.build((None, 6, 6, 2))
+    model = tf.keras.Model(inputs, L.Dense(3)(L.Flatten()(prebuilt(inputs))))
+    with pytest.raises(ValueError, match="Conv2D 'prebuilt' receives inputs of rank 5"):
+        _assert_norms(model, CCE, *_data(4, shape=(2, 6, 6, 2), k=3))
 
 
 @pytest.mark.parametrize("traced", [False, True])

@@ -286,6 +286,13 @@ def test_a_loss_over_classes_on_one_output_is_refused_at_compile(mode, loss):
         one_output().compile(loss=loss, optimizer="sgd")
     for binary in (losses.DP_TauBCE(1.0), losses.DP_MulticlassKR()):
         one_output().compile(loss=binary, optimizer="sgd")
+    if mode == "clipped":  # classic DP-SGD takes Keras' losses too (a review)
+        keras = tf.keras.losses
+        for loss in (keras.CategoricalCrossentropy(), "categorical_crossentropy",
+                     keras.sparse_categorical_crossentropy, keras.CategoricalHinge()):
+            with pytest.raises(ValueError, match="is a loss over classes: with 1 output"):
+                one_output().compile(loss=loss, optimizer="sgd")
+        one_output().compile(loss=keras.BinaryCrossentropy(from_logits=True), optimizer="sgd")
 
 
 def test_no_noise_warns_at_compile_from_the_user_s_line():

@@ -373,6 +373,12 @@ def _conv_direct_squared_norms(layer, inputs, g):
 
 
 def _conv_squared_norms(layer, inputs, cotangent, scale, method):
+    if inputs.shape.rank != 4:  # a layer built by hand before (`_conv_unsupported` reads the
+        # shape Keras' call built it on): a message instead of a failed unpacking (a review)
+        raise ValueError(
+            f"Ghost clipping: Conv2D '{layer.name}' receives inputs of rank "
+            f"{inputs.shape.rank}, and its ghost norm takes (B, H, W, C): use "
+            "engine='vectorized', or build the layer by calling it on its inputs.")
     kh, kw = layer.kernel_size
     sh, sw = layer.strides
     in_features = kh * kw * int(inputs.shape[-1])

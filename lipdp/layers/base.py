@@ -49,6 +49,7 @@ import contextlib
 import json
 import math
 import numbers
+import types
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -491,8 +492,8 @@ def replaced_call(obj) -> Optional[str]:
         value = vars(obj).get(name)
         if value is None:
             continue
-        if getattr(value, "__self__", None) is obj and \
-                getattr(value, "__func__", None) is getattr(type(obj), name, None):
+        if isinstance(value, types.MethodType) and value.__self__ is obj and \
+                value.__func__ is getattr(type(obj), name, None):
             continue
         return name
     return None
