@@ -404,10 +404,25 @@ class _SampledGradients(tf.keras.callbacks.Callback):
         self._traced = {}  # the per-example gradient function, traced once for all epochs
 
     def sample(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
-        """The examples looked at after epoch `epoch` (0-based): `sample_examples`. Training
-        batches of k augmented views per example give their views, one input each (each
-        view's gradient obeys the bound, hence their average)."""
+        """The examples looked at after epoch `epoch` (0-based): `sample_examples`, but for
+        those holding NaN or inf (in inputs or labels), which the private step passes with
+        a zero contribution: their gradients are not finite, and one such input was
+        reported as a broken bound (an audit, 2026-12-07). Training batches of k augmented
+        views per example give their views, one input each (each view's gradient obeys the
+        bound, hence their average).
+
+        Raises:
+            ValueError: no example of the sample is finite.
+        """
         x, y = sample_examples(self._data, self.sample_size, self.seed, epoch)
+        finite = np.logical_and.reduce([
+            np.isfinite(np.asarray(a, np.float64).reshape(len(a), -1)).all(axis=1)
+            for a in (x, y) if np.asarray(a).dtype.kind in "fiub"])
+        if not finite.all():
+            if not finite.any():
+                raise ValueError(f"{type(self).__name__}: every example of the sample holds NaN "
+                                 "or inf values: there is no gradient to compare with a bound.")
+            x, y = x[finite], y[finite]
         metadata = getattr(self.model, "dataset_metadata", None)
         views = getattr(metadata, "augmentation_multiplicity", 1)
         if views > 1 and x.shape[1:] == (views,) + tuple(metadata.input_shape):

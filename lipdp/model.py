@@ -140,9 +140,10 @@ def _refuse_batch_iterators(x):
             "the batches in tf.data.Dataset.from_generator(...).")
 
 
-def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
-    """``(shared, n)``: how many of the n examples of `data` are, inputs and label, examples
-    of the training arrays `x, y` (row fingerprints, `lipdp.records.row_fingerprints`).
+def _examples_shared(x, y, data, with_labels: bool = True) -> Optional[Tuple[int, int]]:
+    """``(shared, n)``: how many of the n examples of `data` are, inputs and label (inputs
+    alone without `with_labels`), examples of the training arrays `x, y` (row fingerprints,
+    `lipdp.records.row_fingerprints`).
     `data` is ``(inputs, labels, ...)`` arrays or a finite `tf.data.Dataset` of such batches
     (read once); an array of another numeric dtype than its training
     counterpart is compared by value (both in float64: a float64 copy of float32 inputs, or
@@ -161,7 +162,8 @@ def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
             return None
         return flat
 
-    training, held = arrays((x, y)), arrays(tuple(data[:2]))
+    training, held = (arrays((x, y)), arrays(tuple(data[:2]))) if with_labels else \
+        (arrays(x), arrays(data[0]))
     if training is None or held is None or len(training) != len(held) or \
             [a.shape[1:] for a in training] != [a.shape[1:] for a in held]:
         return None
@@ -175,6 +177,16 @@ def _examples_shared(x, y, data) -> Optional[Tuple[int, int]]:
                                  for a, cast in zip(flat, by_value)]).numpy()
 
     return int(np.isin(digests(held), digests(training)).sum()), len(held[0])
+
+
+def _training_arrays(x, y) -> Tuple[object, object]:
+    """``(x, y)``, or for a finite dataset of batches not made by `lipdp.data.load_dataset`
+    (whose training pipelines are told apart by their sampler), its arrays read once
+    (`_dataset_arrays`); ``(None, None)`` when they cannot be read."""
+    if isinstance(x, tf.data.Dataset):
+        arrays = _dataset_arrays(x) if own_sampler(x) is None else None
+        return arrays if arrays is not None else (None, None)
+    return x, y
 
 
 def _numeric(array) -> bool:
@@ -282,11 +294,17 @@ def _refuse_training_metric_feedback(model, callbacks, logs_training_metrics: bo
     False), such a monitor on training records is refused whatever acts on its logs: they
     would enter the History that option keeps private."""
     if not logs_training_metrics:  # private_logs_only: History holds what epsilon covers
+        training = None
         for callback in callbacks:
             prefixes = getattr(callback, "data_log_prefixes", ())
             if not prefixes:
                 continue
-            shared = _examples_shared(x, y, callback.data)
+            # By inputs alone (a monitor's logs are gradients at training inputs whatever
+            # the labels), and a training dataset's records read once: the training arrays
+            # with class indices for labels, or the arrays a training dataset was made from,
+            # passed in silence (an audit, 2026-12-07).
+            training = training or _training_arrays(x, y)
+            shared = _examples_shared(*training, callback.data, with_labels=False)
             # Some training records among others: warned, as validation data (an audit,
             # 2026-12-07: a superset of the training arrays passed in silence).
             _warn_if_shared(x, y, callback.data, f"The data given to {type(callback).__name__}",

@@ -1137,6 +1137,21 @@ def test_monitors_of_training_records_are_refused_under_private_logs_only():
     assert model.dp_steps_taken == N // BATCH
 
 
+def test_monitors_of_training_inputs_with_other_labels_or_from_a_dataset_s_arrays_are_refused():
+    """A monitor's logs are gradients at the inputs it is given: the training inputs with
+    class indices for labels, or the arrays a training dataset was made from, passed under
+    private_logs_only=True in silence (an audit, 2026-12-07)."""
+    x, y = _arrays(np.random.default_rng(20))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).batch(BATCH)
+    model = _metric_model(private_logs_only=True)
+    for data, monitor in (((x, y), lipdp.BoundMonitor((x, y.argmax(1)), sample_size=8)),
+                          ((dataset,), lipdp.SignalToNoise((x, y), sample_size=8)),
+                          ((dataset,), lipdp.BoundMonitor((x[:8], y[:8] * 0), sample_size=8))):
+        with pytest.raises(ValueError, match="from the training records it was given"):
+            model.fit(*data, epochs=1, verbose=0, callbacks=[monitor])
+    assert model.dp_steps_taken == 0
+
+
 def test_monitors_of_data_made_from_the_training_set_are_refused_or_warned():
     """Under private_logs_only=True a monitor given two batches of the training dataset, or
     the dataset mapped, computed its logs from training records unrefused; one given the

@@ -161,6 +161,24 @@ def test_bound_monitor_silent_where_the_bound_is_attained():
         assert history[f"tightness_mean/{name}"][-1] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_examples_holding_nan_or_inf_are_left_out_of_the_sample():
+    """The private step passes them with a zero contribution; their gradients are NaN, and a
+    sound model was stopped with "the reported privacy guarantee does not hold" (an audit,
+    2026-12-07)."""
+    model = _kr_model("honest")
+    x, y = _data((6,), 3, n=48, seed=3, scale=3.0)
+    x[5, 2], x[9, 0], y[11, 1] = np.nan, np.inf, np.nan
+    monitor = BoundMonitor((x, y), sample_size=48)
+    xs, ys = monitor.sample(0)
+    assert len(xs) == 45 and np.isfinite(xs).all() and np.isfinite(ys).all()
+    monitor.set_model(model)
+    monitor.on_epoch_end(0, {})  # no BoundViolationError
+    assert max(row["max_ratio"] for row in monitor.last_report.values()) <= 1 + 1e-4
+    x[:] = np.nan
+    with pytest.raises(ValueError, match="every example of the sample holds NaN or inf"):
+        BoundMonitor((x, y), sample_size=8).sample(0)
+
+
 def test_samples_of_arrays_and_datasets():
     x, y = _data((4,), 2, n=30)
     monitor = BoundMonitor((x, y), sample_size=12, seed=5)
