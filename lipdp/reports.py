@@ -335,7 +335,10 @@ def _check_report(report, where: str) -> dict:
     if not isinstance(report, dict) or report.get("format") != FORMAT:
         raise ReportError(f"{where} is not a lipdp run report (no \"format\": \"{FORMAT}\").")
     version = report.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ReportError(f"{where} has format_version {version!r}, which no lipdp wrote "
+                          "(a positive integer).")
+    if version > FORMAT_VERSION:
         raise ReportError(f"{where} has format_version {version!r}; this lipdp reads version "
                           f"{FORMAT_VERSION} and older: upgrade lipdp.")
     expected = {"per_epoch": dict, "results": (dict, type(None)),
@@ -379,7 +382,15 @@ def redraw(run_dir: str) -> List[str]:
         FileNotFoundError, ReportError: as `read_report`.
         ImportError: matplotlib is not installed.
     """
-    return draw_plots(read_report(run_dir), run_dir)
+    report = read_report(run_dir)
+    try:
+        return draw_plots(report, run_dir)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
+        # A report.json edited by hand: a traceback from inside the plots (an audit,
+        # 2026-12-07: 7 of 16 edits of its values).
+        raise ReportError(f"{os.path.join(run_dir, REPORT_FILE)} holds values its plots cannot "
+                          f"be drawn from (was it edited?): {type(error).__name__}: {error}"
+                          ) from None
 
 
 # --------------------------------------------------------------------------- #

@@ -252,6 +252,17 @@ def test_redraw_errors_name_the_problem(tmp_path):
     path.write_text('{"format": "lipdp-run-report", "format_version": 99}')
     with pytest.raises(reports.ReportError, match="upgrade lipdp"):
         reports.redraw(str(tmp_path))
+    for version in ("true", "0", "-5", '"1"'):
+        path.write_text(f'{{"format": "lipdp-run-report", "format_version": {version}}}')
+        with pytest.raises(reports.ReportError, match="which no lipdp wrote"):
+            reports.redraw(str(tmp_path))
+    # Values edited by hand: a traceback from inside the plots before (an audit, 2026-12-07)
+    for edit in ('"per_epoch": {"epoch": [1, 2], "epsilon": 3.0, "val_accuracy": [0.1, 0.2]}',
+                 '"per_epoch": {"epoch": [1]}, "results": {"certified_accuracy": [0.5]}',
+                 '"per_epoch": {"epoch": [1]}, "results": {"certified_accuracy": {"abc": 0.5}}'):
+        path.write_text(f'{{"format": "lipdp-run-report", "format_version": 1, {edit}}}')
+        with pytest.raises(reports.ReportError, match="holds values its plots cannot be drawn"):
+            reports.redraw(str(tmp_path))
     assert _listing(tmp_path) == ["report.json"]
 
 
