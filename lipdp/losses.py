@@ -30,6 +30,7 @@ Anything else is refused with a ValueError naming the shapes.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import tensorflow as tf
 from deel.lip.losses import TauBinaryCrossentropy, TauCategoricalCrossentropy, multiclass_hinge
@@ -48,6 +49,21 @@ class DP_Loss:
 
     def lipschitz(self, nb_outputs: int) -> float:
         raise NotImplementedError
+
+    def label_domain(self, nb_outputs: int) -> Optional[str]:
+        """The labels ``(batch, K)`` the loss takes as they are, as a key of `LABEL_DOMAINS`
+        (`lipdp.records.check_label_domain` refuses the others before training: the loss
+        maps them onto its domain, silently); None: any finite label."""
+        return None
+
+
+#: Label rows a loss takes as they are: what they are, and what the loss makes of others.
+LABEL_DOMAINS = {
+    "simplex": ("one-hot or soft labels (entries >= 0 summing to at most 1)",
+                "the nearest such row (negative entries set to 0, then scaled to sum 1)"),
+    "one-hot": ("one-hot labels", "the one-hot row of its largest entry"),
+    "signs": ("targets 0 or 1 (or -1 for 0)", "its sign: 1 above 0, the other class else"),
+}
 
 
 _KERAS_CLASS_LOSSES = ("categorical_crossentropy", "sparse_categorical_crossentropy",
@@ -258,6 +274,9 @@ class DP_TauCategoricalCrossentropy(TauCategoricalCrossentropy, DP_Loss):
     def lipschitz(self, nb_outputs):
         return math.sqrt(2.0)
 
+    def label_domain(self, nb_outputs):
+        return "simplex"
+
     def get_config(self):
         return {**super().get_config(), "tau": _python_float(self.tau), "margin": self.margin}
 
@@ -281,6 +300,9 @@ class DP_TauBCE(TauBinaryCrossentropy, DP_Loss):
 
     def lipschitz(self, nb_outputs):
         return 1.0 / math.sqrt(nb_outputs)
+
+    def label_domain(self, nb_outputs):
+        return "signs"
 
     def get_config(self):
         return {**super().get_config(), "tau": _python_float(self.tau)}
@@ -311,6 +333,9 @@ class DP_MulticlassHinge(tf.keras.losses.Loss, DP_Loss):
 
     def lipschitz(self, nb_outputs):
         return _one_vs_all_constant(self, nb_outputs)
+
+    def label_domain(self, nb_outputs):
+        return "one-hot"
 
     def get_config(self):
         return {**super().get_config(), "min_margin": self.min_margin}
@@ -362,6 +387,9 @@ class DP_MulticlassKR(tf.keras.losses.Loss, DP_Loss):
     def lipschitz(self, nb_outputs):
         return math.sqrt((nb_outputs - 1) / nb_outputs) if nb_outputs > 1 else 1.0
 
+    def label_domain(self, nb_outputs):
+        return "one-hot" if nb_outputs > 1 else "signs"
+
 
 @tf.keras.utils.register_keras_serializable("lipdp")
 class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
@@ -392,6 +420,9 @@ class DP_MulticlassHKR(tf.keras.losses.Loss, DP_Loss):
 
     def lipschitz(self, nb_outputs):
         return (1.0 + self.alpha) * _one_vs_all_constant(self, nb_outputs)
+
+    def label_domain(self, nb_outputs):
+        return "one-hot"
 
     def get_config(self):
         return {**super().get_config(), "alpha": self.alpha, "min_margin": self.min_margin}
@@ -438,6 +469,9 @@ class DP_KCosineSimilarity(tf.keras.losses.Loss, DP_Loss):
 
     def lipschitz(self, nb_outputs):
         return 1.0 / self._checked(self.K)  # K set after construction too
+
+    def label_domain(self, nb_outputs):
+        return "one-hot"
 
     def get_config(self):
         return {**super().get_config(), "K": self.K}

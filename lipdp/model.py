@@ -75,8 +75,8 @@ from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
                            check_finite_epochs, check_ids_in_range, check_sparse_labels,
                            class_index_classes, embedding_id_limits, into_range, realigned,
-                           input_norms_beyond, records_in_arrays, row_fingerprints,
-                           sparse_label_classes)
+                           check_label_domain, input_norms_beyond, records_in_arrays,
+                           row_fingerprints, sparse_label_classes)
 from lipdp.state_guard import StateGuard, run_guarded
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners
 from lipdp.weight_copies import (TrainedBy, forget_loaded, keys_of, loaded_models, note_loaded,
@@ -2261,6 +2261,7 @@ class _DPModelMixin:
         labels = _label_spec(x, y)
         self._check_input_shape(x, "fit")
         self._check_label_shape(labels)
+        self._retrace_for_label_rank(labels)
         if isinstance(x, tf.data.Dataset):
             self._check_dataset(x, kwargs.get("steps_per_epoch"))
             self._check_pipeline_sampler(x)
@@ -2286,6 +2287,7 @@ class _DPModelMixin:
                 check_sparse_labels(x, y, sparse_label_classes(self, self.dp_loss))
                 check_sparse_labels(x, y, class_index_classes(self, self.dp_loss, labels),
                                     dp_loss=True)
+                check_label_domain(y, self.dp_loss, int(self.output_shape[-1]))
         # Last, so that they run after a BackupAndRestore restored the model.
         given = list(callbacks or [])
         accountants = [c for c in given if isinstance(c, DP_Accountant)]
@@ -2586,6 +2588,17 @@ class _DPModelMixin:
                 f"implies {expected}: each record would be drawn at another rate than the "
                 "accountant's q = batch_size / nb_samples_train. Build the metadata from the "
                 "data actually used (lipdp.data.load_dataset does).")
+
+    def _retrace_for_label_rank(self, labels):
+        """A new train function when the labels' rank differs from the last fit's: Keras would
+        retrace its function for both ranks at once, with the labels' rank unknown, which
+        the losses refuse (labels (N, 1) after (N,) stopped the second fit inside its step)."""
+        rank = None if labels is None else labels.shape.rank
+        if rank is None:
+            return
+        if self.__dict__.get("_fit_label_rank", rank) != rank:
+            self.train_function = None
+        object.__setattr__(self, "_fit_label_rank", rank)
 
     def _check_label_shape(self, labels):
         """Labels (`labels`, their `_label_spec`) that the DP loss cannot take (clipless mode)

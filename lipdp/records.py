@@ -37,11 +37,12 @@ import tensorflow as tf
 
 from lipdp.clipping.engine import finite_rows
 
-__all__ = ["NonFiniteRecordError", "OutOfRangeIdError", "check_finite_arrays",
-           "check_finite_dataset", "check_finite_epochs", "check_ids_in_range",
-           "check_sparse_labels", "class_index_classes", "embedding_id_limits",
-           "finite_array_rows", "into_range", "listed_positions", "records_in_arrays",
-           "row_fingerprints", "sparse_label_classes"]
+__all__ = ["LabelDomainError", "NonFiniteRecordError", "OutOfRangeIdError",
+           "check_finite_arrays", "check_finite_dataset", "check_finite_epochs",
+           "check_ids_in_range", "check_label_domain", "check_sparse_labels",
+           "class_index_classes", "embedding_id_limits", "finite_array_rows",
+           "input_norms_beyond", "into_range",
+           "listed_positions", "records_in_arrays", "row_fingerprints", "sparse_label_classes"]
 
 _SHOWN = 10  # positions listed in the error message
 
@@ -68,6 +69,53 @@ def finite_array_rows(values, dtype) -> np.ndarray:
 class OutOfRangeIdError(ValueError):
     """Training records hold token ids outside the vocabulary of the Embedding they feed, or
     class indices outside the classes of a sparse cross-entropy."""
+
+
+class LabelDomainError(ValueError):
+    """Training labels that a lipdp loss would train as other labels
+    (`lipdp.losses.LABEL_DOMAINS`)."""
+
+
+def check_label_domain(y, loss, nb_outputs: int) -> None:
+    """Every label row of the arrays `y` given to fit is one `loss` takes as it is (its
+    ``label_domain``: none for Keras' losses and `DP_MeanAbsoluteError`). A lipdp loss maps
+    any label onto its domain, so that no record breaks the bound or stops a step: a soft
+    label under a one-vs-all loss trained as its arg-max class, and a target of 0.3 as 1,
+    silently (a usability audit, 2026-12-07). Class indices are `check_sparse_labels`'; rows
+    that are not finite, `check_finite_arrays`'.
+
+    Raises:
+        LabelDomainError: listing the records whose labels the loss would change.
+    """
+    from lipdp.losses import LABEL_DOMAINS
+
+    domain = getattr(loss, "label_domain", lambda k: None)(nb_outputs)
+    if domain is None or y is None or isinstance(y, (dict, list, tuple)):
+        return
+    labels = np.asarray(y)
+    if labels.dtype.kind not in "fiub":
+        return
+    if labels.ndim == 1 and domain == "signs":
+        labels = labels[:, None]
+    if labels.ndim != 2 or labels.shape[1] != nb_outputs:
+        return  # class indices, or shapes the loss refuses itself
+    rows = labels.astype(np.float64)
+    if domain == "simplex":
+        good = (rows >= 0).all(axis=1) & (rows.sum(axis=1) <= 1.0 + 1e-5)
+    elif domain == "one-hot":
+        good = np.isin(rows, (0.0, 1.0)).all(axis=1) & (rows.sum(axis=1) == 1.0)
+    else:
+        good = np.isin(rows, (-1.0, 0.0, 1.0)).all(axis=1)
+    takes, makes = LABEL_DOMAINS[domain]
+
+    def refuse(where, bad, total):
+        raise LabelDomainError(
+            f"{len(bad)} of {total} training records hold labels {type(loss).__name__} does "
+            f"not take as they are ({where}): {listed_positions(bad)}. It takes {takes}, and "
+            f"would train each of these as {makes}. Repair the labels, or choose a loss for "
+            "them, before training.")
+
+    _check_rows([good | ~np.isfinite(rows).all(axis=1)], refuse)
 
 
 def listed_positions(bad: List[str]) -> str:

@@ -198,6 +198,51 @@ def test_epochs_that_are_not_a_count_are_refused(epochs):
         _model().fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
 
 
+@pytest.mark.parametrize("loss, labels, makes", [
+    (DP_TauCategoricalCrossentropy(1.0), [[0.5, 0.8, 0.0], [-1.0, 1.0, 0.0]], "the nearest"),
+    (DP_MulticlassHKR(), [[0.2, 0.7, 0.1], [0.0, 5.0, 0.0]], "the one-hot row of its largest"),
+    (losses.DP_MulticlassHinge(), [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]], "the one-hot row of"),
+])
+def test_labels_a_loss_would_train_as_others_are_refused(loss, labels, makes):
+    """A lipdp loss maps every label onto its domain (no record breaks the bound or stops
+    a step): soft labels under a one-vs-all loss trained as their arg-max class, rows of 5
+    or summing to 2 as others, silently (a usability audit, 2026-12-07). Smoothed labels
+    stay valid for the cross-entropy."""
+    x = np.zeros((N, DIM), "float32")
+    y = np.eye(K, dtype="float32")[np.arange(N) % K]
+    y[[3, 7]] = labels
+    model = _model()
+    model.compile(loss=loss, optimizer="sgd")
+    with pytest.raises(lipdp.records.LabelDomainError,
+                       match=rf"2 of {N} training records hold labels {type(loss).__name__} does "
+                             rf"not take as they are \(by index in the arrays given to fit\): 3, "
+                             rf"7\. It takes .* would train each of these as {makes}"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert model.dp_steps_taken == 0
+    smoothed = (0.9 * np.eye(K)[np.arange(N) % K] + 0.1 / K).astype("float32")
+    if isinstance(loss, DP_TauCategoricalCrossentropy):
+        model.fit(x, smoothed, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_binary_targets_other_than_signs_are_refused():
+    """DP_TauBCE maps a target above 0 to 1: probabilities of 0.3 or pixels of 255 trained as
+    1 (a usability audit, 2026-12-07). 0/1 and -1/1 targets train, the second of shape
+    (N, 1) after (N,): Keras retraced the step for both label ranks at once, and the step
+    stopped on labels of unknown rank (found while writing this test)."""
+    metadata = lipdp.DatasetMetadata((DIM,), 1, N, 8, BATCH, 1.0, "shuffle")
+    model = lipdp.DP_Sequential([DP_BoundedInput(1.0, input_shape=(DIM,)),
+                                 DP_QuickSpectralDense(1)],
+                                dp_parameters=lipdp.DPParameters(1.0, 1e-5),
+                                dataset_metadata=metadata)
+    model.compile(loss=losses.DP_TauBCE(1.0), optimizer="sgd")
+    x = np.zeros((N, DIM), "float32")
+    targets = (np.arange(N) % 2).astype("float32")
+    with pytest.raises(lipdp.records.LabelDomainError, match=r"targets 0 or 1 \(or -1 for 0\)"):
+        model.fit(x, np.where(np.arange(N) == 4, 0.3, targets), batch_size=BATCH, verbose=0)
+    model.fit(x, targets, batch_size=BATCH, epochs=1, verbose=0)
+    model.fit(x, 2 * targets[:, None] - 1, batch_size=BATCH, epochs=1, verbose=0)
+
+
 def test_inputs_mostly_far_beyond_the_bound_warn():
     """Pixels in 0-255 against a bound of 1: every input clipped to norm 1, silently (a
     usability audit, 2026-12-07). Inputs around the bound, as clipping is meant for, train

@@ -116,8 +116,11 @@ def zero_rows(structure, usable: tf.Tensor):
         if t is None:
             return t
         t = tf.convert_to_tensor(t)
-        mask = tf.reshape(usable, tf.concat([tf.shape(usable), tf.ones([t.shape.rank - 1],
-                                                                        tf.int32)], 0))
+        # The rank read when the step runs: Keras retraces a fit's step for labels of another
+        # rank than the last fit's with the rank unknown (a second fit with labels (N, 1)
+        # after (N,) failed here).
+        trailing = tf.ones(tf.reshape(tf.rank(t) - 1, [1]), tf.int32)
+        mask = tf.reshape(usable, tf.concat([tf.shape(usable), trailing], 0))
         return tf.where(mask, t, tf.zeros_like(t))
 
     return tf.nest.map_structure(zeroed, structure)
