@@ -548,10 +548,14 @@ def _check_max_norm(max_norm, argname="max_norm") -> float:
         or not isinstance(max_norm, (int, float, np.integer, np.floating))
         or not math.isfinite(float(max_norm))
         or float(max_norm) <= 0
+        or float(max_norm) > float(np.finfo(np.float32).max)
     ):
+        # Above float32's largest number, normalized inputs were inf or NaN (an audit,
+        # 2026-12-07: X0 = 1e39 left 0 of 64 test rows finite).
         raise ValueError(
             f"Received an invalid value for `{argname}`, expected a finite positive "
-            f"number (the L2 bound X0 on every input). Received: {argname}={max_norm!r}"
+            f"number within float32's range (the L2 bound X0 on every input). Received: "
+            f"{argname}={max_norm!r}"
         )
     return float(max_norm)
 
@@ -822,11 +826,20 @@ def _idx_candidates(stem: str, kind: str, ndim: int) -> List[str]:
 
 
 def _first_existing(directory: str, names: Sequence[str]) -> Optional[str]:
+    present = _existing(directory, names)
+    return present[0] if present else None
+
+
+def _existing(directory: str, names: Sequence[str]) -> List[str]:
+    """The files of `names` in `directory`, in order, one per file (names that resolve to
+    the same file count once)."""
+    present, seen = [], set()
     for n in names:
         p = os.path.join(directory, n)
-        if os.path.isfile(p):
-            return p
-    return None
+        if os.path.isfile(p) and os.path.realpath(p) not in seen:
+            seen.add(os.path.realpath(p))
+            present.append(p)
+    return present
 
 
 def _check_image_arrays(spec: _ImageSpec, where: str, arrays: Dict[str, np.ndarray]):
@@ -880,7 +893,13 @@ def _load_image_dir(spec: _ImageSpec, directory: str):
     found, missing = {}, []
     for key, stem, kind, ndim in _IDX_PARTS:
         cands = _idx_candidates(stem, kind, ndim)
-        path = _first_existing(directory, cands)
+        present = _existing(directory, cands)
+        if len(present) > 1:  # the first was read, silently (an audit, 2026-12-07: an edited
+            # plain file beside the original .gz was ignored)
+            raise DatasetFormatError(
+                f"{directory} holds {len(present)} files for {stem}-{kind}: "
+                f"{', '.join(os.path.basename(p) for p in present)}. Keep one of them.")
+        path = present[0] if present else None
         if path is None:
             missing.append(f"{stem}-{kind}-idx{ndim}-ubyte[.gz]")
         else:
@@ -963,15 +982,25 @@ def _how_to_provide(spec: _ImageSpec) -> str:
 
 def _load_image_dataset(spec: _ImageSpec, data_dir, download: bool) -> RawDataset:
     tried = []
-    for label, path in _image_locations(spec, data_dir):
+    locations = _image_locations(spec, data_dir)
+    if data_dir is not None:
+        # A data_dir given is the only place looked in: without its files, lipdp went on to
+        # $LIPDP_DATA_DIR, the Debian package or the Keras cache, and trained on that data
+        # after one log line (an audit, 2026-12-07).
+        locations = [(label, path) for label, path in locations
+                     if label == "data_dir argument"]
+    for label, path in locations:
         arrays, what = _load_image_dir(spec, path)
         if arrays is not None:
             source = f"{what} in {path} ({label})"
             return RawDataset(spec.name, nb_classes=spec.nb_classes, source=source, **arrays)
         tried.append(f"  - {path} ({label}): {what}")
-        if label == "data_dir argument" and path == os.fspath(data_dir):
-            logger.warning("%s: no usable files in data_dir=%s (%s); looking elsewhere.",
-                           spec.name, path, what)
+    if data_dir is not None:
+        raise FileNotFoundError(
+            f"Dataset {spec.name!r} not found in data_dir={os.fspath(data_dir)!r}:\n"
+            + "\n".join(tried) + "\nA data_dir given is the only place looked in; leave it "
+            f"out to search ${DATA_DIR_ENV}, the Debian dataset package and the Keras cache.\n"
+            + _how_to_provide(spec))
     if not os.environ.get(DATA_DIR_ENV):
         tried.append(f"  - ${DATA_DIR_ENV}/{spec.name}: ${DATA_DIR_ENV} is not set")
     loader = f"tf.keras.datasets.{spec.keras_loader}.load_data()"

@@ -287,11 +287,14 @@ def test_lookup_data_dir_beats_env(isolated, monkeypatch):
     raw = data.load_arrays("mnist", download=False)
     assert len(raw.y_train) == 30 and str(env_root / "mnist") in raw.source
     assert data.DATA_DIR_ENV in raw.source
-    # A data_dir without the files falls through to the next location.
+    # A data_dir without the files is refused: it fell through to the next location, and
+    # the CLI trained on another dataset than the one named (an audit, 2026-12-07).
     empty = isolated / "empty"
     empty.mkdir()
-    raw = data.load_arrays("mnist", data_dir=str(empty), download=False)
-    assert len(raw.y_train) == 30
+    for given in (empty, isolated / "missing"):
+        with pytest.raises(FileNotFoundError, match=r"(?s)not found in data_dir=.*(no dataset "
+                                                    r"files|does not exist).*the only place"):
+            data.load_arrays("mnist", data_dir=str(given), download=False)
 
 
 def test_lookup_debian_then_keras_cache(isolated):
@@ -349,6 +352,30 @@ def test_incomplete_directory_is_reported(isolated):
     os.remove(d / "t10k-labels-idx1-ubyte.gz")
     with pytest.raises(FileNotFoundError, match="missing t10k-labels-idx1-ubyte"):
         data.load_arrays("mnist", data_dir=str(d), download=False)
+
+
+def test_two_files_for_one_part_are_refused(isolated):
+    """The .gz was read and an edited plain file beside it ignored, silently (an audit,
+    2026-12-07); a symlink to the same file is one file."""
+    d = isolated / "both"
+    _, y_train, _, _ = make_mnist_dir(str(d))
+    write_idx(str(d / "train-labels-idx1-ubyte"), (y_train + 1) % 10, False)
+    with pytest.raises(data.DatasetFormatError, match=r"holds 2 files for train-labels: "
+                                                      r"train-labels-idx1-ubyte.gz, "
+                                                      r"train-labels-idx1-ubyte\. Keep one"):
+        data.load_arrays("mnist", data_dir=str(d), download=False)
+    os.remove(d / "train-labels-idx1-ubyte")
+    os.symlink(d / "train-labels-idx1-ubyte.gz", d / "train-labels.idx1-ubyte.gz")
+    assert list(data.load_arrays("mnist", data_dir=str(d), download=False).y_train) == \
+        list(y_train)
+
+
+def test_an_input_bound_beyond_float32_is_refused():
+    """Normalized to X0 = 1e39, every input was inf or NaN (an audit, 2026-12-07)."""
+    with pytest.raises(ValueError, match="within float32's range"):
+        data.load_dataset("digits", 64, bound_normalize=1e39)
+    with pytest.raises(ValueError, match="within float32's range"):
+        data.bound_normalize(3.5e38)
 
 
 def test_corrupt_magic(idx_dir):
