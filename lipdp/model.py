@@ -1800,7 +1800,15 @@ class _DPModelMixin:
         logit-gradient clipping of `AdaptiveClipping` (identity forward; backward, each
         example's logit gradient clipped to norm C_t) when the parameters have one."""
         if self.dp_parameters.loss_gradient_clipping is not None:
-            y_pred = clip_gradient_rows(y_pred, self._logit_clip.read_value())
+            clip = self._logit_clip.read_value()
+            # C_t is a weight of the model (set_weights, a file): a value no update makes
+            # stops the step, which depends on no record (an audit, 2026-12-07).
+            usable = tf.debugging.Assert(
+                tf.math.is_finite(clip) & (clip > 0),
+                ["lipdp: the adaptive clip C_t (the model's weight loss_gradient_clip) is not a "
+                 "positive finite number; was it set by set_weights or a file? C_t:", clip])
+            with tf.control_dependencies([usable]):
+                y_pred = clip_gradient_rows(y_pred, tf.identity(clip))
         return self.dp_loss.call(y_true, y_pred)
 
     def _update_logit_clip(self, y, y_pred):

@@ -163,6 +163,34 @@ def test_the_clip_is_saved_and_not_reset_by_compile(tmp_path):
     assert loaded.dp_parameters.loss_gradient_clipping == model.dp_parameters.loss_gradient_clipping
 
 
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
+def test_a_clip_set_by_set_weights_that_no_update_makes_stops_the_step(value):
+    """C_t is a weight of the model: set to -1 by set_weights, its negative factor rescaled
+    every logit-gradient row to norm 1 while the bound took 2^-32, and the first step
+    released gradients 4e9 times their bound with no noise to speak of (an audit,
+    2026-12-07). The step stops before any update, and the clipping itself zeroes the rows
+    of a clip that is not positive."""
+    from lipdp.layers.gradient_clipping import _clip_rows, clipped_norm_bound
+
+    model = _model(lipdp.AdaptiveClipping(initial_clip=0.5), sigma=0.0)
+    model.optimizer.learning_rate.assign(1.0)
+    weights = model.get_weights()
+    weights[[i for i, v in enumerate(model.weights) if v is model._logit_clip][0]] = value
+    model.set_weights(weights)
+    before = [v.numpy() for v in model.trainable_variables]
+    x, y = _data()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="the adaptive clip C_t"):
+        model.train_on_batch(x[:D], y[:D])
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert model.dp_steps_taken == 0
+    rows = tf.constant(np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32))
+    clipped = _clip_rows(rows, tf.constant(value, tf.float32)).numpy()
+    bound = float(clipped_norm_bound(10.0, value))
+    assert np.all(np.linalg.norm(clipped, axis=1) <= bound)
+    assert bound == (10.0 if value == float("inf") else 2.0 ** -32 + 3.0 * 2.0 ** -149)
+
+
 def test_invalid_settings_are_refused():
     with pytest.raises(ValueError, match="target_quantile"):
         lipdp.AdaptiveClipping(target_quantile=1.0)

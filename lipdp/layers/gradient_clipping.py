@@ -40,9 +40,11 @@ def row_clip_factor(n) -> float:
 
 def clipped_norm_bound(gradient_bound, clip_value):
     """Bound of the norm of a clipped row whose unclipped norm is at most `gradient_bound`:
-    ``min(G, max(C, 2^-32) + 3 UNDERFLOW)`` (float64; module docstring)."""
+    ``min(G, max(C, 2^-32) + 3 UNDERFLOW)`` (float64; module docstring), 2^-32 for a C that is
+    not above it (negative or NaN: `_clip_rows` zeroes the rows then)."""
+    clip = as_bound(clip_value)
     return tf.minimum(as_bound(gradient_bound),
-                      tf.maximum(as_bound(clip_value), _SMALLEST_CLIP) + 3.0 * UNDERFLOW)
+                      tf.where(clip > _SMALLEST_CLIP, clip, _SMALLEST_CLIP) + 3.0 * UNDERFLOW)
 
 
 def _clip_rows(cotangent, clip_value):
@@ -54,7 +56,11 @@ def _clip_rows(cotangent, clip_value):
                          f"got the shape {cotangent.shape}.")
     axes = list(range(1, cotangent.shape.rank))
     norms = tf.sqrt(tf.reduce_sum(tf.square(cotangent), axis=axes, keepdims=True))
-    target = tf.cast(clip_value, cotangent.dtype) * row_clip_factor(size)
+    clip = tf.cast(clip_value, cotangent.dtype)
+    # A C that is not positive (negative, or NaN) zeroes the rows: its negative factor
+    # rescaled each row to norm |C|, while the bound took max(C, 2^-32) (an audit,
+    # 2026-12-07: C_t = -1 set by set_weights released gradients 4e9 times their bound).
+    target = tf.where(clip > 0, clip, tf.zeros_like(clip)) * row_clip_factor(size)
     return cotangent * tf.minimum(1.0, target / tf.maximum(norms, 1e-30))
 
 
