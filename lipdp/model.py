@@ -73,9 +73,9 @@ from lipdp.metadata import DatasetMetadata, DPMode, DPParameters, NoiseStrategy,
 from lipdp.noise import add_gaussian_noise, drawing_at_step, gaussian_noise, warn_if_seeded
 from lipdp.operator_norms import host_work
 from lipdp.records import (aligned, check_finite_arrays, check_finite_dataset,
-                           check_finite_epochs, check_ids_in_range, check_sparse_labels,
-                           class_index_classes, embedding_id_limits, into_range, realigned,
-                           check_label_domain, input_norms_beyond, records_in_arrays,
+                           check_finite_epochs, check_ids_in_range, check_label_domain,
+                           check_sparse_labels, class_index_classes, embedding_id_limits,
+                           input_norms_beyond, into_range, realigned, records_in_arrays,
                            row_fingerprints, sparse_label_classes)
 from lipdp.state_guard import StateGuard, run_guarded
 from lipdp.variable_reads import describe_reads, traced_reads_outside_owners

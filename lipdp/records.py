@@ -41,8 +41,8 @@ __all__ = ["LabelDomainError", "NonFiniteRecordError", "OutOfRangeIdError",
            "check_finite_arrays", "check_finite_dataset", "check_finite_epochs",
            "check_ids_in_range", "check_label_domain", "check_sparse_labels",
            "class_index_classes", "embedding_id_limits", "finite_array_rows",
-           "input_norms_beyond", "into_range",
-           "listed_positions", "records_in_arrays", "row_fingerprints", "sparse_label_classes"]
+           "input_norms_beyond", "into_range", "listed_positions", "records_in_arrays",
+           "row_fingerprints", "sparse_label_classes"]
 
 _SHOWN = 10  # positions listed in the error message
 
