@@ -271,14 +271,26 @@ def first_examples(dataset_or_xy, count: int) -> Tuple[np.ndarray, np.ndarray]:
 
 def _correct(logits: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Whether the predicted class is the label: one-hot labels ``(n, K)``, integer labels
-    ``(n,)`` or ``(n, 1)`` (the rank Keras gives metrics), or for one output ``y > 0``.
+    ``(n,)`` or ``(n, 1)`` (the rank Keras gives metrics), or for one output (decision
+    ``logit > 0``) the label ``y > 0`` of ``(n,)`` / ``(n, 1)`` targets, or the class of
+    one-hot rows ``(n, 2)``, as `lipdp.evaluation.binary_scores` reads them.
 
     Raises:
         ValueError: labels of another shape, or class indices outside ``[0, K)``.
     """
     y = np.asarray(y)
-    if logits.shape[1] == 1:  # binary decision logit > 0, label y > 0
-        return (logits[:, 0] > 0) == (y.reshape(len(y), -1)[:, 0] > 0)
+    if logits.shape[1] == 1:
+        # One-hot rows (n, 2) were read by their first column, class 0's: every label
+        # flipped, and a model wrong on every example certified at 90% (an audit,
+        # 2026-12-07); rows of other widths were scored too.
+        if y.ndim == 2 and y.shape[1] == 2:
+            positive = np.argmax(y, axis=1) == 1
+        elif y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1):
+            positive = y.reshape(len(y)) > 0
+        else:
+            raise ValueError(f"Labels of shape {y.shape} for a one-output model: expected "
+                             "targets (n,) / (n, 1) (positive above 0) or one-hot rows (n, 2).")
+        return (logits[:, 0] > 0) == positive
     k = logits.shape[1]
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]

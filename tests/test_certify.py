@@ -446,6 +446,23 @@ def test_certified_auroc_matches_scikit_learn(nb_outputs):
     assert certify.certified_auroc(model, ds, RADII) == result
 
 
+def test_a_one_output_model_reads_one_hot_labels_by_their_class():
+    """One-hot rows (n, 2) were read by their first column, class 0's: every label flipped,
+    and labels opposite to every decision scored as certified correct (an audit,
+    2026-12-07). Targets (n,) and one-hot rows now give the same result, as in
+    binary_scores; rows of another width are refused."""
+    model = make_model(nb_outputs=1, seed=6)
+    x = sample_inputs(80, seed=14)
+    decision = (model(x, training=False).numpy()[:, 0] > 0).astype(np.int64)
+    for labels, expected in ((decision, 1.0), (1 - decision, 0.0)):
+        as_targets = certify.certified_accuracy(model, (x, labels), [0.0, 0.05])
+        one_hot = np.eye(2, dtype=np.float32)[labels]
+        assert certify.certified_accuracy(model, (x, one_hot), [0.0, 0.05]) == as_targets
+        assert as_targets[0.0] == expected
+    with pytest.raises(ValueError, match=r"Labels of shape \(80, 3\) for a one-output model"):
+        certify.certified_accuracy(model, (x, np.eye(3, dtype=np.float32)[decision]), [0.0])
+
+
 def test_certified_auroc_is_attained_on_a_linear_model():
     """A single spectrally normalised dense output: the attack moving each positive by
     ``-r w / ||w||`` and each negative by ``+r w / ||w||`` (inputs kept inside the clipping
