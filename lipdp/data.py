@@ -24,7 +24,8 @@ Everything the accountant is told about the data lives in the returned
 
 Where the image datasets are looked for (first hit wins):
 
-1. the ``data_dir`` argument (the directory itself, then ``data_dir/<name>``);
+1. the ``data_dir`` argument (the directory itself, then ``data_dir/<name>``; ``~``
+   expanded): when given, the only place looked in (no other place, no download);
 2. ``$LIPDP_DATA_DIR/<name>``;
 3. ``/usr/share/datasets/<debian-name>`` (Debian's ``dataset-fashion-mnist``
    installs the IDX files in ``/usr/share/datasets/fashion-mnist``);
@@ -34,7 +35,8 @@ Where the image datasets are looked for (first hit wins):
 
 Accepted files in a directory: MNIST / Fashion-MNIST as the four standard IDX
 files ``{train,t10k}-{images-idx3,labels-idx1}-ubyte`` (gzipped ``.gz`` or
-plain; the ``train-images.idx3-ubyte`` spelling too) or a Keras-style
+plain; the ``train-images.idx3-ubyte`` spelling too; two different files for one part
+are refused, identical copies, as ``gunzip -k`` leaves, are one) or a Keras-style
 ``mnist.npz``; CIFAR-10 as the python pickle batches (``data_batch_1`` ...
 ``data_batch_5``, ``test_batch``), directly or in a ``cifar-10-batches-py``
 subdirectory.
@@ -894,10 +896,13 @@ def _load_image_dir(spec: _ImageSpec, directory: str):
     for key, stem, kind, ndim in _IDX_PARTS:
         cands = _idx_candidates(stem, kind, ndim)
         present = _existing(directory, cands)
-        if len(present) > 1:  # the first was read, silently (an audit, 2026-12-07: an edited
-            # plain file beside the original .gz was ignored)
+        if len(present) > 1 and any(not np.array_equal(read_idx(p, expected_ndim=ndim),
+                                                       read_idx(present[0], expected_ndim=ndim))
+                                    for p in present[1:]):
+            # The first was read, silently (an audit, 2026-12-07: an edited plain file
+            # beside the original .gz was ignored); identical copies (gunzip -k) are one.
             raise DatasetFormatError(
-                f"{directory} holds {len(present)} files for {stem}-{kind}: "
+                f"{directory} holds {len(present)} different files for {stem}-{kind}: "
                 f"{', '.join(os.path.basename(p) for p in present)}. Keep one of them.")
         path = present[0] if present else None
         if path is None:
@@ -982,6 +987,8 @@ def _how_to_provide(spec: _ImageSpec) -> str:
 
 def _load_image_dataset(spec: _ImageSpec, data_dir, download: bool) -> RawDataset:
     tried = []
+    if data_dir is not None:
+        data_dir = os.path.expanduser(os.fspath(data_dir))
     locations = _image_locations(spec, data_dir)
     if data_dir is not None:
         # A data_dir given is the only place looked in: without its files, lipdp went on to
@@ -1111,6 +1118,9 @@ def load_arrays(name: str, *, data_dir=None, download: bool = True) -> RawDatase
     if name in _IMAGE_SPECS:
         raw = _load_image_dataset(_IMAGE_SPECS[name], data_dir, download)
     elif name in _SKLEARN_NAMES:
+        if data_dir is not None:  # it was ignored, silently (a review, 2026-12-07)
+            raise ValueError(f"{name} is bundled with scikit-learn: data_dir={data_dir!r} does "
+                             "not apply to it. Leave data_dir out.")
         raw = _load_sklearn_dataset(name)
     else:
         raise ValueError(
@@ -1747,7 +1757,8 @@ def load_dataset(
             is drawn from the system's secret randomness. With it, the pipeline warns
             (`KnownSeedWarning`): the epsilon holds only while the seed stays secret.
         nb_samples_train: use only the first n training examples.
-        download: allow ``tf.keras.datasets.<name>.load_data()`` as last resort.
+        download: allow ``tf.keras.datasets.<name>.load_data()`` as last resort (never
+            with a ``data_dir``, the only place then looked in).
         feature_map: a fixed map of a batch of inputs (float32, images scaled to [0, 1])
             to features, e.g. `lipdp.layers.DP_Scattering` behind a `DP_BoundedInput`,
             computed once here for every example, then bounded (``bound_clip_value`` /

@@ -60,8 +60,9 @@ class DP_Loss:
 #: Label rows a loss takes as they are: what they are, and what the loss makes of others.
 LABEL_DOMAINS = {
     "simplex": ("one-hot or soft labels (entries >= 0 summing to at most 1)",
-                "the nearest such row (negative entries set to 0, then scaled to sum 1)"),
-    "one-hot": ("one-hot labels", "the one-hot row of its largest entry"),
+                "its entries above 0, scaled down to sum 1 when they sum above it"),
+    "one-hot": ("one-hot labels (or rows of one 1 and -1 elsewhere)",
+                "the one-hot row of its largest entry"),
     "signs": ("targets 0 or 1 (or -1 for 0)", "its sign: 1 above 0, the other class else"),
 }
 

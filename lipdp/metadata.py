@@ -267,6 +267,13 @@ class AdaptiveClipping:
             raise ValueError("Received an invalid value for `noise_multiplier`, expected a "
                              "number in [2^-64, 4e37], where float32 can draw its noise. "
                              f"Received: noise_multiplier={self.noise_multiplier!r}")
+        if self.initial_clip is not None and \
+                not 2.0 ** -126 <= self.initial_clip <= 3.4028234663852886e38:
+            # C_t is a float32 variable: 1e39 was stored as inf and 1e-50 as 0, which the
+            # step refuses as a C_t no update makes (a review, 2026-12-07).
+            raise ValueError("Received an invalid value for `initial_clip`, expected a number "
+                             "in float32's normal range [2^-126, 3.4e38] (C_t is stored in "
+                             f"float32). Received: initial_clip={self.initial_clip!r}")
         _check_positive(self.learning_rate, "learning_rate")
         object.__setattr__(self, "target_quantile", float(self.target_quantile))
         object.__setattr__(self, "learning_rate", float(self.learning_rate))

@@ -938,6 +938,8 @@ class _DPModelMixin:
         self._build_metrics(args[0] if args else kwargs.get("x"),
                             args[1] if len(args) > 1 else kwargs.get("y"))
         self._check_batch_size(args[0] if args else kwargs.get("x"))
+        self._retrace_for_label_rank(_label_spec(args[0] if args else kwargs.get("x"),
+                                                 args[1] if len(args) > 1 else kwargs.get("y")))
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
             # Here, where the layers' trainable flags are the user's: Keras' train_on_batch
             # puts back those of the last compile while it runs, so a layer frozen since
@@ -2598,9 +2600,10 @@ class _DPModelMixin:
                 "data actually used (lipdp.data.load_dataset does).")
 
     def _retrace_for_label_rank(self, labels):
-        """A new train function when the labels' rank differs from the last fit's: Keras would
-        retrace its function for both ranks at once, with the labels' rank unknown, which
-        the losses refuse (labels (N, 1) after (N,) stopped the second fit inside its step)."""
+        """A new train function when the labels' rank differs from the last `fit`'s or
+        `train_on_batch`'s: Keras would retrace its function for both ranks at once, with the
+        labels' rank unknown, which the losses refuse (labels (N, 1) after (N,) stopped the
+        second fit inside its step)."""
         rank = None if labels is None else labels.shape.rank
         if rank is None:
             return

@@ -100,10 +100,12 @@ def check_label_domain(y, loss, nb_outputs: int) -> None:
     if labels.ndim != 2 or labels.shape[1] != nb_outputs:
         return  # class indices, or shapes the loss refuses itself
     rows = labels.astype(np.float64)
-    if domain == "simplex":
-        good = (rows >= 0).all(axis=1) & (rows.sum(axis=1) <= 1.0 + 1e-5)
-    elif domain == "one-hot":
-        good = np.isin(rows, (0.0, 1.0)).all(axis=1) & (rows.sum(axis=1) == 1.0)
+    if domain == "simplex":  # sums within the rounding of the labels' own dtype
+        rounding = np.finfo(labels.dtype).eps if labels.dtype.kind == "f" else 0.0
+        slack = max(1e-5, 4.0 * nb_outputs * rounding)
+        good = (rows >= 0).all(axis=1) & (rows.sum(axis=1) <= 1.0 + slack)
+    elif domain == "one-hot":  # one entry 1, the others 0 or -1 (deel-lip's +-1 labels)
+        good = np.isin(rows, (-1.0, 0.0, 1.0)).all(axis=1) & ((rows == 1.0).sum(axis=1) == 1)
     else:
         good = np.isin(rows, (-1.0, 0.0, 1.0)).all(axis=1)
     takes, makes = LABEL_DOMAINS[domain]
@@ -274,8 +276,9 @@ def input_norms_beyond(x, bound: float, factor: float = 2.0
     if values.dtype.kind not in "fiu":
         return None
     rows = values.reshape(len(values), -1)
-    norms = np.concatenate([np.sqrt(np.sum(np.square(rows[i:i + 4096].astype(np.float64)),
-                                           axis=1)) for i in range(0, len(rows), 4096)])
+    step = max(1, 2 ** 22 // max(1, rows.shape[1]))  # about 32 MB of float64 at a time
+    norms = np.concatenate([np.sqrt(np.sum(np.square(rows[i:i + step].astype(np.float64)),
+                                           axis=1)) for i in range(0, len(rows), step)])
     return int(np.sum(norms > factor * bound)), len(norms), float(np.median(norms))
 
 

@@ -387,10 +387,11 @@ def redraw(run_dir: str) -> List[str]:
         return draw_plots(report, run_dir)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
         # A report.json edited by hand: a traceback from inside the plots (an audit,
-        # 2026-12-07: 7 of 16 edits of its values).
+        # 2026-12-07: 7 of 16 edits of its values). Chained: a file lipdp wrote that fails
+        # here is a bug of lipdp's, whose traceback follows.
         raise ReportError(f"{os.path.join(run_dir, REPORT_FILE)} holds values its plots cannot "
-                          f"be drawn from (was it edited?): {type(error).__name__}: {error}"
-                          ) from None
+                          f"be drawn from (edited by hand? if not, a lipdp bug): "
+                          f"{type(error).__name__}: {error}") from error
 
 
 # --------------------------------------------------------------------------- #

@@ -204,6 +204,10 @@ def test_invalid_settings_are_refused():
     for sigma_b in (1e-30, 1e38):
         with pytest.raises(ValueError, match=r"\[2\^-64, 4e37\]"):
             lipdp.AdaptiveClipping(noise_multiplier=sigma_b)
+    # Stored in float32 as inf and 0, which the step refuses (a review, 2026-12-07).
+    for clip in (1e39, 1e-50):
+        with pytest.raises(ValueError, match="float32's normal range"):
+            lipdp.AdaptiveClipping(initial_clip=clip)
 
 
 @pytest.mark.parametrize("clipping, expected", [

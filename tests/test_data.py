@@ -295,6 +295,10 @@ def test_lookup_data_dir_beats_env(isolated, monkeypatch):
         with pytest.raises(FileNotFoundError, match=r"(?s)not found in data_dir=.*(no dataset "
                                                     r"files|does not exist).*the only place"):
             data.load_arrays("mnist", data_dir=str(given), download=False)
+    with pytest.raises(ValueError, match="bundled with scikit-learn: data_dir"):
+        data.load_arrays("digits", data_dir=str(arg_dir))  # it was ignored (a review)
+    monkeypatch.setenv("HOME", str(isolated))  # "~" expanded (a review)
+    assert len(data.load_arrays("mnist", data_dir="~/arg", download=False).y_train) == 40
 
 
 def test_lookup_debian_then_keras_cache(isolated):
@@ -360,10 +364,13 @@ def test_two_files_for_one_part_are_refused(isolated):
     d = isolated / "both"
     _, y_train, _, _ = make_mnist_dir(str(d))
     write_idx(str(d / "train-labels-idx1-ubyte"), (y_train + 1) % 10, False)
-    with pytest.raises(data.DatasetFormatError, match=r"holds 2 files for train-labels: "
-                                                      r"train-labels-idx1-ubyte.gz, "
+    with pytest.raises(data.DatasetFormatError, match=r"holds 2 different files for "
+                                                      r"train-labels: train-labels-idx1-ubyte.gz, "
                                                       r"train-labels-idx1-ubyte\. Keep one"):
         data.load_arrays("mnist", data_dir=str(d), download=False)
+    write_idx(str(d / "train-labels-idx1-ubyte"), y_train, False)  # gunzip -k: one file
+    assert list(data.load_arrays("mnist", data_dir=str(d), download=False).y_train) == \
+        list(y_train)
     os.remove(d / "train-labels-idx1-ubyte")
     os.symlink(d / "train-labels-idx1-ubyte.gz", d / "train-labels.idx1-ubyte.gz")
     assert list(data.load_arrays("mnist", data_dir=str(d), download=False).y_train) == \
