@@ -123,6 +123,7 @@ __all__ = [
     "format_epsilon",
 ]
 
+
 def format_epsilon(value, digits: int = 4, upward: bool = True) -> str:
     """`value` to `digits` significant digits, as ``format(value, ".4g")`` writes it, but
     rounded up (or down with ``upward=False``, for a lower bound) instead of to the nearest:

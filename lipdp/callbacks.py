@@ -27,11 +27,12 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp import accounting
+from lipdp.accounting import format_epsilon
 from lipdp.bounds import tightness, variable_names
 from lipdp.certify import first_examples
-from lipdp.accounting import format_epsilon
 from lipdp.ledger import PrivacyLedger
 from lipdp.metadata import DPMode, Sampling
+from lipdp.records import finite_array_rows
 
 __all__ = ["BoundMonitor", "BoundViolationError", "DP_Accountant", "SignalToNoise",
            "sample_examples"]
@@ -415,9 +416,7 @@ class _SampledGradients(tf.keras.callbacks.Callback):
             ValueError: no example of the sample is finite.
         """
         x, y = sample_examples(self._data, self.sample_size, self.seed, epoch)
-        finite = np.logical_and.reduce([
-            np.isfinite(np.asarray(a, np.float64).reshape(len(a), -1)).all(axis=1)
-            for a in (x, y) if np.asarray(a).dtype.kind in "fiub"])
+        finite = finite_array_rows(x, np.float64) & finite_array_rows(y, np.float64)
         if not finite.all():
             if not finite.any():
                 raise ValueError(f"{type(self).__name__}: every example of the sample holds NaN "

@@ -814,6 +814,7 @@ def image_shape(name: str) -> Optional[Tuple[int, ...]]:
     spec = _IMAGE_SPECS.get(name)
     return None if spec is None else spec.image_shape
 
+
 _IDX_PARTS = (
     ("x_train", "train", "images", 3),
     ("y_train", "train", "labels", 1),
@@ -896,9 +897,9 @@ def _load_image_dir(spec: _ImageSpec, directory: str):
     for key, stem, kind, ndim in _IDX_PARTS:
         cands = _idx_candidates(stem, kind, ndim)
         present = _existing(directory, cands)
-        if len(present) > 1 and any(not np.array_equal(read_idx(p, expected_ndim=ndim),
-                                                       read_idx(present[0], expected_ndim=ndim))
-                                    for p in present[1:]):
+        first = read_idx(present[0], expected_ndim=ndim) if len(present) > 1 else None
+        if first is not None and any(not np.array_equal(read_idx(p, expected_ndim=ndim), first)
+                                     for p in present[1:]):
             # The first was read, silently (an audit, 2026-12-07: an edited plain file
             # beside the original .gz was ignored); identical copies (gunzip -k) are one.
             raise DatasetFormatError(

@@ -268,7 +268,7 @@ class AdaptiveClipping:
                              "number in [2^-64, 4e37], where float32 can draw its noise. "
                              f"Received: noise_multiplier={self.noise_multiplier!r}")
         if self.initial_clip is not None and \
-                not 2.0 ** -126 <= self.initial_clip <= 3.4028234663852886e38:
+                not 2.0 ** -126 <= self.initial_clip <= MAX_CLIP:  # MAX_CLIP: float32's max
             # C_t is a float32 variable: 1e39 was stored as inf and 1e-50 as 0, which the
             # step refuses as a C_t no update makes (a review, 2026-12-07).
             raise ValueError("Received an invalid value for `initial_clip`, expected a number "

@@ -935,11 +935,11 @@ class _DPModelMixin:
         """
         self._refuse_several_steps_per_batch("train_on_batch", "fit")
         self._build_optimizer()
-        self._build_metrics(args[0] if args else kwargs.get("x"),
-                            args[1] if len(args) > 1 else kwargs.get("y"))
-        self._check_batch_size(args[0] if args else kwargs.get("x"))
-        self._retrace_for_label_rank(_label_spec(args[0] if args else kwargs.get("x"),
-                                                 args[1] if len(args) > 1 else kwargs.get("y")))
+        x = args[0] if args else kwargs.get("x")
+        y = args[1] if len(args) > 1 else kwargs.get("y")
+        self._build_metrics(x, y)
+        self._check_batch_size(x)
+        self._retrace_for_label_rank(_label_spec(x, y))
         if self._step_mechanism is not None:  # compiled (the step checks the rest)
             # Here, where the layers' trainable flags are the user's: Keras' train_on_batch
             # puts back those of the last compile while it runs, so a layer frozen since
